@@ -1,0 +1,231 @@
+"""The built-in default: the article's task (linear equations such as 2x + 5 = 13) and a tiny model.
+
+Article section: "GRPO 训练过程拆解" (the worked example: prompt "求解方程：2x + 5 = 13", G = 4).
+
+Nothing is downloaded. On first use `base_model()` builds a character-level tokenizer and a ~0.86M
+parameter Llama-config causal LM, warm-starts it with a supervised phase on worked solutions, saves both
+with `save_pretrained` and returns the folder, which train.py then loads through AutoModelForCausalLM /
+AutoTokenizer exactly as it loads a real model. The folder is cached under `.cache/` next to this file,
+keyed by a hash of every setting below, so editing a setting rebuilds it.
+
+The warm-start data imitates a sloppy solver, the way pretraining data mixes good and bad reasoning:
+- careful solutions ("3x=13-5 / 3x=8 / ... / Answer: 4"), a fifth of them verbose, with a check line
+  that does not fit the default --max-new-tokens (so some samples are truncated);
+- a shortcut that ignores the constant and divides ("x=13/3 / Answer: 4"), usually wrong.
+It solves one-sided equations carefully 80% of the time but two-sided ones only 35% of the time, so the
+base model's greedy answer to a two-sided equation is usually the shortcut: held-out greedy accuracy
+starts near 50%, and a verifier's reward has a clear lesson to teach (work every equation out).
+Every DAPO fix has something to act on: groups all right or all wrong (dynamic sampling), truncated
+verbose answers (overlong filtering and punishment), long and short responses (token-level loss).
+
+    python builtin.py    # build (or find) the base model and print its folder
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+CHARS = "0123456789+-*/=()x\n :Acehknrsw"  # every character the task's prompts and solutions use
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+
+
+@dataclass(frozen=True)
+class BaseModelConfig:
+    """Everything that determines the built-in base model; its hash names the cache folder."""
+    hidden_size: int = 128           # width of the Llama-config transformer
+    num_layers: int = 4              # decoder layers
+    num_heads: int = 4               # attention heads
+    intermediate_size: int = 384     # MLP width
+    sft_steps: int = 1200            # supervised warm-start steps (about 4 minutes on 2 CPU cores)
+    sft_batch_size: int = 64         # worked solutions per supervised step
+    sft_lr: float = 3e-3             # AdamW learning rate of the warm start (cosine to 10%)
+    verbose_frac: float = 0.2        # fraction of careful solutions written in the verbose style
+    careful_one_sided: float = 0.8   # how often the demonstrations solve ax+b=c carefully (else the shortcut)
+    careful_two_sided: float = 0.35  # how often they solve ax+b=cx+d carefully
+    seed: int = 0                    # seeds the weights and the supervised data
+
+
+# ---------------------------------------------------------------------------------------------
+# The task: problems, worked solutions, and a deterministic held-out split
+# ---------------------------------------------------------------------------------------------
+
+def _signed(n: int) -> str:
+    """'+5' or '-5', for a constant written after another term."""
+    return f"+{n}" if n >= 0 else f"{n}"
+
+
+def _x(coef: int) -> str:
+    """'3x', or 'x' for a coefficient of 1."""
+    return "x" if coef == 1 else f"{coef}x"
+
+
+def make_problem(rng: random.Random) -> tuple[str, int]:
+    """One equation with an integer solution, as (equation text, x): either ax+b=c or ax+b=cx+d."""
+    x = rng.randint(-9, 9)
+    b = rng.choice([n for n in range(-9, 10) if n != 0])
+    if rng.random() < 0.5:
+        a = rng.randint(2, 9)
+        return f"{a}x{_signed(b)}={a * x + b}", x
+    a = rng.randint(3, 9)
+    c = rng.randint(1, a - 2)
+    d = (a - c) * x + b  # so that x solves ax + b = cx + d
+    return f"{a}x{_signed(b)}={_x(c)}{_signed(d)}", x
+
+
+def solve_steps(equation: str, x: int, verbose: bool) -> str:
+    """The careful worked solution of `equation` (as written by make_problem), ending in 'Answer: x'."""
+    lhs, rhs = equation.split("=")
+    a, b = (int(v) for v in _split_linear(lhs))
+    lines = []
+    if "x" in rhs:
+        c, d = (int(v) for v in _split_linear(rhs))
+        lines.append(f"{a}x-{_x(c)}={d}{_signed(-b)}")
+        k, m = a - c, d - b
+    else:
+        k, m = a, int(rhs) - b
+        lines.append(f"{a}x={rhs}{_signed(-b)}")
+    lines.append(f"{k}x={m}")
+    lines.append(f"x={m}/{k}")
+    if verbose:
+        lines.append(f"check: {equation.replace('x', f'({x})')}")
+    lines.append(f"Answer: {x}")
+    return "\n".join(lines)
+
+
+def shortcut_steps(equation: str) -> str:
+    """The sloppy solver's habit: ignore the constant next to x and divide, 'ax+b=c' -> c/a (usually wrong)."""
+    lhs, rhs = equation.split("=")
+    a = int(_split_linear(lhs)[0])
+    m = int(_split_linear(rhs)[1]) if "x" in rhs else int(rhs)
+    return f"x={m}/{a}\nAnswer: {int(m / a)}"
+
+
+def demonstration(equation: str, x: int, rng: random.Random, cfg: "BaseModelConfig") -> str:
+    """What the warm-start data shows for `equation`: careful on one-sided equations most of the time,
+    on two-sided ones seldom; careful solutions are verbose (with a check line) a fraction of the time."""
+    careful = cfg.careful_one_sided if "x" not in equation.split("=")[1] else cfg.careful_two_sided
+    if rng.random() >= careful:
+        return shortcut_steps(equation)
+    return solve_steps(equation, x, verbose=rng.random() < cfg.verbose_frac)
+
+
+def _split_linear(side: str) -> tuple[str, str]:
+    """'3x+5' -> ('3', '5'); 'x-4' -> ('1', '-4')."""
+    coef, const = side.split("x")
+    return (coef or "1"), (const or "0")
+
+
+def prompt_text(equation: str) -> str:
+    return equation + "\n"
+
+
+def is_heldout(equation: str) -> bool:
+    """A fixed eighth of all equations is held out for evaluation and never drawn for training."""
+    return zlib.crc32(equation.encode()) % 8 == 0
+
+
+def sample_problems(n: int, seed: int, heldout: bool) -> list[dict]:
+    """`n` distinct problems from one split, as rows {"prompt", "answer"} (the JSONL format of --data)."""
+    rng, rows, seen = random.Random(seed), [], set()
+    while len(rows) < n:
+        eq, x = make_problem(rng)
+        if is_heldout(eq) == heldout and eq not in seen:
+            seen.add(eq)
+            rows.append({"prompt": prompt_text(eq), "answer": str(x)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer and the model
+# ---------------------------------------------------------------------------------------------
+
+def make_tokenizer():
+    """A character-level fast tokenizer: one token per character, <eos> appended by the sampler's caller."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def make_model(cfg: BaseModelConfig, vocab_size: int):
+    """A randomly initialised Llama-config causal LM (a llama config keeps the custom tokenizer intact)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    )
+    return LlamaForCausalLM(config)
+
+
+def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, log=print) -> None:
+    """Next-token cross-entropy on response tokens of freshly drawn training problems."""
+    rng = random.Random(cfg.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / cfg.sft_steps))))
+    model.train()
+    for step in range(cfg.sft_steps):
+        ids, labels = [], []
+        while len(ids) < cfg.sft_batch_size:
+            eq, x = make_problem(rng)
+            if is_heldout(eq):
+                continue
+            p = tokenizer(prompt_text(eq))["input_ids"]
+            r = tokenizer(demonstration(eq, x, rng, cfg))["input_ids"] + [tokenizer.eos_token_id]
+            ids.append(p + r)
+            labels.append([-100] * len(p) + r)
+        T = max(map(len, ids))
+        input_ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s in ids])  # [B, T]
+        label_ids = torch.tensor([s + [-100] * (T - len(s)) for s in labels])               # [B, T]
+        attn = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in ids])               # [B, T]
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=label_ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == cfg.sft_steps - 1:
+            log(f"  warm start {step:4d}/{cfg.sft_steps}  loss {loss.item():.3f}")
+    model.eval()
+
+
+def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, log=print) -> str:
+    """The folder of the built-in base model, building and caching it on first use."""
+    key = hashlib.sha256(json.dumps({**asdict(cfg), "chars": CHARS, "v": 1}, sort_keys=True).encode()).hexdigest()[:12]
+    folder = os.path.join(cache_dir, f"base-{key}")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    t0 = time.time()
+    log(f"building the built-in base model in {folder} (once)")
+    tokenizer = make_tokenizer()
+    model = make_model(cfg, len(tokenizer))
+    supervised_warm_start(model, tokenizer, cfg, log)
+    tmp = folder + f".tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: a half-built folder never looks finished
+    log(f"built in {time.time() - t0:.0f}s")
+    return folder
+
+
+if __name__ == "__main__":
+    print(base_model())

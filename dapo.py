@@ -1,0 +1,92 @@
+"""DAPO's four fixes, as a diff on grpo.py (Yu et al. 2025, arXiv 2503.14476).
+
+Article section: "DAPO：四项修正". Each fix is switched on or off alone by train.py (ablations):
+
+1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new code:
+   it is `eps_high` of `grpo.policy_loss`; `EPS_HIGH` below is the paper's value.
+2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G rewards are all equal (their advantages are
+   zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has enough:
+   `keep_groups`, `dynamic_sampling`.
+3. Token-Level Policy Gradient Loss (Sec. 3.3, Eq. 12): divide the summed token losses by the number of
+   tokens of the whole batch, not per response: `grpo.policy_loss(reduction="token", num_tokens=...)`.
+4. Overlong Reward Shaping (Sec. 3.4): overlong filtering (truncated responses masked out of the loss:
+   `overlong_filter`) and soft overlong punishment (Eq. 13: `overlong_penalty`, added to the reward).
+
+DAPO also drops the KL term (beta = 0): for long reasoning the policy is meant to move far from the
+initial model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from sampler import Rollout
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28  # Clip-Higher, DAPO Sec. 3.1
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """Soft overlong punishment, DAPO Eq. 13: [N] response lengths -> [N] reward added to the score.
+
+    0 for L <= max_len - cache_len; ((max_len - cache_len) - L) / cache_len, falling linearly to -1,
+    for max_len - cache_len < L <= max_len; -1 for L > max_len.
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    L = lengths.float()                                                       # [N]
+    soft = ((max_len - cache_len) - L) / cache_len                            # [N]
+    pen = torch.where(L <= max_len - cache_len, torch.zeros_like(L), soft)    # [N]
+    return torch.where(L > max_len, torch.full_like(L, -1.0), pen)            # [N]
+
+
+def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Overlong filtering: mask [N, T] with the rows of truncated [N] responses zeroed out."""
+    return mask * (~truncated.bool()).to(mask.dtype)[:, None]                 # [N, T]
+
+
+def keep_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """Dynamic sampling's filter, DAPO Eq. 11 (0 < #correct < G): rewards [B, G] -> bool [B].
+
+    False where all G rewards of a group are equal (all right or all wrong), since such a group's
+    advantages are all zero.
+    """
+    return ~(rewards == rewards[:, :1]).all(dim=1)                            # [B]
+
+
+def dynamic_sampling(
+    draw: Callable[[int], Rollout],
+    target: int,
+    max_rounds: int,
+    gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+    rank: int = 0,
+) -> tuple[Rollout | None, dict[str, float]]:
+    """Sample rounds of groups until `target` informative groups are kept, or `max_rounds` rounds ran.
+
+    draw(round) -> this rank's Rollout for that round, with extra["rewards"] [N]. With several ranks,
+    gather(keep [b]) returns every rank's keep flags in rank order, and rank blocks are contiguous in the
+    round's global prompt order: all ranks then keep the same global groups (the first informative ones
+    in prompt order) however many ranks there are, and agree on when to stop. Returns the kept groups of
+    this rank (None if it kept none) and the step's sampling statistics.
+    """
+    gather = gather or (lambda keep: [keep])
+    kept, have, drawn_groups, rounds = [], 0, 0, 0
+    while have < target and rounds < max_rounds:
+        roll = draw(rounds)
+        rounds += 1
+        keep = keep_groups(roll.extra["rewards"].view(-1, roll.G))           # [b]
+        parts = gather(keep)                                                  # W x [b_w]
+        keep_all = torch.cat(parts)                                           # [B_round], global prompt order
+        drawn_groups += keep_all.numel()
+        take = keep_all & (keep_all.cumsum(0) <= target - have)               # the first informative groups
+        have += int(take.sum())
+        start = sum(p.numel() for p in parts[:rank])
+        mine = take[start:start + keep.numel()]                               # [b]
+        if bool(mine.any()):
+            kept.append(roll.select_groups(mine))
+    stats = {"sampling/rounds": float(rounds), "sampling/groups_drawn": float(drawn_groups),
+             "sampling/groups_kept": float(have), "sampling/batch_full": float(have >= target)}
+    if not kept:
+        return None, stats
+    return (kept[0] if len(kept) == 1 else Rollout.cat(kept)), stats
+
