@@ -141,14 +141,21 @@ class Dist:
             dist.all_reduce(x)
         return x
 
+    def max(self, n: int) -> int:
+        """All-reduced maximum of an integer."""
+        x = torch.tensor([n], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return int(x.item())
+
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's equal-sized x, in rank order."""
+        """Every rank's equal-sized x, in rank order (bool travels as uint8: not every backend has bool)."""
         if self.world == 1:
             return [x]
-        x = x.to(self.device)
-        out = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(out, x)
-        return [o.cpu() for o in out]
+        y = x.to(self.device, torch.uint8 if x.dtype == torch.bool else x.dtype)
+        out = [torch.empty_like(y) for _ in range(self.world)]
+        dist.all_gather(out, y)
+        return [o.to("cpu", x.dtype) for o in out]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,19 +293,24 @@ def main(argv=None) -> dict:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling, soft overlong punishment) ----
         drawn = torch.zeros(6)  # local sums: reward, correct, samples, length, truncated, zero-std groups
+        timing = {"time/sample_s": 0.0, "time/reward_s": 0.0}
 
         def draw(rnd: int) -> Rollout:
+            t_draw = time.time()
             block = args.prompts_per_step // ddp.world
             mine = prompt_rows(train_rows, args.seed, data_pos + rnd * args.prompts_per_step + ddp.rank * block, block)
             roll = sample_groups(model, [encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
                                  eos, pad, args.temperature, args.top_p,
                                  generator=[prompt_generator(args.seed, j) for j, _ in mine])
+            t_reward = time.time()
+            timing["time/sample_s"] += t_reward - t_draw
             answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
             correct = torch.tensor([verify(decode(roll, i), a) for i, a in enumerate(answers)])  # [N]
             rewards = correct.clone()
             if args.overlong_penalty:
                 rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
             roll.extra = {"rewards": rewards, "correct": correct}
+            timing["time/reward_s"] += time.time() - t_reward
             zero_std = (~dapo.keep_groups(rewards.view(-1, args.group_size))).sum()
             drawn.add_(torch.tensor([rewards.sum(), correct.sum(), len(answers), roll.lengths.sum().item(),
                                      roll.truncated.sum().item(), zero_std.item()], dtype=torch.float))
@@ -310,7 +322,6 @@ def main(argv=None) -> dict:
             roll, sstats = draw(0), {"sampling/rounds": 1.0}
         rounds = int(sstats["sampling/rounds"])
         data_pos += rounds * args.prompts_per_step
-        t_sample = time.time() - t0
 
         # ---- Step 3: group advantages ----
         if roll is not None:
@@ -321,11 +332,11 @@ def main(argv=None) -> dict:
         num_tokens = ddp.sum(mask.sum() if roll is not None else torch.zeros(())).float()
         num_seqs = ddp.sum(torch.tensor(float(n_local))).float()
         mb = args.micro_batch_size
-        n_micro = int(ddp.gather(torch.tensor([math.ceil(n_local / mb)]))[0].item()) if ddp.world == 1 else \
-            max(int(x.item()) for x in ddp.gather(torch.tensor([math.ceil(n_local / mb)], device=ddp.device)))
+        n_micro = ddp.max(math.ceil(n_local / mb))  # every rank runs as many backward passes (DDP syncs in each)
         slices = [slice(k * mb, min((k + 1) * mb, n_local)) for k in range(n_micro)]
 
         # ---- no-grad passes: old policy (only when mu > 1) and reference (only when beta > 0) ----
+        t_lp = time.time()
         with torch.no_grad():
             old_logp = [response_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
                 if args.mu > 1 else None
@@ -333,6 +344,8 @@ def main(argv=None) -> dict:
                 if ref is not None else None
 
         # ---- Step 4: the clipped surrogate, mu updates over micro-batches ----
+        t_update = time.time()
+        timing["time/logprob_s"] = t_update - t_lp
         sums = torch.zeros(7)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok
         grad_norm = 0.0
         for _epoch in range(args.mu):
@@ -358,6 +371,7 @@ def main(argv=None) -> dict:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             opt.step()
             sched.step()
+        timing["time/update_s"] = time.time() - t_update
 
         # ---- metrics, reduced over ranks ----
         d = ddp.sum(drawn).tolist()
@@ -370,7 +384,7 @@ def main(argv=None) -> dict:
                "entropy": u[2] / max(ent_tokens, 1.0), "clip/low_frac": u[3] / tok, "clip/high_frac": u[4] / tok,
                "ratio/mean": u[5] / tok, "len/mean": d[3] / d[2], "len/truncated_frac": d[4] / d[2],
                "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "samples": samples_seen,
-               **sstats, "time/sample_s": t_sample, "time/step_s": time.time() - t0}
+               **sstats, **timing, "time/step_s": time.time() - t0}
         log(row)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             acc_after = evaluate(step + 1)
