@@ -10,6 +10,8 @@ advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dap
 
 Distributed data parallel is wired through torchrun's environment variables and is invisible at world
 size 1. Each rank samples a contiguous block of the step's prompts; a prompt's G samples stay on one rank.
+With --save-every K a checkpoint (model, optimizer, scheduler, RNG, step, data position) is written
+atomically to OUT/checkpoint.pt; --resume continues from it with the same result as an unbroken run.
 """
 from __future__ import annotations
 
@@ -17,17 +19,20 @@ import argparse
 import copy
 import dataclasses
 import json
+import contextlib
+import importlib
 import math
 import os
+import random
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 import dapo
+import data
 import grpo
 from sampler import Rollout, sample_groups
 from verifier import verify
@@ -39,22 +44,37 @@ def _f(default, help):  # noqa: A002 - a dataclass field whose help text argpars
 
 @dataclass
 class Args:
+    # -- what to train on
     algo: str = _f("dapo", "grpo or dapo: sets the papers' defaults for every field left at None below")
     model: str = _f("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub id or a local folder")
-    data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file of {\"prompt\", \"answer\"} rows")
-    eval_data: str = _f("builtin", "held-out JSONL for greedy evaluation; 'builtin' = the built-in held-out split")
-    steps: int = _f(None, "training steps (default: 100 builtin, 500 otherwise)")
+    data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file with a prompt and an answer per row")
+    eval_data: str = _f(None, "held-out JSONL for greedy evaluation (default: the built-in held-out split with "
+                              "--data builtin, else no evaluation)")
+    prompt_field: str = _f("prompt", "JSONL field holding the prompt (GSM8K: question)")
+    answer_field: str = _f("answer", "JSONL field holding the reference answer (GSM8K's '... #### 72' works as is)")
+    prompt_template: str = _f("{prompt}", "text sent as the user turn; {prompt} is replaced by the row's prompt")
+    system_prompt: str = _f(None, "system message for chat models (prepended as a line without a chat template)")
+    chat_template: bool = _f(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
+    reward: str = _f("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
+    trust_remote_code: bool = _f(False, "let transformers run code shipped with the model (only for models you trust)")
+    # -- how much
+    steps: int = _f(None, "training steps, in all (default: 60 builtin, 500 otherwise)")
     prompts_per_step: int = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
     group_size: int = _f(8, "G, responses sampled per prompt")
     max_new_tokens: int = _f(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
     temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation is greedy)")
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
+    eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
+    eval_size: int = _f(256, "held-out problems evaluated (the first eval_size rows of --eval-data)")
+    # -- optimisation
     lr: float = _f(None, "AdamW learning rate (default: 2e-4 builtin, 1e-6 otherwise, as in the papers)")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps (DAPO: 20)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     mu: int = _f(1, "policy updates per rollout batch; old log-probs are the sampling policy's")
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
+    bf16: bool = _f(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
+    # -- the loss: GRPO's settings, and DAPO's four fixes one by one
     beta: float = _f(None, "KL coefficient to the reference model, k3 estimator (grpo: 0.04, dapo: 0)")
     eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low")
     eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher)")
@@ -65,10 +85,11 @@ class Args:
     overlong_filter: bool = _f(None, "mask truncated responses out of the loss (dapo: on)")
     overlong_penalty: bool = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
     overlong_cache: int = _f(None, "L_cache of Eq. 13: the penalty ramps over the last L_cache tokens (default: L_max // 5)")
-    eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
-    eval_size: int = _f(256, "held-out problems evaluated (the first eval_size rows of --eval-data)")
+    # -- the run
     seed: int = _f(0, "seeds the data order, the sampling and the model's initialisation")
-    out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, final/")
+    out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt, final/")
+    save_every: int = _f(0, "write OUT/checkpoint.pt every this many steps (0: only the final model)")
+    resume: bool = _f(False, "continue from OUT/checkpoint.pt (same flags; --steps is the total)")
     device: str = _f(None, "cpu or cuda (default: cuda if available)")
 
 
@@ -78,7 +99,7 @@ ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
     "dapo": dict(beta=0.0, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
                  overlong_filter=True, overlong_penalty=True),
 }
-BUILTIN_DEFAULTS = dict(steps=100, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
+BUILTIN_DEFAULTS = dict(steps=60, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, max_new_tokens=1024, lr=1e-6)
 
 
@@ -87,7 +108,7 @@ def parse_args(argv=None) -> Args:
     for f in dataclasses.fields(Args):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
@@ -104,6 +125,10 @@ def parse_args(argv=None) -> Args:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
     if ns.device is None:
         ns.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if ns.bf16 is None:
+        ns.bf16 = ns.device.startswith("cuda")
+    if ns.eval_data is None and ns.data == "builtin":
+        ns.eval_data = "builtin"
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
               (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
@@ -111,7 +136,9 @@ def parse_args(argv=None) -> Args:
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
               (ns.adv_scale in ("group", "batch", "none"), "--adv-scale must be group, batch or none"),
               (ns.reduction in ("sequence", "token", "constant"), "--reduction must be sequence, token or constant"),
-              (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0")]
+              (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
+              (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"), (ns.save_every >= 0, "--save-every must be >= 0"),
+              (ns.eval_size >= 1, "--eval-size must be >= 1"), ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -162,37 +189,82 @@ class Dist:
 # Data and model loading
 # ---------------------------------------------------------------------------------------------
 
-def load_rows(path: str, split: str, n: int | None = None) -> list[dict]:
+class SetupError(RuntimeError):
+    """A problem with the run's inputs (model, reward, checkpoint), reported as one line."""
+
+
+def load_model(args: Args, ddp: Dist):
+    """(folder, tokenizer, model) for --model: the built-in one (rank 0 builds it once), a folder or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    path = args.model
     if path == "builtin":
         import builtin
-        return builtin.sample_problems(n or 20000, seed=1 if split == "train" else 2, heldout=split == "eval")
-    rows = []
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if line.strip():
-                row = json.loads(line)
-                if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-                    raise ValueError(f"{path}:{i}: each row needs 'prompt' and 'answer'")
-                rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"])})
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows[:n] if n else rows
+        if ddp.master:
+            builtin.base_model()
+        if ddp.world > 1:
+            dist.barrier()
+        path = builtin.base_model()
+    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):  # not a hub id
+        raise SetupError(f"--model {path}: no such folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise SetupError(f"--model {path}: could not be loaded ({str(e).splitlines()[0]})") from None
+    if tokenizer.eos_token_id is None:
+        raise SetupError(f"--model {path}: the tokenizer has no EOS token, so responses could never end")
+    return path, tokenizer, model.to(ddp.device)
 
 
-def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tuple[int, dict]]:
-    """Rows start..start+count-1 of the endless stream of epochs, each a fresh seeded shuffle of rows."""
-    out, perms = [], {}
-    for j in range(start, start + count):
-        epoch = j // len(rows)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        out.append((j, rows[int(perms[epoch][j % len(rows)])]))
-    return out
+def load_reward(spec: str):
+    """verifier.verify, or the function named by 'module:function' (imported, never evaluated)."""
+    if spec == "verifier":
+        return verify
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise SetupError(f"--reward {spec}: expected module:function ({e})") from None
+    if not callable(fn):
+        raise SetupError(f"--reward {spec}: {name} is not callable")
+    return fn
 
 
-def prompt_generator(seed: int, j: int) -> torch.Generator:
-    """Sampling randomness of the j-th prompt of the run: a function of (seed, j) alone, never of the rank."""
-    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{j}".encode()))
+def save_checkpoint(path: str, model, opt, sched, state: dict) -> None:
+    """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            **state}
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, model, opt, sched) -> dict:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        raise SetupError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    return ckpt
+
+
+def trim_metrics(path: str, last_step: int) -> None:
+    """Keep the metric lines of steps <= last_step, so a resumed run logs each step exactly once."""
+    if os.path.exists(path):
+        with open(path) as fh:
+            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= last_step]
+        with open(path, "w") as fh:
+            fh.writelines(keep)
 
 
 def response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
@@ -222,44 +294,98 @@ def response_logprobs(model, roll: Rollout, rows: slice, temperature: float, wit
 # The run
 # ---------------------------------------------------------------------------------------------
 
+def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Args, ddp: Dist, opt, sched, amp):
+    """Step 4: --mu updates of the clipped surrogate over micro-batches; returns (metric sums, grad norm, s).
+
+    Denominators are the step's global token and response counts, so the summed micro-batch gradients
+    equal the full-batch gradient on any number of ranks. Every rank runs the same number of backward
+    passes (a zero-weight one where it has run out), because DDP synchronises in each.
+    """
+    n_local = 0 if roll is None else roll.response_ids.shape[0]
+    num_tokens = ddp.sum(mask.sum() if roll is not None else torch.zeros(())).float()
+    num_seqs = ddp.sum(torch.tensor(float(n_local))).float()
+    mb = args.micro_batch_size
+    slices = [slice(k * mb, min((k + 1) * mb, n_local)) for k in range(ddp.max(math.ceil(n_local / mb)))]
+    t0 = time.time()
+    with torch.no_grad(), amp():  # old policy only when mu > 1 (else old = current), reference only when beta > 0
+        old_logp = [response_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
+            if args.mu > 1 else None
+        ref_logp = [response_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
+            if ref is not None else None
+    t_logprob = time.time() - t0
+    sums = torch.zeros(7)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok
+    grad_norm = 0.0
+    for epoch in range(args.mu):
+        opt.zero_grad(set_to_none=True)
+        for k, s in enumerate(slices):
+            last = k == len(slices) - 1
+            with (policy.no_sync() if ddp.world > 1 and not last else contextlib.nullcontext()), amp():
+                if s.start >= s.stop:  # this rank ran out of micro-batches: a zero-weight pass keeps DDP in step
+                    (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
+                    continue
+                logp, ent, valid = response_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
+                loss, m = grpo.policy_loss(
+                    logp, old_logp[k] if old_logp is not None else logp.detach(), advantages[s].to(logp.device),
+                    mask[s].to(logp.device), args.eps_low, args.eps_high,
+                    ref_logp=ref_logp[k] if ref_logp is not None else None, beta=args.beta,
+                    reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
+                (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
+            tok = float(mask[s].sum())
+            sums += torch.tensor([loss.item(), m["kl"] * tok, float((ent * valid).sum()) if ent is not None else 0.0,
+                                  m["clip/low_frac"] * tok, m["clip/high_frac"] * tok, m["ratio/mean"] * tok, tok])
+        if args.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+        opt.step()
+        sched.step()
+    return sums, grad_norm, t_logprob
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     ddp = Dist(args.device)
-    if args.prompts_per_step % ddp.world:
-        sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
-    torch.manual_seed(args.seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
+    try:
+        return run(args, ddp)
+    except (SetupError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if ddp.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
-    if args.model == "builtin":
-        import builtin
-        if ddp.master:
-            path = builtin.base_model()
-        if ddp.world > 1:
-            dist.barrier()
-        path = builtin.base_model()
-    else:
-        path = args.model
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).to(ddp.device)
+
+def run(args: Args, ddp: Dist) -> dict:
+    # ---------------------------------------------------------------- setup
+    if args.prompts_per_step % ddp.world:
+        raise SetupError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
+    torch.manual_seed(args.seed)
+    reward_fn = load_reward(args.reward)
+    train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
+    eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
+        if args.eval_data else []
+    ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
+    if args.resume and not os.path.exists(ckpt_path):
+        raise SetupError(f"--resume: no checkpoint at {ckpt_path}")
+    path, tokenizer, model = load_model(args, ddp)
+    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
+    amp = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.bf16)  # noqa: E731
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     policy = torch.nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
-    train_rows = load_rows(args.data, "train")
-    eval_rows = load_rows(args.eval_data, "eval", args.eval_size)
-    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
-    decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
-
-    metrics_file = None
+    state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path, model, opt, sched)
+        state = {k: ckpt[k] for k in state}
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "config.json"), "w") as fh:
             json.dump({**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}, fh, indent=1)
-        metrics_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
+        if args.resume:
+            trim_metrics(metrics_path, state["step"])
+    metrics_file = open(metrics_path, "a" if args.resume else "w") if ddp.master else None
 
     def log(row: dict) -> None:
         if metrics_file:
@@ -267,14 +393,17 @@ def main(argv=None) -> dict:
             metrics_file.flush()
 
     @torch.no_grad()
-    def evaluate(step: int) -> float:
+    def evaluate(step: int) -> float | None:
         """Greedy accuracy on the held-out rows; each rank takes every world-th row."""
+        if not eval_rows:
+            return None
         mine = eval_rows[ddp.rank::ddp.world]
         correct = trunc = length = 0.0
         for k in range(0, len(mine), 128):
             chunk = mine[k:k + 128]
-            roll = sample_groups(model, [encode(r["prompt"]) for r in chunk], 1, args.max_new_tokens, eos, pad, temperature=0.0)
-            correct += sum(verify(decode(roll, i), r["answer"]) for i, r in enumerate(chunk))
+            with amp():
+                roll = sample_groups(model, [encode(r["prompt"]) for r in chunk], 1, args.max_new_tokens, eos, pad, temperature=0.0)
+            correct += sum(reward_fn(decode(roll, i), r["answer"]) for i, r in enumerate(chunk))
             trunc += roll.truncated.sum().item()
             length += roll.lengths.sum().item()
         c, t, L = ddp.sum(torch.tensor([correct, trunc, length])).tolist()
@@ -282,13 +411,15 @@ def main(argv=None) -> dict:
         log({"step": step, "eval/accuracy": c / n, "eval/truncated_frac": t / n, "eval/len_mean": L / n})
         return c / n
 
+    # ---------------------------------------------------------------- the loop
     t_start = time.time()
-    acc_before = acc_after = evaluate(0)
-    data_pos, samples_seen = 0, 0
-    bar = range(args.steps)
-    if ddp.master and args.steps:
+    if not args.resume:
+        state["acc_before"] = state["acc_after"] = evaluate(0)
+    steps = range(state["step"], args.steps)
+    bar = steps
+    if ddp.master and len(steps):
         from tqdm import tqdm
-        bar = tqdm(bar, desc=f"{args.algo}", dynamic_ncols=True)
+        bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps, dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling, soft overlong punishment) ----
@@ -298,18 +429,20 @@ def main(argv=None) -> dict:
         def draw(rnd: int) -> Rollout:
             t_draw = time.time()
             block = args.prompts_per_step // ddp.world
-            mine = prompt_rows(train_rows, args.seed, data_pos + rnd * args.prompts_per_step + ddp.rank * block, block)
-            roll = sample_groups(model, [encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
-                                 eos, pad, args.temperature, args.top_p,
-                                 generator=[prompt_generator(args.seed, j) for j, _ in mine])
+            first = state["data_pos"] + rnd * args.prompts_per_step + ddp.rank * block
+            mine = data.prompt_rows(train_rows, args.seed, first, block)
+            with amp():
+                roll = sample_groups(model, [encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
+                                     eos, pad, args.temperature, args.top_p,
+                                     generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
             t_reward = time.time()
             timing["time/sample_s"] += t_reward - t_draw
             answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
-            correct = torch.tensor([verify(decode(roll, i), a) for i, a in enumerate(answers)])  # [N]
-            rewards = correct.clone()
+            correct = torch.tensor([float(reward_fn(decode(roll, i), a)) for i, a in enumerate(answers)])  # [N]
+            rewards = correct.clone()                                                                     # [N]
             if args.overlong_penalty:
                 rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
-            roll.extra = {"rewards": rewards, "correct": correct}
+            roll.extra = {"rewards": rewards}
             timing["time/reward_s"] += time.time() - t_reward
             zero_std = (~dapo.keep_groups(rewards.view(-1, args.group_size))).sum()
             drawn.add_(torch.tensor([rewards.sum(), correct.sum(), len(answers), roll.lengths.sum().item(),
@@ -320,81 +453,48 @@ def main(argv=None) -> dict:
             roll, sstats = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather, ddp.rank)
         else:
             roll, sstats = draw(0), {"sampling/rounds": 1.0}
-        rounds = int(sstats["sampling/rounds"])
-        data_pos += rounds * args.prompts_per_step
+        state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
-        # ---- Step 3: group advantages ----
+        # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
+        advantages = mask = None
         if roll is not None:
             rewards = roll.extra["rewards"].view(-1, args.group_size)                # [B, G]
             advantages = grpo.group_advantages(rewards, args.adv_scale).view(-1)    # [B*G]
             mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
-        n_local = 0 if roll is None else roll.response_ids.shape[0]
-        num_tokens = ddp.sum(mask.sum() if roll is not None else torch.zeros(())).float()
-        num_seqs = ddp.sum(torch.tensor(float(n_local))).float()
-        mb = args.micro_batch_size
-        n_micro = ddp.max(math.ceil(n_local / mb))  # every rank runs as many backward passes (DDP syncs in each)
-        slices = [slice(k * mb, min((k + 1) * mb, n_local)) for k in range(n_micro)]
 
-        # ---- no-grad passes: old policy (only when mu > 1) and reference (only when beta > 0) ----
-        t_lp = time.time()
-        with torch.no_grad():
-            old_logp = [response_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
-                if args.mu > 1 else None
-            ref_logp = [response_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
-                if ref is not None else None
-
-        # ---- Step 4: the clipped surrogate, mu updates over micro-batches ----
+        # ---- Step 4: the clipped surrogate ----
         t_update = time.time()
-        timing["time/logprob_s"] = t_update - t_lp
-        sums = torch.zeros(7)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok
-        grad_norm = 0.0
-        for _epoch in range(args.mu):
-            opt.zero_grad(set_to_none=True)
-            for k, s in enumerate(slices):
-                sync = ddp.world == 1 or k == len(slices) - 1
-                with (policy.no_sync() if not sync else _null()):
-                    if s.start >= s.stop:  # this rank has fewer micro-batches: a zero-weight pass keeps DDP in step
-                        (policy(input_ids=torch.tensor([[pad]], device=ddp.device)).logits.sum() * 0.0).backward()
-                        continue
-                    logp, ent, m_full = response_logprobs(policy, roll, s, args.temperature, with_entropy=_epoch == 0)
-                    old = old_logp[k] if old_logp is not None else logp.detach()
-                    loss, m = grpo.policy_loss(
-                        logp, old, advantages[s].to(logp.device), mask[s].to(logp.device), args.eps_low, args.eps_high,
-                        ref_logp=ref_logp[k] if ref_logp is not None else None, beta=args.beta,
-                        reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
-                    (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
-                tok = float(mask[s].sum())
-                ent_tok = float((ent * m_full).sum()) if ent is not None else 0.0
-                sums += torch.tensor([loss.item(), m["kl"] * tok, ent_tok, m["clip/low_frac"] * tok,
-                                      m["clip/high_frac"] * tok, m["ratio/mean"] * tok, tok])
-            if args.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-            opt.step()
-            sched.step()
-        timing["time/update_s"] = time.time() - t_update
+        sums, grad_norm, timing["time/logprob_s"] = update_policy(policy, model, ref, roll, advantages, mask, args, ddp,
+                                                                   opt, sched, amp)
+        timing["time/update_s"] = time.time() - t_update - timing["time/logprob_s"]
 
         # ---- metrics, reduced over ranks ----
         d = ddp.sum(drawn).tolist()
         u = ddp.sum(sums).tolist()
-        ent_tokens = float(ddp.sum(torch.tensor(float(roll.mask.sum()) if roll is not None else 0.0)))
-        samples_seen += int(d[2])
+        ent_tokens = float(ddp.sum(roll.mask.sum() if roll is not None else torch.zeros(())))
+        state["samples"] += int(d[2])
         tok = max(u[6], 1.0)
         row = {"step": step + 1, "loss": u[0] / args.mu, "reward/mean": d[0] / d[2], "reward/correct": d[1] / d[2],
                "reward/frac_zero_std": d[5] / (d[2] / args.group_size), "kl": u[1] / tok,
                "entropy": u[2] / max(ent_tokens, 1.0), "clip/low_frac": u[3] / tok, "clip/high_frac": u[4] / tok,
                "ratio/mean": u[5] / tok, "len/mean": d[3] / d[2], "len/truncated_frac": d[4] / d[2],
-               "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "samples": samples_seen,
+               "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "samples": state["samples"],
                **sstats, **timing, "time/step_s": time.time() - t0}
         log(row)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            acc_after = evaluate(step + 1)
+        state["step"] = step + 1
+        if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
+            state["acc_after"] = evaluate(state["step"])
+        if args.save_every and (state["step"] % args.save_every == 0 or state["step"] == args.steps) and ddp.master:
+            save_checkpoint(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
-            bar.set_postfix(reward=f"{row['reward/correct']:.2f}", eval=f"{acc_after:.2f}", len=f"{row['len/mean']:.0f}")
+            bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
+                            **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}))
 
+    # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
     if ddp.master:
         final = os.path.join(args.out, "final")
-        tmp = final + ".tmp"
+        tmp = f"{final}.tmp{os.getpid()}"
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if os.path.isdir(final):
@@ -402,19 +502,10 @@ def main(argv=None) -> dict:
             shutil.rmtree(final)
         os.replace(tmp, final)
         metrics_file.close()
-        print(f"held-out greedy accuracy {acc_before:.3f} -> {acc_after:.3f} ({len(eval_rows)} problems); "
-              f"{args.steps} steps, {samples_seen} samples in {elapsed:.0f}s; model saved to {final}")
-    if ddp.world > 1:
-        dist.destroy_process_group()
-    return {"acc_before": acc_before, "acc_after": acc_after, "seconds": elapsed}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        acc = (f"held-out greedy accuracy {state['acc_before']:.3f} -> {state['acc_after']:.3f} ({len(eval_rows)} problems); "
+               if eval_rows and state["acc_before"] is not None else "")
+        print(f"{acc}{args.steps} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
+    return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 
 
 if __name__ == "__main__":
