@@ -134,14 +134,22 @@ def is_heldout(equation: str) -> bool:
     return zlib.crc32(equation.encode()) % 8 == 0
 
 
-def sample_problems(n: int, seed: int, heldout: bool) -> list[dict]:
-    """`n` distinct problems from one split, as rows {"prompt", "answer"} (the JSONL format of --data)."""
+def sample_problems(n: int, seed: int, heldout: bool, distinct: bool = True) -> list[dict]:
+    """`n` problems from one split, as rows {"prompt", "answer"} (the JSONL format of --data).
+
+    distinct=False draws from the task's distribution with repeats (a training stream); distinct=True
+    gives n different problems (an evaluation set) and raises if the split has too few.
+    """
     rng, rows, seen = random.Random(seed), [], set()
-    while len(rows) < n:
+    for _ in range(200 * n):
+        if len(rows) == n:
+            break
         eq, x = make_problem(rng)
-        if is_heldout(eq) == heldout and eq not in seen:
+        if is_heldout(eq) == heldout and not (distinct and eq in seen):
             seen.add(eq)
             rows.append({"prompt": prompt_text(eq), "answer": str(x)})
+    if len(rows) < n:
+        raise ValueError(f"the {'held-out' if heldout else 'training'} split has fewer than {n} distinct problems")
     return rows
 
 

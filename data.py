@@ -16,8 +16,8 @@ import zlib
 import torch
 
 
-class DataError(ValueError):
-    """Bad input data: the message names the file and line."""
+class InputError(ValueError):
+    """Bad input to a run (a data file, model, reward or checkpoint): reported as one line, exit code 2."""
 
 
 def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
@@ -25,9 +25,11 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
     """Rows {"prompt", "answer"} from 'builtin' (split 'train' or 'eval') or a JSONL file."""
     if path == "builtin":
         import builtin
-        return builtin.sample_problems(limit or 20000, seed=1 if split == "train" else 2, heldout=split == "eval")
+        if split == "train":  # a stream drawn from the task's distribution (repeats allowed), never held-out problems
+            return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)
+        return builtin.sample_problems(limit or 256, seed=2, heldout=True)
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such data file")
+        raise InputError(f"{path}: no such data file")
     rows = []
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
@@ -36,17 +38,17 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+                raise InputError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
             for f in (prompt_field, answer_field):
                 if f not in row:
-                    raise DataError(f"{path}:{i}: no field {f!r} (fields: {', '.join(sorted(row)) or 'none'})")
+                    raise InputError(f"{path}:{i}: no field {f!r} (fields: {', '.join(sorted(row)) or 'none'})")
             rows.append({"prompt": str(row[prompt_field]), "answer": str(row[answer_field])})
             if limit and len(rows) >= limit:
                 break
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise InputError(f"{path}: no rows")
     return rows
 
 
@@ -55,7 +57,7 @@ class PromptFormatter:
 
     def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None, chat: bool = True):
         if "{prompt}" not in template:
-            raise DataError(f"--prompt-template must contain {{prompt}}, got {template!r}")
+            raise InputError(f"--prompt-template must contain {{prompt}}, got {template!r}")
         self.tokenizer, self.template, self.system = tokenizer, template, system
         self.chat = chat and getattr(tokenizer, "chat_template", None) is not None
 

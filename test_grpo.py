@@ -535,7 +535,7 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
     try:
         import train
         assert train.load_reward("myreward:half")("anything", "1") == 0.5
-        with pytest.raises(train.SetupError):
+        with pytest.raises(data.InputError):
             train.load_reward("myreward:nothere")
     finally:
         sys.path.remove(str(tmp_path))

@@ -23,7 +23,6 @@ import contextlib
 import importlib
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import dapo
 import data
 import grpo
@@ -58,7 +58,7 @@ class Args:
     reward: str = _f("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
     trust_remote_code: bool = _f(False, "let transformers run code shipped with the model (only for models you trust)")
     # -- how much
-    steps: int = _f(None, "training steps, in all (default: 60 builtin, 500 otherwise)")
+    steps: int = _f(None, "training steps, in all (default: 40 builtin, 500 otherwise)")
     prompts_per_step: int = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
     group_size: int = _f(8, "G, responses sampled per prompt")
     max_new_tokens: int = _f(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
@@ -99,7 +99,7 @@ ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
     "dapo": dict(beta=0.0, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
                  overlong_filter=True, overlong_penalty=True),
 }
-BUILTIN_DEFAULTS = dict(steps=60, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
+BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, max_new_tokens=1024, lr=1e-6)
 
 
@@ -189,10 +189,6 @@ class Dist:
 # Data and model loading
 # ---------------------------------------------------------------------------------------------
 
-class SetupError(RuntimeError):
-    """A problem with the run's inputs (model, reward, checkpoint), reported as one line."""
-
-
 def load_model(args: Args, ddp: Dist):
     """(folder, tokenizer, model) for --model: the built-in one (rank 0 builds it once), a folder or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -207,14 +203,14 @@ def load_model(args: Args, ddp: Dist):
             dist.barrier()
         path = builtin.base_model()
     elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):  # not a hub id
-        raise SetupError(f"--model {path}: no such folder")
+        raise data.InputError(f"--model {path}: no such folder")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise SetupError(f"--model {path}: could not be loaded ({str(e).splitlines()[0]})") from None
+        raise data.InputError(f"--model {path}: could not be loaded ({str(e).splitlines()[0]})") from None
     if tokenizer.eos_token_id is None:
-        raise SetupError(f"--model {path}: the tokenizer has no EOS token, so responses could never end")
+        raise data.InputError(f"--model {path}: the tokenizer has no EOS token, so responses could never end")
     return path, tokenizer, model.to(ddp.device)
 
 
@@ -226,45 +222,10 @@ def load_reward(spec: str):
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise SetupError(f"--reward {spec}: expected module:function ({e})") from None
+        raise data.InputError(f"--reward {spec}: expected module:function ({e})") from None
     if not callable(fn):
-        raise SetupError(f"--reward {spec}: {name} is not callable")
+        raise data.InputError(f"--reward {spec}: {name} is not callable")
     return fn
-
-
-def save_checkpoint(path: str, model, opt, sched, state: dict) -> None:
-    """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
-    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            **state}
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str, model, opt, sched) -> dict:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-    except (OSError, RuntimeError, KeyError, ValueError) as e:
-        raise SetupError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    random.setstate(ckpt["rng"]["python"])
-    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    return ckpt
-
-
-def trim_metrics(path: str, last_step: int) -> None:
-    """Keep the metric lines of steps <= last_step, so a resumed run logs each step exactly once."""
-    if os.path.exists(path):
-        with open(path) as fh:
-            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= last_step]
-        with open(path, "w") as fh:
-            fh.writelines(keep)
 
 
 def response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
@@ -345,7 +306,7 @@ def main(argv=None) -> dict:
     ddp = Dist(args.device)
     try:
         return run(args, ddp)
-    except (SetupError, data.DataError) as e:
+    except data.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
@@ -356,7 +317,7 @@ def main(argv=None) -> dict:
 def run(args: Args, ddp: Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
-        raise SetupError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
+        raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
     reward_fn = load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
@@ -364,7 +325,7 @@ def run(args: Args, ddp: Dist) -> dict:
         if args.eval_data else []
     ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
     if args.resume and not os.path.exists(ckpt_path):
-        raise SetupError(f"--resume: no checkpoint at {ckpt_path}")
+        raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
     path, tokenizer, model = load_model(args, ddp)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = tokenizer.eos_token_id
@@ -377,14 +338,14 @@ def run(args: Args, ddp: Dist) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
-        ckpt = load_checkpoint(ckpt_path, model, opt, sched)
+        ckpt = checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "config.json"), "w") as fh:
             json.dump({**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}, fh, indent=1)
         if args.resume:
-            trim_metrics(metrics_path, state["step"])
+            checkpoint.trim_metrics(metrics_path, state["step"])
     metrics_file = open(metrics_path, "a" if args.resume else "w") if ddp.master else None
 
     def log(row: dict) -> None:
@@ -485,7 +446,7 @@ def run(args: Args, ddp: Dist) -> dict:
         if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
             state["acc_after"] = evaluate(state["step"])
         if args.save_every and (state["step"] % args.save_every == 0 or state["step"] == args.steps) and ddp.master:
-            save_checkpoint(ckpt_path, model, opt, sched, state)
+            checkpoint.save(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
                             **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}))
