@@ -19,7 +19,7 @@ import builtin
 import dapo
 import grpo
 from sampler import Rollout, sample_groups
-from verifier import extract_answer, parse_number, verify
+from verifier import extract_answer, format_reward, parse_number, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -332,6 +332,7 @@ def test_verifier_is_total_and_bounded():
     assert time.time() - t0 < 2.0
     assert parse_number("1,234") == 1234 and parse_number("-\\frac{1}{2}") == parse_number("-0.5")
     assert extract_answer("no answer here") is None
+    assert format_reward("Answer: 3") == 1.0 and format_reward("x=3") == 0.0 and format_reward("Answer:") == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,3 +558,35 @@ def test_bad_input_gets_one_clear_line(tmp_path, capsys, content, flags, message
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# ablate.py: the rows, and the table built from metrics
+# ---------------------------------------------------------------------------------------------
+
+def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
+    import ablate
+    import train
+    first = train.parse_args(ablate.row_flags(0))
+    assert (first.beta, first.eps_high, first.reduction, first.dynamic_sampling, first.overlong_filter,
+            first.overlong_penalty) == (0.0, 0.2, "sequence", False, False, False)
+    last = train.parse_args(ablate.row_flags(len(ablate.ROWS) - 1))
+    assert {**vars(last), "algo": None} == {**vars(train.parse_args(["--algo", "dapo"])), "algo": None}
+    changed = [sum(vars(train.parse_args(ablate.row_flags(i)))[k] != vars(train.parse_args(ablate.row_flags(i - 1)))[k]
+                   for k in vars(first) if k != "algo") for i in range(1, len(ablate.ROWS))]
+    assert changed == [1] * (len(ablate.ROWS) - 1)
+
+
+def test_ablation_table_and_curves_from_metrics():
+    import ablate
+    # one run: eval 0.5 at step 0, two steps of 100 samples, eval 0.95 at step 2
+    run = [{"step": 0, "eval/accuracy": 0.5},
+           {"step": 1, "loss": 0.0, "samples": 100, "entropy": 0.2, "len/mean": 10.0, "len/truncated_frac": 0.5},
+           {"step": 2, "loss": 0.0, "samples": 200, "entropy": 0.1, "len/mean": 8.0, "len/truncated_frac": 0.0},
+           {"step": 2, "eval/accuracy": 0.95}]
+    assert ablate.curve(run, "eval/accuracy") == [(0, 0.5), (200, 0.95)]
+    assert ablate.samples_to_reach(run, 0.9) == 200 and ablate.samples_to_reach(run, 0.99) is None
+    md = ablate.table({name: [run, run] for name, _, _ in ablate.ROWS}, budget=200)
+    first = md.splitlines()[2]
+    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.500 ± 0.000 | 200 (2/2 seeds) | 0.1500 ± 0.0000 | 9.0 ± 0.0 |")

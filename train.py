@@ -35,7 +35,7 @@ import dapo
 import data
 import grpo
 from sampler import Rollout, sample_groups
-from verifier import verify
+from verifier import format_reward, verify
 
 
 def _f(default, help):  # noqa: A002 - a dataclass field whose help text argparse shows
@@ -56,6 +56,7 @@ class Args:
     system_prompt: str = _f(None, "system message for chat models (prepended as a line without a chat template)")
     chat_template: bool = _f(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
     reward: str = _f("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
+    format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
     trust_remote_code: bool = _f(False, "let transformers run code shipped with the model (only for models you trust)")
     # -- how much
     steps: int = _f(None, "training steps, in all (default: 40 builtin, 500 otherwise)")
@@ -66,6 +67,7 @@ class Args:
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
     eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
     eval_size: int = _f(256, "held-out problems evaluated (the first eval_size rows of --eval-data)")
+    max_samples: int = _f(0, "also stop once this many responses were sampled (0: no limit); equal-budget comparisons")
     # -- optimisation
     lr: float = _f(None, "AdamW learning rate (default: 2e-4 builtin, 1e-6 otherwise, as in the papers)")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps (DAPO: 20)")
@@ -91,6 +93,7 @@ class Args:
     save_every: int = _f(0, "write OUT/checkpoint.pt every this many steps (0: only the final model)")
     resume: bool = _f(False, "continue from OUT/checkpoint.pt (same flags; --steps is the total)")
     device: str = _f(None, "cpu or cuda (default: cuda if available)")
+    plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
 
 
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
@@ -138,6 +141,7 @@ def parse_args(argv=None) -> Args:
               (ns.reduction in ("sequence", "token", "constant"), "--reduction must be sequence, token or constant"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
               (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"), (ns.save_every >= 0, "--save-every must be >= 0"),
+              (ns.max_samples >= 0, "--max-samples must be >= 0"),
               (ns.eval_size >= 1, "--eval-size must be >= 1"), ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}")]
     for ok, msg in checks:
         if not ok:
@@ -401,6 +405,8 @@ def run(args: Args, ddp: Dist) -> dict:
             answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
             correct = torch.tensor([float(reward_fn(decode(roll, i), a)) for i, a in enumerate(answers)])  # [N]
             rewards = correct.clone()                                                                     # [N]
+            if args.format_weight:
+                rewards += args.format_weight * torch.tensor([format_reward(decode(roll, i)) for i in range(len(answers))])
             if args.overlong_penalty:
                 rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
             roll.extra = {"rewards": rewards}
@@ -443,13 +449,16 @@ def run(args: Args, ddp: Dist) -> dict:
                **sstats, **timing, "time/step_s": time.time() - t0}
         log(row)
         state["step"] = step + 1
-        if state["step"] % args.eval_every == 0 or state["step"] == args.steps:
+        done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
+        if state["step"] % args.eval_every == 0 or done:
             state["acc_after"] = evaluate(state["step"])
-        if args.save_every and (state["step"] % args.save_every == 0 or state["step"] == args.steps) and ddp.master:
+        if args.save_every and (state["step"] % args.save_every == 0 or done) and ddp.master:
             checkpoint.save(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
                             **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}))
+        if done:
+            break
 
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
@@ -465,7 +474,11 @@ def run(args: Args, ddp: Dist) -> dict:
         metrics_file.close()
         acc = (f"held-out greedy accuracy {state['acc_before']:.3f} -> {state['acc_after']:.3f} ({len(eval_rows)} problems); "
                if eval_rows and state["acc_before"] is not None else "")
-        print(f"{acc}{args.steps} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
+        print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
+        if args.plot:
+            import ablate
+            if ablate.plot_runs({args.algo: [ablate.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
+                print(f"curves: {os.path.join(args.out, 'curves.png')}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 
 

@@ -86,6 +86,11 @@ def _plain_number(s: str) -> Fraction | None:
     return Fraction(s.replace(",", ""))
 
 
+def format_reward(response: str) -> float:
+    """1.0 if the response states a final answer in one of the recognised forms, else 0.0 (optional shaping)."""
+    return float(isinstance(response, str) and extract_answer(response) not in (None, ""))
+
+
 def verify(response: str, answer: str) -> float:
     """1.0 if the final answer of `response` equals `answer`, else 0.0."""
     if not isinstance(response, str) or not isinstance(answer, str):
