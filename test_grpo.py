@@ -370,11 +370,14 @@ def test_builtin_tokenizer_round_trips_through_save_pretrained(tmp_path):
 # train.py: flags, and one short end-to-end run through subprocess
 # ---------------------------------------------------------------------------------------------
 
-def test_bad_flags_exit_with_a_message():
+def test_bad_flags_exit_with_one_line(capsys):
     import train
-    for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"]):
-        with pytest.raises(SystemExit):
+    for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"],
+                ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"]):
+        with pytest.raises(SystemExit) as e:
             train.parse_args(bad)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.fixture(scope="module")

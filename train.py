@@ -38,14 +38,14 @@ from sampler import Rollout, sample_groups
 from verifier import format_reward, verify
 
 
-def _f(default, help):  # noqa: A002 - a dataclass field whose help text argparse shows
-    return field(default=default, metadata={"help": help})
+def _f(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class Args:
     # -- what to train on
-    algo: str = _f("dapo", "grpo or dapo: sets the papers' defaults for every field left at None below")
+    algo: str = _f("dapo", "sets the papers' defaults for every field left at None below", ["grpo", "dapo"])
     model: str = _f("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub id or a local folder")
     data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file with a prompt and an answer per row")
     eval_data: str = _f(None, "held-out JSONL for greedy evaluation (default: the built-in held-out split with "
@@ -80,8 +80,9 @@ class Args:
     beta: float = _f(None, "KL coefficient to the reference model, k3 estimator (grpo: 0.04, dapo: 0)")
     eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low")
     eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher)")
-    adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)")
-    reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)")
+    adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
+    reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
+                        ["sequence", "token", "constant"])
     dynamic_sampling: bool = _f(None, "keep only groups with mixed rewards and resample to fill the step (dapo: on)")
     max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step before training on what it has")
     overlong_filter: bool = _f(None, "mask truncated responses out of the loss (dapo: on)")
@@ -106,19 +107,22 @@ BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, max_new_tokens=40, lr=2e-
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, max_new_tokens=1024, lr=1e-6)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, like every other bad input
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv=None) -> Args:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
+        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    p.set_defaults(algo="dapo")
+            p.add_argument(flag, type=kind, default=f.default, help=help_, choices=f.metadata["choices"])
     ns = p.parse_args(argv)
-    if ns.algo not in ALGO_DEFAULTS:
-        p.error(f"--algo must be one of {sorted(ALGO_DEFAULTS)}")
     # --- derived settings: resolved once, here, and written to config.json ---
     fill = {**ALGO_DEFAULTS[ns.algo], **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
     for k, v in fill.items():
@@ -137,8 +141,6 @@ def parse_args(argv=None) -> Args:
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
               (ns.micro_batch_size >= 1, "--micro-batch-size must be >= 1"), (ns.max_rounds >= 1, "--max-rounds must be >= 1"),
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
-              (ns.adv_scale in ("group", "batch", "none"), "--adv-scale must be group, batch or none"),
-              (ns.reduction in ("sequence", "token", "constant"), "--reduction must be sequence, token or constant"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
               (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"), (ns.save_every >= 0, "--save-every must be >= 0"),
               (ns.max_samples >= 0, "--max-samples must be >= 0"),
