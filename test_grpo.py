@@ -593,3 +593,125 @@ def test_ablation_table_and_curves_from_metrics():
     md = ablate.table({name: [run, run] for name, _, _ in ablate.ROWS}, budget=200)
     first = md.splitlines()[2]
     assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.500 ± 0.000 | 200 (2/2 seeds) | 0.1500 ± 0.0000 | 9.0 ± 0.0 |")
+
+
+# ---------------------------------------------------------------------------------------------
+# --- issue 3: sampler speed and lean log-probs ---
+# ---------------------------------------------------------------------------------------------
+
+def _naive_logprobs(logits, ids, temperature=1.0):
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
+    # V = 50,000 in blocks of 3 rows; the logits are a slice like `.logits[:, :-1]` (not contiguous), so each
+    # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax + gather's.
+    torch.manual_seed(0)
+    V = 50_000
+    monkeypatch.setattr(grpo, "LOGPROB_CHUNK", 3 * V)
+    full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
+    logits, ids = full[:, :-1], torch.randint(0, V, (2, 5))
+    for t in (1.0, 0.7):
+        got, want = grpo.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
+        assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4)
+        (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(), full)
+        assert g_got.dtype == dtype
+        assert torch.allclose(g_got.float(), g_want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    ent = grpo.token_entropy(logits, temperature=0.7)
+    logp = torch.log_softmax(logits.float() / 0.7, -1)
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dtype, monkeypatch):
+    # Every storage an aten op returns is recorded: the forward's largest is one float32 block (2 rows x V),
+    # never [N, T, V]; in the backward the only vocabulary-sized one is the gradient itself.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    V = 1000
+    monkeypatch.setattr(grpo, "LOGPROB_CHUNK", 2 * V)
+    logits = torch.randn(3, 4, V).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, V, (3, 4))
+
+    class Storages(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = {}  # data pointer -> bytes, for every storage an op returns other than the logits'
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+                    self.bytes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return out
+
+    block = 2 * V * 4
+    with Storages() as fwd:
+        out = grpo.token_logprobs(logits, ids)
+    assert max(fwd.bytes.values()) <= block
+    with Storages() as bwd:
+        out.sum().backward()
+    sizes = sorted(bwd.bytes.values())
+    assert sizes[-1] == logits.numel() * logits.element_size() and sizes[-2] <= block
+    assert torch.allclose(logits.grad.float(), torch.autograd.grad(_naive_logprobs(logits, ids).sum(), logits)[0].float(),
+                          atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_sample_token_inverse_cdf_by_hand():
+    from sampler import sample_token
+    # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose running
+    # mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1. top_p 0.6 keeps
+    # {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the top token only.
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    cases = [(0.0, 1.0, 0), (0.49, 1.0, 0), (0.51, 1.0, 1), (0.81, 1.0, 2), (1 - 2 ** -24, 1.0, 2),
+             (0.4, 0.6, 0), (0.7, 0.6, 1), (0.99, 0.6, 1), (0.99, 1e-9, 0)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for u, top_p, want in cases:
+            tok, lp = sample_token(p.log().to(dtype)[None].clone(), torch.tensor([u]), 1.0, top_p)
+            assert tok.item() == want, (dtype, u, top_p)
+            assert abs(lp.exp().item() - p[want].item()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # temperature 0.5 squares the probabilities: [0.25, 0.09, 0.04] / 0.38, and the log-prob is the tempered one
+    tok, lp = sample_token(p.log()[None].clone(), torch.tensor([0.7]), 0.5, 1.0)
+    assert tok.item() == 1 and abs(lp.exp().item() - 0.09 / 0.38) < 1e-6
+
+
+def _tiny(kind, dtype):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(1)
+    common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    if kind == "qwen2":  # GQA, q/k/v biases, tied embeddings: the preallocated cache
+        return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).eval().to(dtype)
+    return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval().to(dtype)  # sliding-window layers
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen2", torch.float32), ("qwen2", torch.bfloat16), ("mistral", torch.float32)])
+def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype):
+    import sampler
+    model, G, T = _tiny(kind, dtype), 3, 24
+    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8).layers}
+    assert layers == ({"_BufferedLayer"} if kind == "qwen2" else {"DynamicSlidingWindowLayer"})
+    # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
+    free = sample_groups(model, PROMPTS[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
+    eos = int(free.response_ids[0, 3])
+    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=eos, pad_token_id=0, temperature=0.0)
+    assert roll.lengths[0] <= 4 and roll.lengths.max() > roll.lengths[0]
+    for i, p in enumerate(PROMPTS):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)[0, len(p):].tolist()
+        for r in range(i * G, (i + 1) * G):
+            L = int(roll.lengths[r])
+            assert roll.response_ids[r, :L].tolist() == ref[:L]
+            assert L == len(ref) or ref[L:] == [0] * (len(ref) - L)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
+    model, G = _tiny("qwen2", dtype), 4
+    roll = sample_groups(model, PROMPTS, G, 16, 1, 0, temperature=0.8, top_p=0.9,
+                         generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    for i in range(len(PROMPTS) * G):
+        L = int(roll.lengths[i])
+        with torch.no_grad():
+            want = _full_forward_logprobs(model, PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.8)
+        assert torch.allclose(roll.logprobs[i, :L], want, atol=atol)
