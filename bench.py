@@ -1,0 +1,268 @@
+"""Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step.
+
+Article sections it measures: "Step 1: Rollout 采样" (generation is most of an RL step's time) and the
+log-prob passes of "Step 4: PPO Loss 计算" (vocabulary-sized logits dominate memory).
+
+    python bench.py               # about 3 minutes on CPU (one torch thread); uses CUDA if available
+    python bench.py --threads 0   # torch's default thread count
+
+Every time is the median of --repeats repeats, interleaved (A, B, A, B, ...) so that load from other
+processes falls on both sides alike; ratios are of those medians.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import grpo
+from sampler import sample_groups
+
+V_QWEN = 151_936  # Qwen2's vocabulary
+LOGIT_SHAPE = (8, 64)  # 512 rows of logits for the log-prob comparison
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str):
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def matmul_flops(device: str, seconds: float = 1.0) -> float:
+    """FLOP/s of a large float32 matmul on this device: the hardware limit the rollout is compared with."""
+    n = 4096 if device.startswith("cuda") else 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    _sync(device)
+    k, t = 0, time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        a @ b
+        k += 1
+        if device.startswith("cuda") and k % 50 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * n ** 3 * k / (time.perf_counter() - t)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Rollouts: sample_groups vs model.generate(num_return_sequences=G)
+# ---------------------------------------------------------------------------------------------
+
+def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).to(device).eval()
+    params = sum(p.numel() for p in model.parameters())
+    prompts = torch.randint(2, cfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def ours():
+        roll = sample_groups(model, prompts, G, T, eos_token_id=1, pad_token_id=0,
+                             generator=[torch.Generator().manual_seed(i) for i in range(B)])
+        return int(roll.lengths.sum())
+
+    def hf():
+        ids = torch.tensor(prompts, device=device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=G,
+                                 max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=1, pad_token_id=0)
+        resp = out[:, P:]                                                     # [N, <= T]
+        ended = (resp == 1).long().cumsum(-1) - (resp == 1).long()            # EOS already seen before this token
+        return int((ended == 0).sum())                                        # tokens up to and including EOS
+
+    ours(), hf()                                                              # warm-up
+    times = {"sample_groups": [], "generate": [], "flops": []}
+    tokens = {}
+    for _ in range(repeats):
+        for name, fn in (("sample_groups", ours), ("generate", hf)):
+            dt, tokens[name] = _timed(fn, device)
+            times[name].append(dt)
+        times["flops"].append(matmul_flops(device))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ideal = med["flops"] / (2 * params)                                       # tokens/s if only matmuls at peak
+    print(f"\n## Rollouts: B={B} prompts of {P} tokens, G={G}, {T} new tokens, temperature 1")
+    print(f"Qwen2, random init, {params / 1e6:.1f}M parameters (hidden 512, 8 layers, 8 heads / 2 KV heads, "
+          f"MLP 1408, vocab 32000, tied embeddings), {device} float32")
+    print(f"{'':42s}{'tokens/s':>10s}{'s / rollout':>13s}{'of ideal':>10s}")
+    for name, label in (("sample_groups", "sample_groups"), ("generate", "model.generate(num_return_sequences=G)")):
+        tps = tokens[name] / med[name]
+        print(f"{label:42s}{tps:10.0f}{med[name]:13.2f}{tps / ideal:10.0%}")
+    ratio = (tokens["sample_groups"] / med["sample_groups"]) / (tokens["generate"] / med["generate"])
+    print(f"{'ratio sample_groups / generate':42s}{ratio:9.2f}x")
+    print(f"{'ideal: matmul FLOP/s / (2 x params)':42s}{ideal:10.0f}   "
+          f"(a float32 matmul runs at {med['flops'] / 1e9:.0f} GFLOP/s here)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. token_logprobs vs log_softmax(logits).gather(...) at Qwen's vocabulary
+# ---------------------------------------------------------------------------------------------
+
+def _naive(logits, ids):
+    return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def _variant(name):
+    return _naive if name == "naive" else grpo.token_logprobs
+
+
+def _inputs(dtype, device, grad):
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(*LOGIT_SHAPE, V_QWEN, generator=g, device=device).to(dtype).requires_grad_(grad)
+    return logits, torch.randint(0, V_QWEN, LOGIT_SHAPE, generator=g, device=device)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
+
+def mem_child(variant: str, dtype_name: str, backward: bool) -> None:
+    """Run in a fresh process: print the peak resident memory the call adds above the inputs, in bytes."""
+    fn, dtype = _variant(variant), getattr(torch, dtype_name)
+    small = torch.randn(2, 3, 50, dtype=dtype, requires_grad=backward)      # load the kernels first
+    out = fn(small, torch.zeros(2, 3, dtype=torch.long))
+    if backward:
+        out.sum().backward()
+    logits, ids = _inputs(dtype, "cpu", backward)
+    with open("/proc/self/clear_refs", "w") as fh:                           # peak RSS := current RSS (Linux)
+        fh.write("5")
+    before = _status_kib("VmRSS")
+    out = fn(logits, ids)
+    if backward:
+        out.float().sum().backward()
+    print((_status_kib("VmHWM") - before) * 1024)
+
+
+def peak_extra(variant: str, dtype_name: str, backward: bool, device: str) -> int:
+    """Bytes of peak memory the call adds above its inputs: CUDA's peak allocated, or on CPU the peak
+    resident set of a fresh process (Linux's VmHWM, reset just before the call)."""
+    if device.startswith("cuda"):
+        logits, ids = _inputs(getattr(torch, dtype_name), device, backward)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = _variant(variant)(logits, ids)
+        if backward:
+            out.float().sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    here = os.path.abspath(__file__)
+    res = subprocess.run([sys.executable, here, "--mem-child", variant, dtype_name, str(int(backward))],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(here))
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+def bench_logprobs(device: str, repeats: int) -> None:
+    rows = LOGIT_SHAPE[0] * LOGIT_SHAPE[1]
+    print(f"\n## token_logprobs vs log_softmax(logits).gather(...): {rows} rows x V = {V_QWEN:,}, {device}")
+    logits, ids = _inputs(torch.float32, device, True)
+    with torch.no_grad():
+        err = (grpo.token_logprobs(logits, ids) - _naive(logits, ids)).abs().max().item()
+    print(f"float32 logits {logits.numel() * 4 / 2**20:.0f} MB; max |difference| of the values {err:.1e}")
+    print(f"{'extra peak memory above the inputs':36s}{'naive':>10s}{'token_logprobs':>16s}{'ratio':>8s}")
+    cases = (("float32", False), ("bfloat16", False), ("float32", True))
+    if device == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+        print("  (not measured: on CPU the measurement reads Linux's /proc/self)")
+        cases = ()
+    for dtype_name, backward in cases:
+        a, b = (peak_extra(v, dtype_name, backward, device) for v in ("naive", "ours"))
+        label = f"{'forward + backward' if backward else 'forward'}, {dtype_name}"
+        print(f"  {label:34s}{a / 2**20:7.0f} MB{b / 2**20:13.0f} MB{b / a:8.2f}")
+
+    def fwd(fn):
+        with torch.no_grad():
+            return fn(logits, ids)
+
+    def fwd_bwd(fn):
+        fn(logits, ids).sum().backward()
+        logits.grad = None
+
+    times = {}
+    for _ in range(repeats):
+        for kind, run in (("forward", fwd), ("forward + backward", fwd_bwd)):
+            for name in ("naive", "ours"):
+                times.setdefault((kind, name), []).append(_timed(lambda: run(_variant(name)), device)[0])
+    print(f"{'time, float32':36s}{'naive':>10s}{'token_logprobs':>16s}")
+    for kind in ("forward", "forward + backward"):
+        a, b = (statistics.median(times[(kind, n)]) for n in ("naive", "ours"))
+        print(f"  {kind:34s}{a:8.3f} s{b:14.3f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. One training step of the built-in default, split into its phases
+# ---------------------------------------------------------------------------------------------
+
+def bench_step(device: str, steps: int) -> None:
+    import train
+    keys = ("time/sample_s", "time/reward_s", "time/logprob_s", "time/update_s", "time/step_s")
+    print(f"\n## One training step of the built-in default (median of {steps} steps), seconds")
+    print(f"{'':44s}{'sample':>8s}{'reward':>8s}{'old+ref':>8s}{'update':>8s}{'step':>8s}")
+    runs = ((["--algo", "dapo"], "(mu 1, beta 0: no extra pass)"), (["--algo", "grpo"], "(beta 0.04: reference pass)"),
+            (["--algo", "dapo", "--mu", "2"], "(old-policy pass)"))
+    for flags, note in runs:
+        with tempfile.TemporaryDirectory() as out:
+            argv = [*flags, "--steps", str(steps), "--eval-size", "8", "--out", out, "--device", device]
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                train.main(argv)
+            with open(os.path.join(out, "metrics.jsonl")) as fh:
+                rows = [r for r in map(json.loads, fh) if "time/step_s" in r]
+        med = [statistics.median(r.get(k, 0.0) for r in rows) for k in keys]
+        print(f"  {' '.join(flags) + ' ' + note:42s}" + "".join(f"{x:8.2f}" for x in med))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per timing (median reported)")
+    p.add_argument("--steps", type=int, default=3, help="training steps per run in the step split")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on CPU, 0 = torch's default. 1 by default: on cores shared with other "
+                        "jobs, threads spin-waiting for a busy core make times vary tenfold")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--only", choices=["rollouts", "logprobs", "step"], default=None, help="run one section")
+    p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.mem_child:
+        variant, dtype_name, backward = args.mem_child
+        return mem_child(variant, dtype_name, backward == "1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads and device == "cpu":
+        torch.set_num_threads(args.threads)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    print(f"# bench.py: torch {torch.__version__}, {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") else
+             f", {os.cpu_count()} cores ({cpu}), {torch.get_num_threads()} torch threads")
+          + f", load average {os.getloadavg()[0]:.1f}; medians of {args.repeats} interleaved repeats")
+    t0 = time.perf_counter()
+    if args.only in (None, "rollouts"):
+        bench_rollouts(device, args.repeats)
+    if args.only in (None, "logprobs"):
+        bench_logprobs(device, args.repeats)
+    if args.only in (None, "step"):
+        bench_step(device, args.steps)
+    print(f"\n({time.perf_counter() - t0:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()
