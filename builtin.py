@@ -183,14 +183,17 @@ def make_model(cfg: BaseModelConfig, vocab_size: int):
     return LlamaForCausalLM(config)
 
 
-def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, log=print) -> None:
+def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, progress: bool = True) -> None:
     """Next-token cross-entropy on response tokens of freshly drawn training problems."""
+    from tqdm import tqdm
+
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / cfg.sft_steps))))
     model.train()
-    for step in range(cfg.sft_steps):
+    bar = tqdm(range(cfg.sft_steps), desc="warm start (once)", disable=not progress, dynamic_ncols=True)
+    for step in bar:
         ids, labels = [], []
         while len(ids) < cfg.sft_batch_size:
             eq, x = make_problem(rng)
@@ -210,28 +213,28 @@ def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, log=print) -> 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == cfg.sft_steps - 1:
-            log(f"  warm start {step:4d}/{cfg.sft_steps}  loss {loss.item():.3f}")
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
 
 
 def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, log=print) -> str:
-    """The folder of the built-in base model, building and caching it on first use."""
+    """The folder of the built-in base model, building and caching it on first use (with a progress bar)."""
     key = hashlib.sha256(json.dumps({**asdict(cfg), "chars": CHARS, "v": 1}, sort_keys=True).encode()).hexdigest()[:12]
     folder = os.path.join(cache_dir, f"base-{key}")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     t0 = time.time()
-    log(f"building the built-in base model in {folder} (once)")
+    log(f"building the built-in base model in {folder} (once, a few minutes)", flush=True)
     tokenizer = make_tokenizer()
     model = make_model(cfg, len(tokenizer))
-    supervised_warm_start(model, tokenizer, cfg, log)
+    supervised_warm_start(model, tokenizer, cfg)
     tmp = folder + f".tmp{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)  # atomic: a half-built folder never looks finished
-    log(f"built in {time.time() - t0:.0f}s")
+    log(f"built in {time.time() - t0:.0f}s", flush=True)
     return folder
 
 
