@@ -34,7 +34,7 @@ import checkpoint
 import dapo
 import data
 import grpo
-from sampler import Rollout, sample_groups
+from sampler import Rollout, rollout_logprobs, sample_groups
 from verifier import format_reward, verify
 
 
@@ -234,29 +234,6 @@ def load_reward(spec: str):
     return fn
 
 
-def response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
-    """log pi(response token) for rollout rows [n, T] (float32), optionally the entropy [n, T] too.
-
-    One forward over left-padded prompt + right-padded response; only the last T + 1 positions' logits
-    are materialised (logits_to_keep), and of those the T that predict the response.
-    """
-    prompts = [roll.prompts[i // roll.G] for i in range(rows.start, rows.stop)]
-    resp, rmask = roll.response_ids[rows], roll.mask[rows]                   # [n, T]
-    n, T = resp.shape
-    P = max(len(p) for p in prompts)
-    pids = torch.tensor([[roll.pad_token_id] * (P - len(p)) + p for p in prompts])           # [n, P]
-    pmask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])               # [n, P]
-    dev = next(model.parameters()).device
-    ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
-    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]; pads after EOS are masked by loss
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-    logits = logits / temperature
-    logp = grpo.token_logprobs(logits, resp.to(dev))                          # [n, T]
-    ent = grpo.token_entropy(logits) if with_entropy else None                # [n, T]
-    return logp, ent, rmask.to(dev)
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
@@ -275,9 +252,9 @@ def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Arg
     slices = [slice(k * mb, min((k + 1) * mb, n_local)) for k in range(ddp.max(math.ceil(n_local / mb)))]
     t0 = time.time()
     with torch.no_grad(), amp():  # old policy only when mu > 1 (else old = current), reference only when beta > 0
-        old_logp = [response_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
+        old_logp = [rollout_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
             if args.mu > 1 else None
-        ref_logp = [response_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
+        ref_logp = [rollout_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
             if ref is not None else None
     t_logprob = time.time() - t0
     sums = torch.zeros(7)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok
@@ -290,7 +267,7 @@ def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Arg
                 if s.start >= s.stop:  # this rank ran out of micro-batches: a zero-weight pass keeps DDP in step
                     (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
                     continue
-                logp, ent, valid = response_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
+                logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
                 loss, m = grpo.policy_loss(
                     logp, old_logp[k] if old_logp is not None else logp.detach(), advantages[s].to(logp.device),
                     mask[s].to(logp.device), args.eps_low, args.eps_high,
