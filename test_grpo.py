@@ -329,7 +329,7 @@ def test_verifier_is_total_and_bounded():
     for h in hostile:
         assert verify(h, "1") in (0.0, 1.0)
     assert verify("Answer: " + "9" * 100, "9" * 100) == 1.0   # long numbers still compare, as strings
-    assert time.time() - t0 < 2.0
+    assert time.time() - t0 < 10.0  # not a speed target: a guard against a hang (these take milliseconds)
     assert parse_number("1,234") == 1234 and parse_number("-\\frac{1}{2}") == parse_number("-0.5")
     assert extract_answer("no answer here") is None
     assert format_reward("Answer: 3") == 1.0 and format_reward("x=3") == 0.0 and format_reward("Answer:") == 0.0
