@@ -257,7 +257,7 @@ def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Arg
         ref_logp = [rollout_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
             if ref is not None else None
     t_logprob = time.time() - t0
-    sums = torch.zeros(7)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok
+    sums = torch.zeros(8)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok, entropy tokens
     grad_norm = 0.0
     for epoch in range(args.mu):
         opt.zero_grad(set_to_none=True)
@@ -275,8 +275,9 @@ def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Arg
                     reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
                 (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
             tok = float(mask[s].sum())
-            sums += torch.tensor([loss.item(), m["kl"] * tok, float((ent * valid).sum()) if ent is not None else 0.0,
-                                  m["clip/low_frac"] * tok, m["clip/high_frac"] * tok, m["ratio/mean"] * tok, tok])
+            ent_sum, ent_tok = (float((ent * valid).sum()), float(valid.sum())) if ent is not None else (0.0, 0.0)
+            sums += torch.tensor([loss.item(), m["kl"] * tok, ent_sum, m["clip/low_frac"] * tok,
+                                  m["clip/high_frac"] * tok, m["ratio/mean"] * tok, tok, ent_tok])
         if args.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
         opt.step()
@@ -382,10 +383,11 @@ def run(args: Args, ddp: Dist) -> dict:
             t_reward = time.time()
             timing["time/sample_s"] += t_reward - t_draw
             answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
-            correct = torch.tensor([float(reward_fn(decode(roll, i), a)) for i, a in enumerate(answers)])  # [N]
+            texts = [decode(roll, i) for i in range(len(answers))]
+            correct = torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, answers)])              # [N]
             rewards = correct.clone()                                                                     # [N]
             if args.format_weight:
-                rewards += args.format_weight * torch.tensor([format_reward(decode(roll, i)) for i in range(len(answers))])
+                rewards += args.format_weight * torch.tensor([format_reward(t) for t in texts])
             if args.overlong_penalty:
                 rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
             roll.extra = {"rewards": rewards}
@@ -417,12 +419,11 @@ def run(args: Args, ddp: Dist) -> dict:
         # ---- metrics, reduced over ranks ----
         d = ddp.sum(drawn).tolist()
         u = ddp.sum(sums).tolist()
-        ent_tokens = float(ddp.sum(roll.mask.sum() if roll is not None else torch.zeros(())))
         state["samples"] += int(d[2])
         tok = max(u[6], 1.0)
         row = {"step": step + 1, "loss": u[0] / args.mu, "reward/mean": d[0] / d[2], "reward/correct": d[1] / d[2],
                "reward/frac_zero_std": d[5] / (d[2] / args.group_size), "kl": u[1] / tok,
-               "entropy": u[2] / max(ent_tokens, 1.0), "clip/low_frac": u[3] / tok, "clip/high_frac": u[4] / tok,
+               "entropy": u[2] / max(u[7], 1.0), "clip/low_frac": u[3] / tok, "clip/high_frac": u[4] / tok,
                "ratio/mean": u[5] / tok, "len/mean": d[3] / d[2], "len/truncated_frac": d[4] / d[2],
                "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "samples": state["samples"],
                **sstats, **timing, "time/step_s": time.time() - t0}
