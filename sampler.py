@@ -8,8 +8,9 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 - the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it with
   torch.cat at every step);
 - finished rows leave the batch and the cache, so they stop costing compute;
-- sampling is inverse-CDF (cumsum + searchsorted, in place) on uniforms drawn up front, where generate
-  draws a vocabulary of exponentials per row (torch.multinomial); only top-p sorts.
+- sampling is inverse-CDF on uniforms drawn up front, walking block masses then one block (no
+  vocabulary-sized running sum), where generate draws a vocabulary of exponentials per row
+  (torch.multinomial); only top-p sorts.
 Prompts of different lengths are left-padded with position ids counted from each prompt's first real
 token. One generator per prompt if a list is given, so a prompt's samples depend only on its own seed,
 never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the same).
@@ -126,34 +127,54 @@ def _uniforms(B: int, G: int, T: int, generator) -> torch.Tensor:
     return torch.rand(B * G, T, generator=generator)
 
 
-def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, cdf_out=None):
+SAMPLE_BLOCK = 256  # tokens per block of the two-level inverse CDF in sample_token
+
+
+def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, work=None):
     """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs [n]).
 
     Inverse CDF: the first token whose running mass exceeds u * (the kept mass). The log-prob is that of
     the tempered distribution softmax(logits / temperature) (before top-p), the distribution train.py
-    recomputes; temperature 0 is greedy and reports the plain log-softmax. Float32 logits are overwritten
-    and the running mass goes to cdf_out [>= n, V] if given: on CPU a fresh vocabulary-sized tensor per
-    step costs more in page faults than the arithmetic. Only top-p sorts.
+    recomputes; temperature 0 is greedy and reports the plain log-softmax.
+    Without top-p the walk has two levels, so no vocabulary-sized running sum is built: the mass of each
+    block of SAMPLE_BLOCK tokens, a running sum over blocks to find the block where u lands, then a running
+    sum inside that block only. `work` [>= n, >= V rounded up to a block] float32, zero beyond V, holds the
+    probabilities and is reused across steps (on CPU a fresh vocabulary-sized tensor per step costs more in
+    page faults than the arithmetic). Only top-p sorts.
     """
-    z = logits.float()                                                        # [n, V], logits itself if float32
+    n, V = logits.shape
     if temperature == 0:
+        z = logits.float()                                                    # [n, V]
         tok = z.argmax(-1)                                                    # [n]
         return tok, z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+    nb = -(-V // SAMPLE_BLOCK)                                                # blocks, the last one zero-padded
+    if work is None:
+        work = torch.zeros(n, nb * SAMPLE_BLOCK, device=logits.device)
+    w = work[:n]                                                              # [n, nb * BLOCK]
+    p = w[:, :V].copy_(logits)                                                # [n, V] float32 logits
+    p.sub_(p.amax(-1, keepdim=True))
     if temperature != 1.0:
-        z.div_(temperature)
-    w = z.sub_(z.amax(-1, keepdim=True)).exp_()                               # [n, V] probabilities x a row constant
-    log_total = w.sum(-1).log()                                               # [n]
-    order = None
+        p.div_(temperature)
+    p.exp_()                                                                  # probabilities x a row constant
+    u = u.to(w)[:, None]                                                      # [n, 1]
     if top_p < 1.0:
-        w, order = w.sort(dim=-1, descending=True)                            # [n, V]
-    cdf = torch.cumsum(w, -1, out=None if cdf_out is None else cdf_out[: w.shape[0]])  # [n, V] running mass
-    # the last token allowed: the end of the nucleus (the shortest prefix of the sorted tokens holding
-    # top_p of the mass), or without top-p the last token with any mass
-    last = torch.searchsorted(cdf, (top_p if order is not None else 1.0) * cdf[:, -1:]).clamp_max(w.shape[-1] - 1)
-    target = u.to(cdf)[:, None] * cdf.gather(-1, last)                        # [n, 1]
-    idx = torch.minimum(torch.searchsorted(cdf, target, side="right"), last)  # [n, 1]; never a zero-mass token
-    tok = (order.gather(-1, idx) if order is not None else idx).squeeze(-1)   # [n]
-    return tok, w.gather(-1, idx).squeeze(-1).log() - log_total
+        p, order = p.sort(dim=-1, descending=True)                            # [n, V]
+        cdf = p.cumsum(-1)                                                    # [n, V] running mass
+        # the nucleus ends at the first sorted token where the running mass reaches top_p of the total
+        last = torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(V - 1)  # [n, 1]
+        idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
+        return order.gather(-1, idx).squeeze(-1), p.gather(-1, idx).squeeze(-1).log() - cdf[:, -1].log()
+    blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
+    bcdf = blocks.sum(-1).cumsum(-1)                                          # [n, nb] running mass at each block's end
+    total = bcdf[:, -1:].contiguous()                                         # [n, 1]
+    # a walk never ends on a zero-mass token: clamp to the first block (then token) where the mass is complete
+    b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"), torch.searchsorted(bcdf, total))  # [n, 1]
+    before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1] mass of the blocks before b
+    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]           # [n, BLOCK] block b's probabilities
+    icdf = inner.cumsum(-1)                                                   # [n, BLOCK]
+    i = torch.minimum(torch.searchsorted(icdf, u * total - before, side="right"),
+                      torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
+    return (b * SAMPLE_BLOCK + i).squeeze(-1), inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log()
 
 
 @torch.no_grad()
@@ -188,10 +209,10 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     attn = attn.repeat_interleave(G, dim=0)                                   # [N, P + T]
     next_pos = attn[:, :P].sum(-1)                                            # [N]
     active = torch.arange(N, device=device)                                   # rows still decoding
-    cdf_buf = torch.empty_like(logits, dtype=torch.float32) if temperature != 0 else None  # [N, V], reused each step
+    work = torch.zeros(N, -(-logits.shape[-1] // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)  # [N, V up to a block]
 
     for t in range(T):
-        tok, lp = sample_token(logits, u[active, t], temperature, top_p, cdf_buf)  # [n], [n]
+        tok, lp = sample_token(logits, u[active, t], temperature, top_p, work)  # [n], [n]
         response[active, t] = tok
         logprobs[active, t] = lp
         done = tok == eos_token_id                                            # [n]

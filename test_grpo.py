@@ -687,6 +687,29 @@ def test_sample_token_inverse_cdf_by_hand():
     assert tok.item() == 1 and abs(lp.exp().item() - 0.09 / 0.38) < 1e-6
 
 
+@pytest.mark.parametrize("block", [4, 7, 64])
+def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
+    import sampler
+    monkeypatch.setattr(sampler, "SAMPLE_BLOCK", block)
+    g = torch.Generator().manual_seed(0)
+    n, V = 400, 50                                                  # 50 is no multiple of 4, 7 or 64
+    logits = 3 * torch.randn(n, V, generator=g)
+    logits[:, 8:16] = float("-inf")                                 # whole blocks without mass
+    logits[:, -3:] = float("-inf")                                  # and a tail without mass
+    u = torch.rand(n, generator=g)
+    u[:8] = torch.tensor([0.0, 1 - 2 ** -24, 0.5, 0.25, 0.75, 1e-9, 0.999999, 0.1])
+    p = torch.softmax(logits.double() / 0.7, -1)                    # [n, V] the tempered distribution
+    want = torch.searchsorted(p.cumsum(-1), u.double()[:, None] * p.sum(-1, keepdim=True), side="right").squeeze(-1)
+    want = want.clamp_max(V - 4)                                    # u -> 1 ends on the last token with mass
+    work = torch.zeros(n, -(-V // block) * block)
+    tok, lp = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
+    assert torch.equal(tok, want)
+    assert torch.allclose(lp.double(), p.gather(-1, tok[:, None]).squeeze(-1).log(), atol=1e-5)
+    assert work[:, V:].abs().sum() == 0                             # the padding stays zero for the next step
+    tok2, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)     # without a work buffer: the same draws
+    assert torch.equal(tok2, tok)
+
+
 def _tiny(kind, dtype):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(1)
