@@ -45,10 +45,10 @@ def _timed(fn, device: str):
     return time.perf_counter() - t, out
 
 
-def matmul_flops(device: str, seconds: float = 1.0) -> float:
-    """FLOP/s of a large float32 matmul on this device: the hardware limit the rollout is compared with."""
+def matmul_flops(device: str, dtype=torch.float32, seconds: float = 1.0) -> float:
+    """FLOP/s of a large matmul on this device: the hardware limit the rollout is compared with."""
     n = 4096 if device.startswith("cuda") else 1024
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     a @ b
     _sync(device)
     k, t = 0, time.perf_counter()
@@ -65,6 +65,36 @@ def matmul_flops(device: str, seconds: float = 1.0) -> float:
 # 1. Rollouts: sample_groups vs model.generate(num_return_sequences=G)
 # ---------------------------------------------------------------------------------------------
 
+class ForwardClock:
+    """Seconds spent inside model.forward (hooks on the top module): the part of a rollout that any sampler
+    calling the model pays; the rest is the sampler's own (sampling, cache bookkeeping)."""
+
+    def __init__(self, model, device: str):
+        self.device, self.seconds, self._t0 = device, 0.0, 0.0
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._stop)
+
+    def _start(self, module, args):
+        _sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def _stop(self, module, args, out):
+        _sync(self.device)
+        self.seconds += time.perf_counter() - self._t0
+
+
+def decode_matmuls(model, rows: int, device: str, steps: int = 10) -> float:
+    """Seconds of one decode step's matrix multiplies alone: `rows` tokens through every nn.Linear weight of
+    the model (vocabulary projection included), each weight once, as a step reads them."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    times = []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            times.append(_timed(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights], device)[0])
+    return statistics.median(times[1:])
+
+
 def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
@@ -74,6 +104,7 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
                       num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
                       max_position_embeddings=512, bos_token_id=None, eos_token_id=1, pad_token_id=0)
     model = Qwen2ForCausalLM(cfg).to(device).eval()
+    clock = ForwardClock(model, device)
     params = sum(p.numel() for p in model.parameters())
     prompts = torch.randint(2, cfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -91,27 +122,38 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
         ended = (resp == 1).long().cumsum(-1) - (resp == 1).long()            # EOS already seen before this token
         return int((ended == 0).sum())                                        # tokens up to and including EOS
 
-    ours(), hf()                                                              # warm-up
-    times = {"sample_groups": [], "generate": [], "flops": []}
-    tokens = {}
-    for _ in range(repeats):
-        for name, fn in (("sample_groups", ours), ("generate", hf)):
-            dt, tokens[name] = _timed(fn, device)
-            times[name].append(dt)
-        times["flops"].append(matmul_flops(device))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ideal = med["flops"] / (2 * params)                                       # tokens/s if only matmuls at peak
-    print(f"\n## Rollouts: B={B} prompts of {P} tokens, G={G}, {T} new tokens, temperature 1")
+    print(f"\n## Rollouts: B={B} prompts of {P} tokens, G={G}, {T} new tokens, temperature 1, {device}")
     print(f"Qwen2, random init, {params / 1e6:.1f}M parameters (hidden 512, 8 layers, 8 heads / 2 KV heads, "
-          f"MLP 1408, vocab 32000, tied embeddings), {device} float32")
-    print(f"{'':42s}{'tokens/s':>10s}{'s / rollout':>13s}{'of ideal':>10s}")
-    for name, label in (("sample_groups", "sample_groups"), ("generate", "model.generate(num_return_sequences=G)")):
-        tps = tokens[name] / med[name]
-        print(f"{label:42s}{tps:10.0f}{med[name]:13.2f}{tps / ideal:10.0%}")
-    ratio = (tokens["sample_groups"] / med["sample_groups"]) / (tokens["generate"] / med["generate"])
-    print(f"{'ratio sample_groups / generate':42s}{ratio:9.2f}x")
-    print(f"{'ideal: matmul FLOP/s / (2 x params)':42s}{ideal:10.0f}   "
-          f"(a float32 matmul runs at {med['flops'] / 1e9:.0f} GFLOP/s here)")
+          f"MLP 1408, vocab 32000, tied embeddings)")
+    print("'in forward': seconds inside model.forward, which any sampler that calls the model pays; "
+          "'ceiling': generate's time / sample_groups' forward time, the ratio if sampling cost nothing")
+    print(f"{'':46s}{'tokens/s':>9s}{'s / rollout':>12s}{'in forward':>11s}{'of ideal':>9s}")
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        ours(), hf()                                                          # warm-up
+        times, fwd, tokens, flops = {"ours": [], "hf": []}, {"ours": [], "hf": []}, {}, []
+        for _ in range(repeats):
+            for name, fn in (("ours", ours), ("hf", hf)):
+                clock.seconds = 0.0
+                dt, tokens[name] = _timed(fn, device)
+                times[name].append(dt)
+                fwd[name].append(clock.seconds)
+            flops.append(matmul_flops(device, dtype))
+        step = decode_matmuls(model, B * G, device)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        fmed = {k: statistics.median(v) for k, v in fwd.items()}
+        ideal = statistics.median(flops) / (2 * params)                      # tokens/s if only matmuls at peak
+        short = str(dtype).removeprefix("torch.")
+        for name, label in (("ours", "sample_groups"), ("hf", "model.generate(num_return_sequences=G)")):
+            tps = tokens[name] / med[name]
+            print(f"{short + ' ' + label:46s}{tps:9.0f}{med[name]:12.2f}{fmed[name]:11.2f}{tps / ideal:9.0%}")
+        ratio = (tokens["ours"] / med["ours"]) / (tokens["hf"] / med["hf"])
+        print(f"{short + ' ratio sample_groups / generate':46s}{ratio:8.2f}x   (ceiling {med['hf'] / fmed['ours']:.2f}x)")
+        print(f"{short + ' ideal: matmul FLOP/s / (2 x params)':46s}{ideal:9.0f}   "
+              f"(a large {short} matmul runs at {statistics.median(flops) / 1e9:.0f} GFLOP/s here)")
+        print(f"{short + f' matmuls alone, {B * G}-row decode steps':46s}{B * G / step:9.0f}   "
+              f"({2 * params * B * G / step / 1e9:.0f} GFLOP/s: the model's matrix multiplies at the decode shape)")
+    model.float()
 
 
 # ---------------------------------------------------------------------------------------------
