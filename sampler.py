@@ -178,15 +178,20 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
 
 
 @torch.no_grad()
-def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int,
+def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None) -> Rollout:
-    """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache -> Rollout."""
+    """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache -> Rollout.
+
+    eos_token_id: one id or several (chat models end a turn with one token and a document with another);
+    a response ends at the first of them, which it keeps.
+    """
     if G < 1 or max_new_tokens < 1:
         raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
     B, N, T = len(prompts), len(prompts) * G, max_new_tokens
+    eos = torch.tensor(eos_token_id, device=device).reshape(-1)              # [E]
     u = _uniforms(B, G, T, generator).to(device)                              # [N, T]
     response = torch.full((N, T), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(N, T, device=device)
@@ -215,7 +220,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
         tok, lp = sample_token(logits, u[active, t], temperature, top_p, work)  # [n], [n]
         response[active, t] = tok
         logprobs[active, t] = lp
-        done = tok == eos_token_id                                            # [n]
+        done = torch.isin(tok, eos)                                           # [n]
         n_done = int(done.sum())                                              # the step's one host sync
         if n_done:
             lengths[active[done]] = t + 1

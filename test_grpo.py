@@ -740,6 +740,26 @@ def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(ki
             assert L == len(ref) or ref[L:] == [0] * (len(ref) - L)
 
 
+def test_sampler_stops_on_any_of_several_end_ids_like_generate():
+    from types import SimpleNamespace
+    import train
+    model, T = _tiny("qwen2", torch.float32), 24
+    free = sample_groups(model, PROMPTS, 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
+    ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]  # each prompt meets a different one first
+    roll = sample_groups(model, PROMPTS, 2, T, eos_token_id=ends, pad_token_id=0, temperature=0.0)
+    assert roll.lengths[0] <= 4 and not roll.truncated[0]
+    for i, p in enumerate(PROMPTS):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=ends,
+                             pad_token_id=0)[0, len(p):].tolist()
+        for r in (2 * i, 2 * i + 1):
+            L = int(roll.lengths[r])
+            assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
+    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds
+    tok = SimpleNamespace(eos_token_id=5)
+    assert train.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
+    assert train.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
     model, G = _tiny("qwen2", dtype), 4

@@ -220,6 +220,15 @@ def load_model(args: Args, ddp: Dist):
     return path, tokenizer, model.to(ddp.device)
 
 
+def end_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's EOS, then any other end ids the model's generation config lists (as generate stops on
+    them): instruct models often end a turn with a token that is not the tokenizer's eos_token."""
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
+
+
 def load_reward(spec: str):
     """verifier.verify, or the function named by 'module:function' (imported, never evaluated)."""
     if spec == "verifier":
@@ -312,8 +321,8 @@ def run(args: Args, ddp: Dist) -> dict:
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
     path, tokenizer, model = load_model(args, ddp)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    eos = end_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
     amp = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.bf16)  # noqa: E731
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
