@@ -222,7 +222,7 @@ def load_model(args: Args, ddp: Dist):
 
 def end_ids(tokenizer, model) -> list[int]:
     """The tokenizer's EOS, then any other end ids the model's generation config lists (as generate stops on
-    them): instruct models often end a turn with a token that is not the tokenizer's eos_token."""
+    them): some chat models end a turn with a token that is not the tokenizer's eos_token."""
     config = getattr(model, "generation_config", None)
     extra = getattr(config, "eos_token_id", None)
     extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
