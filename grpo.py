@@ -19,11 +19,13 @@ import torch
 LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
 
 
-def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6,
+                     batch_std: float | None = None) -> torch.Tensor:
     """Advantages from rewards [B, G] -> [B, G] (the article's Step 3).
 
     scale="group": (r - mean_g) / (std_g + eps), std Bessel-corrected as torch.std (DeepSeekMath);
-    scale="batch": the same with the std of the whole batch; scale="none": r - mean_g (Dr. GRPO).
+    scale="batch": the same with the std of the whole batch, or batch_std if given (the batch spread over
+    ranks: train.py passes the std of all ranks' rewards); scale="none": r - mean_g (Dr. GRPO).
     A group whose rewards are all equal gets exactly zero advantages (never NaN, never a float leftover
     inflated by a tiny std).
     """
@@ -35,7 +37,8 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
         std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(centred[:, :1])
         adv = centred / (std + eps)                                         # [B, G]
     elif scale == "batch":
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        std = rewards.new_tensor(batch_std) if batch_std is not None else \
+            rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
         adv = centred / (std + eps)                                         # [B, G]
     elif scale == "none":
         adv = centred                                                       # [B, G]

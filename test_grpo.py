@@ -46,6 +46,8 @@ def test_advantages_scales_and_constant_groups():
     # batch: centred per group, divided by the std of all six rewards.
     b = grpo.group_advantages(r, "batch")
     assert torch.allclose(b[0], torch.tensor([0.5, -0.5]) / (r.std() + 1e-6), atol=1e-5)
+    # batch_std (what train.py computes over all ranks) replaces this share's own std
+    assert torch.allclose(grpo.group_advantages(r, "batch", batch_std=2.0)[0], torch.tensor([0.25, -0.25]), atol=1e-5)
     # a float leftover must not be blown up: rewards equal up to representation stay zero
     assert torch.equal(grpo.group_advantages(torch.full((1, 4), 0.1 + 0.2)), torch.zeros(1, 4))
     with pytest.raises(ValueError):
@@ -454,9 +456,11 @@ def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     assert any(r["ratio/mean"] != 1.0 for r in rows)    # and from the sampling policy
 
 
-def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("adv_scale", ["group", "batch"])
+def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
     """1 rank and 2 ranks (gloo) with the same seed and global batch draw the same responses and rewards
-    at every step and end with the same weights, up to floating-point reduction order."""
+    at every step and end with the same weights, up to floating-point reduction order (with
+    --adv-scale batch, the std is that of the global batch, not of each rank's share)."""
     d = tiny_run_inputs
     runs = {}
     for n in (1, 2):
@@ -465,7 +469,7 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path):
                os.path.join(HERE, "train.py"), "--model", str(d / "model"), "--data", str(d / "train.jsonl"),
                "--eval-data", str(d / "eval.jsonl"), "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
                "--max-new-tokens", "12", "--overlong-cache", "12", "--micro-batch-size", "3", "--lr", "1e-2",
-               "--eval-every", "3", "--out", str(out), "--device", "cpu", "--algo", "dapo"]
+               "--eval-every", "3", "--out", str(out), "--device", "cpu", "--algo", "dapo", "--adv-scale", adv_scale]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, res.stderr[-3000:]

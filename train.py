@@ -413,10 +413,14 @@ def run(args: Args, ddp: Dist) -> dict:
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        advantages = mask = None
+        advantages = mask = batch_std = None
+        if args.adv_scale == "batch":               # the std of all ranks' rewards: N ranks scale as one rank does
+            r = roll.extra["rewards"].double() if roll is not None else torch.zeros(0, dtype=torch.float64)
+            n, s1, s2 = ddp.sum(torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)).tolist()
+            batch_std = math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
         if roll is not None:
             rewards = roll.extra["rewards"].view(-1, args.group_size)                # [B, G]
-            advantages = grpo.group_advantages(rewards, args.adv_scale).view(-1)    # [B*G]
+            advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
             mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
 
         # ---- Step 4: the clipped surrogate ----
