@@ -17,7 +17,9 @@ import torch
 
 import builtin
 import dapo
+import data
 import grpo
+import verifier
 from sampler import Rollout, sample_groups
 from verifier import extract_answer, format_reward, parse_number, verify
 
@@ -536,7 +538,6 @@ def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
 
 
 def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path):
-    import data
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "Half of 4?", "answer": "4/2 = 2\n#### 2"}) + "\n")
     rows = data.load_rows(str(gsm), "train", prompt_field="question", answer_field="answer")
@@ -553,10 +554,9 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
     (tmp_path / "myreward.py").write_text("def half(response, answer):\n    return 0.5\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        import train
-        assert train.load_reward("myreward:half")("anything", "1") == 0.5
+        assert verifier.load_reward("myreward:half")("anything", "1") == 0.5
         with pytest.raises(data.InputError):
-            train.load_reward("myreward:nothere")
+            verifier.load_reward("myreward:nothere")
     finally:
         sys.path.remove(str(tmp_path))
 
@@ -746,7 +746,6 @@ def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(ki
 
 def test_sampler_stops_on_any_of_several_end_ids_like_generate():
     from types import SimpleNamespace
-    import train
     model, T = _tiny("qwen2", torch.float32), 24
     free = sample_groups(model, PROMPTS, 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]  # each prompt meets a different one first
@@ -758,10 +757,10 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
         for r in (2 * i, 2 * i + 1):
             L = int(roll.lengths[r])
             assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
-    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds
+    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (data.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert train.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
-    assert train.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
+    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import json
 import contextlib
-import importlib
 import math
 import os
 import sys
@@ -30,12 +29,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import builtin
 import checkpoint
 import dapo
 import data
 import grpo
 from sampler import Rollout, rollout_logprobs, sample_groups
-from verifier import format_reward, verify
+import verifier
+from verifier import format_reward
 
 
 def _f(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
@@ -192,58 +193,6 @@ class Dist:
 
 
 # ---------------------------------------------------------------------------------------------
-# Data and model loading
-# ---------------------------------------------------------------------------------------------
-
-def load_model(args: Args, ddp: Dist):
-    """(folder, tokenizer, model) for --model: the built-in one (rank 0 builds it once), a folder or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    path = args.model
-    if path == "builtin":
-        import builtin
-        if ddp.master:
-            builtin.base_model()
-        if ddp.world > 1:
-            dist.barrier()
-        path = builtin.base_model()
-    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):  # not a hub id
-        raise data.InputError(f"--model {path}: no such folder")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise data.InputError(f"--model {path}: could not be loaded ({str(e).splitlines()[0]})") from None
-    if tokenizer.eos_token_id is None:
-        raise data.InputError(f"--model {path}: the tokenizer has no EOS token, so responses could never end")
-    return path, tokenizer, model.to(ddp.device)
-
-
-def end_ids(tokenizer, model) -> list[int]:
-    """The tokenizer's EOS, then any other end ids the model's generation config lists (as generate stops on
-    them): some chat models end a turn with a token that is not the tokenizer's eos_token."""
-    config = getattr(model, "generation_config", None)
-    extra = getattr(config, "eos_token_id", None)
-    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
-
-
-def load_reward(spec: str):
-    """verifier.verify, or the function named by 'module:function' (imported, never evaluated)."""
-    if spec == "verifier":
-        return verify
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise data.InputError(f"--reward {spec}: expected module:function ({e})") from None
-    if not callable(fn):
-        raise data.InputError(f"--reward {spec}: {name} is not callable")
-    return fn
-
-
-# ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
@@ -312,16 +261,21 @@ def run(args: Args, ddp: Dist) -> dict:
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn = load_reward(args.reward)
+    reward_fn = verifier.load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
     ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
     if args.resume and not os.path.exists(ckpt_path):
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
-    path, tokenizer, model = load_model(args, ddp)
+    if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once, the others wait
+        if ddp.master:
+            builtin.base_model()
+        dist.barrier()
+    path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
+    model.to(ddp.device)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
-    eos = end_ids(tokenizer, model)
+    eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
     amp = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.bf16)  # noqa: E731

@@ -14,8 +14,11 @@ surrounding `$`), else if their normalised strings are equal.
 """
 from __future__ import annotations
 
+import importlib
 import re
 from fractions import Fraction
+
+from data import InputError
 
 MAX_CHARS = 4096   # only the tail of a response is searched for its final answer
 MAX_DIGITS = 64    # longer numbers are compared as strings, so no huge integer is ever built
@@ -104,3 +107,17 @@ def verify(response: str, answer: str) -> float:
     if a is not None and b is not None:
         return float(a == b)
     return float(_normalise(got) == _normalise(want) and _normalise(got) != "")
+
+
+def load_reward(spec: str):
+    """verify, or the function named by 'module:function' (imported, never evaluated)."""
+    if spec == "verifier":
+        return verify
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise InputError(f"--reward {spec}: expected module:function ({e})") from None
+    if not callable(fn):
+        raise InputError(f"--reward {spec}: {name} is not callable")
+    return fn
