@@ -10,12 +10,14 @@ four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the 
 
     python ablate.py                          # 6 rows x 3 seeds on 2 CPU cores, about 30 minutes
     python ablate.py --seeds 0 --budget 2560  # a quick look
+    python ablate.py --train-flags "--mu 4" --out runs/ablation-mu4  # each batch reused for 4 updates
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 
 import train
@@ -115,6 +117,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=10240, help="responses sampled per run (40 steps of 32 x 8 without dynamic sampling)")
     p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every this many steps")
     p.add_argument("--out", default="runs/ablation", help="output folder")
+    p.add_argument("--train-flags", default="", help="train.py flags added to every run, e.g. '--mu 4' (with --mu 1, "
+                   "the default, the ratio is exactly 1 and clip-higher cannot act)")
     a = p.parse_args()
     runs: dict[str, list[list[dict]]] = {}
     for i, (name, _, _) in enumerate(ROWS):
@@ -122,7 +126,7 @@ def main() -> None:
             out = os.path.join(a.out, f"row{i}-seed{seed}")
             if not os.path.exists(os.path.join(out, "final", "config.json")):  # finished runs are kept: rerun resumes the table
                 print(f"{name}, seed {seed}")
-                train.main([*row_flags(i), "--seed", str(seed), "--max-samples", str(a.budget), "--steps", "1000",
+                train.main([*row_flags(i), *shlex.split(a.train_flags), "--seed", str(seed), "--max-samples", str(a.budget), "--steps", "1000",
                             "--eval-every", str(a.eval_every), "--out", out])
             runs.setdefault(name, []).append(read_metrics(os.path.join(out, "metrics.jsonl")))
     md = table(runs, a.budget)
