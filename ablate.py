@@ -97,17 +97,18 @@ def fmt(values: list[float], digits: int = 3) -> str:
 
 def table(runs: dict[str, list[list[dict]]], budget: int) -> str:
     lines = ["| row | held-out acc. at end | acc. at 1/4 budget | samples to 90% | entropy (last 5 steps) | "
-             "length (last 5) | truncated (last 5) | steps | paper AIME24 |", "|" + " --- |" * 9]
+             "length (last 5) | truncated (last 5) | tokens clipped low / high | steps | paper AIME24 |", "|" + " --- |" * 10]
     for (name, _, paper), seeds in zip(ROWS, runs.values()):
         quarter = [max((v for s, v in curve(r, "eval/accuracy") if s <= budget / 4), default=None) for r in seeds]
         reach = [samples_to_reach(r, 0.9) for r in seeds]
         tail = lambda key: [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]  # noqa: E731
         steps = [max(r["step"] for r in rs if "loss" in r) for rs in seeds]
+        clip = lambda key: statistics.mean(statistics.mean(v for _, v in curve(r, key)) for r in seeds)  # noqa: E731
         reached = f"{statistics.mean([x for x in reach if x is not None]):.0f} ({sum(x is not None for x in reach)}/{len(reach)} seeds)" \
             if any(x is not None for x in reach) else f"never (0/{len(reach)})"
         lines.append(f"| {name} | {fmt([curve(r, 'eval/accuracy')[-1][1] for r in seeds])} | {fmt(quarter)} | {reached} | "
                      f"{fmt(tail('entropy'), 4)} | {fmt(tail('len/mean'), 1)} | {fmt(tail('len/truncated_frac'))} | "
-                     f"{statistics.mean(steps):.0f} | {paper} |")
+                     f"{clip('clip/low_frac'):.2%} / {clip('clip/high_frac'):.2%} | {statistics.mean(steps):.0f} | {paper} |")
     return "\n".join(lines)
 
 
