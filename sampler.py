@@ -78,14 +78,14 @@ class _BufferedLayer(DynamicLayer):
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.capacity, self.length, self.kbuf = capacity, 0, None
 
     def _use(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
         self.kbuf, self.vbuf = kbuf, vbuf                                     # [n, H, capacity, D]
         self.keys, self.values = kbuf[:, :, :self.length], vbuf[:, :, :self.length]  # [n, H, length, D] views
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:                                           # the prefill
+        if self.kbuf is None:                                                 # the prefill
             self.is_initialized, self.dtype, self.device = True, key_states.dtype, key_states.device
             self._use(*(x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (key_states, value_states)))
         start, self.length = self.length, self.length + key_states.shape[-2]
