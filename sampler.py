@@ -138,7 +138,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     recomputes; temperature 0 is greedy and reports the plain log-softmax.
     Without top-p the walk has two levels, so no vocabulary-sized running sum is built: the mass of each
     block of SAMPLE_BLOCK tokens, a running sum over blocks to find the block where u lands, then a running
-    sum inside that block only. `work` [>= n, >= V rounded up to a block] float32, zero beyond V, holds the
+    sum inside that block only. `work` [>= n, V rounded up to a block] float32, zero beyond V, holds the
     probabilities and is reused across steps (on CPU a fresh vocabulary-sized tensor per step costs more in
     page faults than the arithmetic). Only top-p sorts.
     """
