@@ -130,6 +130,11 @@ def _uniforms(B: int, G: int, T: int, generator) -> torch.Tensor:
 SAMPLE_BLOCK = 256  # tokens per block of the two-level inverse CDF in sample_token
 
 
+def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
+    """The zeroed float32 [n, V rounded up to SAMPLE_BLOCK] buffer sample_token works in; reuse it across steps."""
+    return torch.zeros(n, -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)
+
+
 def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, work=None):
     """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs [n]).
 
@@ -138,7 +143,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     recomputes; temperature 0 is greedy and reports the plain log-softmax.
     Without top-p the walk has two levels, so no vocabulary-sized running sum is built: the mass of each
     block of SAMPLE_BLOCK tokens, a running sum over blocks to find the block where u lands, then a running
-    sum inside that block only. `work` [>= n, V rounded up to a block] float32, zero beyond V, holds the
+    sum inside that block only. `work` (sample_workspace(>= n, V)), zero beyond V, holds the
     probabilities and is reused across steps (on CPU a fresh vocabulary-sized tensor per step costs more in
     page faults than the arithmetic). Only top-p sorts.
     """
@@ -147,10 +152,10 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
         z = logits.float()                                                    # [n, V]
         tok = z.argmax(-1)                                                    # [n]
         return tok, z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
-    nb = -(-V // SAMPLE_BLOCK)                                                # blocks, the last one zero-padded
     if work is None:
-        work = torch.zeros(n, nb * SAMPLE_BLOCK, device=logits.device)
+        work = sample_workspace(n, V, logits.device)
     w = work[:n]                                                              # [n, nb * BLOCK]
+    nb = w.shape[1] // SAMPLE_BLOCK                                           # blocks, the last one zero-padded
     p = w[:, :V].copy_(logits)                                                # [n, V] float32 logits
     p.sub_(p.amax(-1, keepdim=True))
     if temperature != 1.0:
@@ -214,7 +219,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     attn = attn.repeat_interleave(G, dim=0)                                   # [N, P + T]
     next_pos = attn[:, :P].sum(-1)                                            # [N]
     active = torch.arange(N, device=device)                                   # rows still decoding
-    work = torch.zeros(N, -(-logits.shape[-1] // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)  # [N, V up to a block]
+    work = sample_workspace(N, logits.shape[-1], device)                      # [N, V up to a block], reused each step
 
     for t in range(T):
         tok, lp = sample_token(logits, u[active, t], temperature, top_p, work)  # [n], [n]

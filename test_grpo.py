@@ -708,7 +708,8 @@ def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
     p = torch.softmax(logits.double() / 0.7, -1)                    # [n, V] the tempered distribution
     want = torch.searchsorted(p.cumsum(-1), u.double()[:, None] * p.sum(-1, keepdim=True), side="right").squeeze(-1)
     want = want.clamp_max(V - 4)                                    # u -> 1 ends on the last token with mass
-    work = torch.zeros(n, -(-V // block) * block)
+    work = sampler.sample_workspace(n, V)
+    assert work.shape == (n, -(-V // block) * block)
     tok, lp = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
     assert torch.equal(tok, want)
     assert torch.allclose(lp.double(), p.gather(-1, tok[:, None]).squeeze(-1).log(), atol=1e-5)
