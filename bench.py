@@ -153,7 +153,6 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
               f"(a large {short} matmul runs at {statistics.median(flops) / 1e9:.0f} GFLOP/s here)")
         print(f"{short + f' matmuls alone, {B * G}-row decode steps':46s}{B * G / step:9.0f}   "
               f"({2 * params * B * G / step / 1e9:.0f} GFLOP/s: the model's matrix multiplies at the decode shape)")
-    model.float()
 
 
 # ---------------------------------------------------------------------------------------------
