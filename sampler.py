@@ -254,8 +254,9 @@ def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) ->
 def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
     """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T].
 
-    The training side of the sampler: the same tempered distribution the tokens were drawn from. One forward over left-padded prompt + right-padded response; only the last T + 1 positions' logits
-    are materialised (logits_to_keep), and of those the T that predict the response.
+    The training side of the sampler: the same tempered distribution the tokens were drawn from. One
+    forward over left-padded prompt + right-padded response; only the last T + 1 positions' logits are
+    materialised (logits_to_keep), and of those the T that predict the response.
     """
     prompts = [roll.prompts[i // roll.G] for i in range(rows.start, rows.stop)]
     resp, rmask = roll.response_ids[rows], roll.mask[rows]                   # [n, T]

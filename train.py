@@ -16,10 +16,10 @@ atomically to OUT/checkpoint.pt; --resume continues from it with the same result
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
-import contextlib
 import math
 import os
 import sys
@@ -34,9 +34,8 @@ import checkpoint
 import dapo
 import data
 import grpo
-from sampler import Rollout, rollout_logprobs, sample_groups
 import verifier
-from verifier import format_reward
+from sampler import Rollout, rollout_logprobs, sample_groups
 
 
 def _f(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
@@ -350,7 +349,7 @@ def run(args: Args, ddp: Dist) -> dict:
             correct = torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, answers)])              # [N]
             rewards = correct.clone()                                                                     # [N]
             if args.format_weight:
-                rewards += args.format_weight * torch.tensor([format_reward(t) for t in texts])
+                rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
             if args.overlong_penalty:
                 rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
             roll.extra = {"rewards": rewards}
