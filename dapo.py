@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+import grpo
 from sampler import Rollout
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # Clip-Higher, DAPO Sec. 3.1
@@ -51,7 +52,7 @@ def keep_groups(rewards: torch.Tensor) -> torch.Tensor:
     False where all G rewards of a group are equal (all right or all wrong), since such a group's
     advantages are all zero.
     """
-    return ~(rewards == rewards[:, :1]).all(dim=1)                            # [B]
+    return ~grpo.constant_groups(rewards)                                     # [B]
 
 
 def dynamic_sampling(

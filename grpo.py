@@ -44,8 +44,12 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
         adv = centred                                                       # [B, G]
     else:
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)         # [B, 1]
-    return adv.masked_fill(constant, 0.0)
+    return adv.masked_fill(constant_groups(rewards)[:, None], 0.0)
+
+
+def constant_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """bool [B]: groups of rewards [B, G] whose G rewards are all equal, hence all-zero advantages."""
+    return (rewards == rewards[:, :1]).all(dim=1)                             # [B]
 
 
 def _row_blocks(x: torch.Tensor, rows: int):
