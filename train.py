@@ -354,7 +354,7 @@ def run(args: Args, ddp: Dist) -> dict:
                 rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
             roll.extra = {"rewards": rewards}
             timing["time/reward_s"] += time.time() - t_reward
-            zero_std = (~dapo.keep_groups(rewards.view(-1, args.group_size))).sum()
+            zero_std = grpo.constant_groups(rewards.view(-1, args.group_size)).sum()
             drawn.add_(torch.tensor([rewards.sum(), correct.sum(), len(answers), roll.lengths.sum().item(),
                                      roll.truncated.sum().item(), zero_std.item()], dtype=torch.float))
             return roll
