@@ -472,8 +472,8 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
                "--eval-data", str(d / "eval.jsonl"), "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
                "--max-new-tokens", "12", "--overlong-cache", "12", "--micro-batch-size", "3", "--lr", "1e-2",
                "--eval-every", "3", "--out", str(out), "--device", "cpu", "--algo", "dapo", "--adv-scale", adv_scale]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,  # a rank that aborts prints its stack
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
         assert res.returncode == 0, res.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"))
@@ -487,6 +487,26 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
     start = _weights(d / "model")
     assert any(not torch.equal(start[k], w1[k]) for k in w1)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_torchrun_teardown_stops_the_gloo_threads(tiny_run_inputs, tmp_path):
+    """After train.main returns, each rank's process group is gone with its gloo threads. A process group
+    that outlives destroy_process_group keeps them running into interpreter exit, where a rank can abort."""
+    d = tiny_run_inputs
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import os, sys\nsys.path.insert(0, {HERE!r})\nimport train\n"
+        f"train.main(['--model', {str(d / 'model')!r}, '--data', {str(d / 'train.jsonl')!r}, '--steps', '1',\n"
+        f"            '--prompts-per-step', '4', '--group-size', '4', '--max-new-tokens', '8',\n"
+        f"            '--out', {str(tmp_path / 'out')!r}, '--device', 'cpu'])\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'threads' + os.environ['RANK']), 'w').write(\n"
+        "    str(sum('gloo' in n for n in names)))\n")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver)],
+                         capture_output=True, text=True, timeout=300, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]  # gloo threads left per rank
 
 
 

@@ -165,6 +165,11 @@ class Dist:
             if device.startswith("cuda"):
                 self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
                 torch.cuda.set_device(self.device)
+            # DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default
+            # argument. Imported after init_process_group, those defaults pin the process group, so
+            # destroy_process_group cannot free it and its gloo threads run on into interpreter exit
+            # (where a rank aborted in CI). Imported first, the defaults are None.
+            import torch.distributed.nn  # noqa: F401
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
