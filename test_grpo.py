@@ -399,14 +399,27 @@ def tiny_run_inputs(tmp_path_factory):
     return d
 
 
+def _tiny_flags(d, out):
+    """train.py flags for a short CPU run of the tiny model on the tiny data (flags given after these win)."""
+    return ["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--eval-data", str(d / "eval.jsonl"),
+            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12", "--lr", "1e-2",
+            "--out", str(out), "--device", "cpu"]
+
+
 def _run_train(d, out, *extra):
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", str(d / "model"), "--data", str(d / "train.jsonl"),
-           "--eval-data", str(d / "eval.jsonl"), "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-           "--max-new-tokens", "12", "--lr", "1e-2", "--eval-every", "1", "--out", str(out), "--device", "cpu", *extra]
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--steps", "2", "--eval-every", "1", *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
                          env={**os.environ, "PYTHONPATH": str(d)})
     assert res.returncode == 0, res.stderr[-3000:]
     return res
+
+
+def _torchrun(nproc, script, *flags):
+    """`script flags` under torchrun on nproc CPU ranks (gloo); fails the test unless every rank exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *flags]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,  # a rank that aborts prints its stack
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 def _weights(folder):
@@ -467,14 +480,8 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"w{n}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               os.path.join(HERE, "train.py"), "--model", str(d / "model"), "--data", str(d / "train.jsonl"),
-               "--eval-data", str(d / "eval.jsonl"), "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
-               "--max-new-tokens", "12", "--overlong-cache", "12", "--micro-batch-size", "3", "--lr", "1e-2",
-               "--eval-every", "3", "--out", str(out), "--device", "cpu", "--algo", "dapo", "--adv-scale", adv_scale]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,  # a rank that aborts prints its stack
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
-        assert res.returncode == 0, res.stderr[-3000:]
+        _torchrun(n, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--steps", "3", "--overlong-cache", "12",
+                  "--micro-batch-size", "3", "--eval-every", "3", "--algo", "dapo", "--adv-scale", adv_scale)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"))
     (m1, w1), (m2, w2) = runs[1], runs[2]
@@ -493,19 +500,13 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
 def test_torchrun_teardown_stops_the_gloo_threads(tiny_run_inputs, tmp_path):
     """After train.main returns, each rank's process group is gone with its gloo threads. A process group
     that outlives destroy_process_group keeps them running into interpreter exit, where a rank can abort."""
-    d = tiny_run_inputs
-    driver = tmp_path / "driver.py"
+    driver = tmp_path / "driver.py"  # train.main, then each rank writes how many gloo threads it still has
     driver.write_text(
-        f"import os, sys\nsys.path.insert(0, {HERE!r})\nimport train\n"
-        f"train.main(['--model', {str(d / 'model')!r}, '--data', {str(d / 'train.jsonl')!r}, '--steps', '1',\n"
-        f"            '--prompts-per-step', '4', '--group-size', '4', '--max-new-tokens', '8',\n"
-        f"            '--out', {str(tmp_path / 'out')!r}, '--device', 'cpu'])\n"
+        f"import os, sys\nsys.path.insert(0, {HERE!r})\nimport train\ntrain.main(sys.argv[1:])\n"
         "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
         f"open(os.path.join({str(tmp_path)!r}, 'threads' + os.environ['RANK']), 'w').write(\n"
         "    str(sum('gloo' in n for n in names)))\n")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver)],
-                         capture_output=True, text=True, timeout=300, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    _torchrun(2, driver, *_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1")
     assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]  # gloo threads left per rank
 
 
