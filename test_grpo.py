@@ -548,6 +548,16 @@ def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
     assert steps == list(range(1, target + 1))
 
 
+def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
+    # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU run in float32
+    for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
+        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *flags)
+    fp32, bf16 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines() if "loss" in x][0]
+                  for n in ("fp32", "bf16"))
+    assert math.isfinite(bf16["entropy"]) and bf16["entropy"] != fp32["entropy"]  # bfloat16 logits round differently
+    assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "bf16" / "final").values())  # weights stay float32
+
+
 def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1")

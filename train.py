@@ -282,7 +282,7 @@ def run(args: Args, ddp: Dist) -> dict:
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
-    amp = lambda: torch.autocast("cuda", torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    amp = lambda: torch.autocast(torch.device(ddp.device).type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     policy = torch.nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
