@@ -113,6 +113,15 @@ def _make_cache(model, capacity: int) -> DynamicCache:
     return cache
 
 
+def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
+    """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the lengths.
+    sample_groups and rollout_logprobs both use it, so sampling and training see the same positions."""
+    P = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # [n, P]
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)       # [n, P]
+    return ids, mask
+
+
 def _cache_kwarg(model) -> str:
     """transformers 5 names the cache argument `cache`; earlier releases call it `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -207,13 +216,13 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
 
     was_training = model.training
     model.eval()
-    P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # [B, P]
-    attn = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + T) for p in prompts], device=device)  # [B, P + T]
-    pos = (attn[:, :P].cumsum(-1) - 1).clamp_min(0)                           # [B, P] counted from the first real token
+    ids, pmask = _left_padded(prompts, pad_token_id, device)                 # [B, P] each
+    P = ids.shape[1]
+    attn = torch.cat([pmask, pmask.new_ones(B, T)], 1)                        # [B, P + T]
+    pos = (pmask.cumsum(-1) - 1).clamp_min(0)                                 # [B, P] counted from the first real token
     cache = _make_cache(model, P + T)
     kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    logits = model(input_ids=ids, attention_mask=attn[:, :P], position_ids=pos, **kw).logits[:, -1]  # [B, V]: one prefill per prompt
+    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, **kw).logits[:, -1]  # [B, V]: one prefill per prompt
     cache.batch_repeat_interleave(G)                                          # prompt KV shared by its G rows
     logits = logits.repeat_interleave(G, dim=0)                               # [N, V]
     attn = attn.repeat_interleave(G, dim=0)                                   # [N, P + T]
@@ -261,9 +270,7 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
     prompts = [roll.prompts[i // roll.G] for i in range(rows.start, rows.stop)]
     resp, rmask = roll.response_ids[rows], roll.mask[rows]                   # [n, T]
     n, T = resp.shape
-    P = max(len(p) for p in prompts)
-    pids = torch.tensor([[roll.pad_token_id] * (P - len(p)) + p for p in prompts])           # [n, P]
-    pmask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])               # [n, P]
+    pids, pmask = _left_padded(prompts, roll.pad_token_id)                   # [n, P] each
     dev = next(model.parameters()).device
     ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
     attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]; pads after EOS are masked by loss
