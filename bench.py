@@ -25,7 +25,7 @@ import time
 
 import torch
 
-import grpo
+import logprobs
 from sampler import sample_groups
 
 V_QWEN = 151_936  # Qwen2's vocabulary
@@ -164,7 +164,7 @@ def _naive(logits, ids):
 
 
 def _variant(name):
-    return _naive if name == "naive" else grpo.token_logprobs
+    return _naive if name == "naive" else logprobs.token_logprobs
 
 
 def _inputs(dtype, device, grad):
@@ -219,7 +219,7 @@ def bench_logprobs(device: str, repeats: int) -> None:
     print(f"\n## token_logprobs vs log_softmax(logits).gather(...): {rows} rows x V = {V_QWEN:,}, {device}")
     logits, ids = _inputs(torch.float32, device, True)
     with torch.no_grad():
-        err = (grpo.token_logprobs(logits, ids) - _naive(logits, ids)).abs().max().item()
+        err = (logprobs.token_logprobs(logits, ids) - _naive(logits, ids)).abs().max().item()
     print(f"float32 logits {logits.numel() * 4 / 2**20:.0f} MB; max |difference| of the values {err:.1e}")
     print(f"{'extra peak memory above the inputs':36s}{'naive':>10s}{'token_logprobs':>16s}{'ratio':>8s}")
     cases = (("float32", False), ("bfloat16", False), ("float32", True))

@@ -42,7 +42,8 @@ import dapo
 import data
 import grpo
 import verifier
-from sampler import Rollout, rollout_logprobs, sample_groups
+from logprobs import rollout_logprobs
+from sampler import Rollout, sample_groups
 
 
 def _f(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
