@@ -167,7 +167,7 @@ def _rows(roll: Rollout, rows: slice) -> tuple[int, int]:
 
 def _new_cache(model) -> DynamicCache:
     """An empty DynamicCache with the model's layer types (sliding-window layers too, transformers >= 4.56)."""
-    cfg = getattr(model, "module", model).config                              # a DDP-wrapped model too
+    cfg = model.config
     return DynamicCache(config=cfg) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
 
 
@@ -194,8 +194,12 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
     if int(plen.max()) > 1:                                                   # 1. the prompts, once per group
         head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1] each
         head_pos = (head_mask.cumsum(-1) - 1).clamp_min(0)                    # [g, P-1] from the first real token
-        cache, name = _new_cache(model), _cache_kwarg(getattr(model, "module", model))  # DDP: the wrapped model's name
-        model(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
+        inner = getattr(model, "module", model)                               # under DDP, the wrapped model
+        cache, name = _new_cache(inner), _cache_kwarg(inner)
+        # run outside DDP's forward: DDP broadcasts buffers in each forward, so a second DDP forward per
+        # micro-batch would hang ranks that run a zero-weight pass; the prompt's gradient still reaches the
+        # parameters' DDP hooks, which fire once per backward with both paths summed
+        inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
               use_cache=True, logits_to_keep=1, **{name: cache})
         cache.batch_select_indices(group.to(dev))                             # 2. one cache row per response
         attn = torch.cat([head_mask[group], attn], 1)                         # [n, P-1 + T]
