@@ -282,7 +282,7 @@ def forward_positions(roll, slices) -> dict:
     """Token positions of a pass over `slices`, computed and real (not padding), for both forms.
     Per response: every row is its prompt left-padded to the slice's longest + the rollout's width; shared: each
     group's prompt but its last token once, left-padded to the slice's longest, then every row as [last prompt
-    token, response] right-padded to the slice's longest response."""
+    token, response] right-padded to the longest of its length bucket (logprobs._length_buckets)."""
     n = {"per-response": [0, 0], "shared": [0, 0]}                              # [computed, real]
     for s in slices:
         rows = range(s.start, s.stop)
@@ -290,7 +290,8 @@ def forward_positions(roll, slices) -> dict:
         lengths = roll.lengths[s].tolist()
         n["per-response"][0] += len(rows) * (max(plen.values()) + roll.response_ids.shape[1])
         n["per-response"][1] += sum(plen[i // roll.G] for i in rows) + sum(lengths)
-        n["shared"][0] += len(plen) * (max(plen.values()) - 1) + len(rows) * max(lengths)
+        n["shared"][0] += len(plen) * (max(plen.values()) - 1) + sum(
+            len(r) * max(lengths[i] for i in r.tolist()) for r in logprobs._length_buckets(roll.lengths[s]))
         n["shared"][1] += sum(p - 1 for p in plen.values()) + sum(lengths)
     return n
 

@@ -32,6 +32,7 @@ answers, and little with long reasoning traces (T >> P).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -40,6 +41,7 @@ from transformers import DynamicCache
 from sampler import Rollout, _cache_kwarg, _left_padded
 
 LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
+BUCKET_KEEP = 0.8  # split a slice's responses in two length buckets when that leaves <= 80% of the positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,43 +173,71 @@ def _new_cache(model) -> DynamicCache:
     return DynamicCache(config=cfg) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
 
 
+def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Rows [n] split in two by length (short ones, long ones) when padding each part to its own longest
+    computes at most BUCKET_KEEP of the positions one batch padded to the longest would; else one part."""
+    L, order = lengths.sort(stable=True)                                      # [n] ascending
+    n = L.shape[0]
+    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1] positions if split after k
+    if n < 2 or float(cost.min()) > BUCKET_KEEP * n * float(L[-1]):
+        return [torch.arange(n)]
+    k = int(cost.argmin()) + 1
+    return [order[:k], order[k:]]
+
+
+def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
+    """A cache holding rows `index` of `cache`, which is left as it was (layers rebind, never write, their tensors)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    out.batch_select_indices(index)                                           # an index: differentiable
+    return out
+
+
 def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
     """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T], and
-    the mask [n, T]; T is the rollout's width, positions past the slice's longest response are 0.
+    the mask [n, T]; T is the rollout's width, values past a bucket's longest response are 0.
 
-    The shared-prefix forward of the module docstring: each group's prompt once, its responses against it.
-    Same values and gradients as `per_response_logprobs` (test_shared_prefix_forward_equals_per_response).
+    The shared-prefix forward of the module docstring: each group's prompt once, its responses against it, in
+    one or two length buckets. Same values and gradients as `per_response_logprobs`
+    (test_shared_prefix_forward_equals_per_response).
     """
     a, b = _rows(roll, rows)
     G, dev = roll.G, next(model.parameters()).device
     T_all = roll.response_ids.shape[1]
-    T = int(roll.lengths[a:b].max())                                          # this slice's longest response
     g0 = a // G
     prompts = roll.prompts[g0:(b - 1) // G + 1]                               # each group met by the slice, once
     group = torch.arange(a, b) // G - g0                                      # [n] row -> its prompt in `prompts`
-    resp = roll.response_ids[a:b, :T].cpu()                                   # [n, T]
     plen = torch.tensor([len(p) for p in prompts])                            # [g]
     last = torch.tensor([p[-1] for p in prompts])                             # [g] each prompt's last token
-    ids = torch.cat([last[group, None], resp[:, :T - 1]], 1)                  # [n, T] the row's inputs
-    pos = plen[group, None] - 1 + torch.arange(T)                             # [n, T] positions go on from the prompt
-    kw, attn = {}, torch.ones(ids.shape, dtype=torch.long)                    # [n, T]
+    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
+    cache, name = None, _cache_kwarg(inner)
     if int(plen.max()) > 1:                                                   # 1. the prompts, once per group
         head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1] each
         head_pos = (head_mask.cumsum(-1) - 1).clamp_min(0)                    # [g, P-1] from the first real token
-        inner = getattr(model, "module", model)                               # under DDP, the wrapped model
-        cache, name = _new_cache(inner), _cache_kwarg(inner)
+        cache = _new_cache(inner)
         # run outside DDP's forward: DDP broadcasts buffers in each forward, so a second DDP forward per
         # micro-batch would hang ranks that run a zero-weight pass; the prompt's gradient still reaches the
         # parameters' DDP hooks, which fire once per backward with both paths summed
         inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
               use_cache=True, logits_to_keep=1, **{name: cache})
-        cache.batch_select_indices(group.to(dev))                             # 2. one cache row per response
-        attn = torch.cat([head_mask[group], attn], 1)                         # [n, P-1 + T]
-        kw = {name: cache, "use_cache": True}
-    logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), **kw).logits  # 3. [n, T, V]
-    pad = lambda x: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  [n, T] -> [n, T_all], zeros past T
-    logp = pad(token_logprobs(logits, resp.to(dev), temperature))             # [n, T_all]
-    ent = pad(token_entropy(logits, temperature)) if with_entropy else None   # [n, T_all]
+    out, order = [], []
+    for r in _length_buckets(roll.lengths[a:b].cpu()):                        # rows r [m] of the slice
+        T = int(roll.lengths[a:b][r].max())                                   # this bucket's longest response
+        resp = roll.response_ids[a:b][r, :T].cpu()                            # [m, T]
+        ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)           # [m, T] the rows' inputs
+        pos = plen[group[r], None] - 1 + torch.arange(T)                      # [m, T] positions go on from the prompt
+        kw, attn = {}, torch.ones(ids.shape, dtype=torch.long)                # [m, T]
+        if cache is not None:                                                 # 2. one cache row per response
+            kw = {name: _cache_rows(cache, group[r].to(dev)), "use_cache": True}
+            attn = torch.cat([head_mask[group[r]], attn], 1)                  # [m, P-1 + T]
+        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), **kw).logits  # 3. [m, T, V]
+        pad = lambda x, T=T: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  [m, T] -> [m, T_all]
+        out.append((pad(token_logprobs(logits, resp.to(dev), temperature)),
+                    pad(token_entropy(logits, temperature)) if with_entropy else None))
+        order.append(r)
+    back = torch.cat(order).argsort().to(dev)                                 # [n] bucket order -> row order
+    logp = torch.cat([lp for lp, _ in out])[back]                             # [n, T_all]
+    ent = torch.cat([e for _, e in out])[back] if with_entropy else None      # [n, T_all]
     return logp, ent, roll.mask[a:b].to(dev)
 
 

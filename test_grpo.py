@@ -876,9 +876,12 @@ def _micro_batches(N, mb):
     return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])  # mistral: sliding-window layers (window 5) in the cache
-def test_shared_prefix_forward_equals_per_response(tiny_model, kind):
+@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0)])
+def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
+    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
+    # is split into two length buckets (0.8, the default, keeps these slices whole)
     from logprobs import per_response_logprobs, rollout_logprobs
+    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     model = tiny_model if kind == "llama" else _tiny("mistral", torch.float32)
     t, G = 0.7, 4
     roll = _mixed_rollout(model, t, G)
@@ -911,17 +914,27 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_training_logprobs_equal_the_samplers(tiny_model, temperature):
+@pytest.mark.parametrize("temperature,keep", [(1.0, 0.8), (0.7, 0.8), (0.7, 1.0)])
+def test_training_logprobs_equal_the_samplers(tiny_model, temperature, keep, monkeypatch):
     # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
     # off-by-one position, position ids that ignore the left padding, or a dropped temperature all break this
     from logprobs import rollout_logprobs
+    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     roll = _mixed_rollout(tiny_model, temperature)
     N = roll.response_ids.shape[0]
     for mb in (N, 5):
         with torch.no_grad():
             logp = torch.cat([rollout_logprobs(tiny_model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
         assert ((logp - roll.logprobs) * roll.mask).abs().max() <= 1e-4
+
+
+def test_length_buckets_split_only_when_it_pays():
+    # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20} and long rows
+    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37: one batch.
+    short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
+    assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
+    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))] == [[0, 1, 2, 3]]
+    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
 
 
 def test_rollout_logprobs_rejects_bad_slices(tiny_model):
