@@ -403,20 +403,27 @@ def trl_child(folder: str, steps: int) -> None:
     print(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])]}))
 
 
-def bench_vs_trl(steps: int, repeats: int) -> None:
-    """Both trainers on the built-in base model and the same 512 training prompts, each in its own process with
-    one thread, interleaved; seconds per step, the first step of each run left out (warm-up)."""
+def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
+    """Both trainers on the built-in base model (init="random": the same architecture, randomly initialised, so
+    nothing is built first) and the same 512 training prompts, each in its own process with one thread,
+    interleaved; seconds per step, the first step of each run left out (warm-up)."""
     import builtin
     flags = ["--algo", "grpo", "--beta", str(VS_TRL["beta"]), "--prompts-per-step", str(VS_TRL["prompts"]),
              "--group-size", str(VS_TRL["G"]), "--max-new-tokens", str(VS_TRL["new_tokens"]),
              "--micro-batch-size", str(VS_TRL["prompts"] * VS_TRL["G"]), "--lr", "1e-6", "--steps", str(steps), "--device", "cpu"]
     print(f"\n## A GRPO step, train.py vs TRL's GRPOTrainer: {VS_TRL['prompts']} prompts x {VS_TRL['G']} samples, "
-          f"{VS_TRL['new_tokens']} new tokens, beta {VS_TRL['beta']}, the built-in base model, CPU, one thread")
+          f"{VS_TRL['new_tokens']} new tokens, beta {VS_TRL['beta']}, the built-in {'base' if init == 'base' else 'random-init'} "
+          f"model, CPU, one thread")
     here, env = os.path.dirname(os.path.abspath(__file__)), {**os.environ, "OMP_NUM_THREADS": "1"}
     times = {"train.py": [], "TRL GRPOTrainer": []}
     with tempfile.TemporaryDirectory() as d:
-        model = builtin.base_model()
-        shutil.copytree(model, os.path.join(d, "model"))
+        if init == "base":
+            shutil.copytree(builtin.base_model(), os.path.join(d, "model"))
+        else:
+            tok = builtin.make_tokenizer()
+            torch.manual_seed(0)
+            builtin.make_model(builtin.BaseModelConfig(), len(tok)).save_pretrained(os.path.join(d, "model"))
+            tok.save_pretrained(os.path.join(d, "model"))
         with open(os.path.join(d, "train.jsonl"), "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in builtin.sample_problems(512, 0, False))
         for r in range(repeats):
@@ -449,6 +456,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward"], default=None, help="run one section")
     p.add_argument("--vs-trl", action="store_true",
                    help="only the GRPO step of train.py vs TRL's GRPOTrainer (needs trl installed for this Python)")
+    p.add_argument("--vs-trl-init", choices=["base", "random"], default="base",
+                   help="--vs-trl on the built-in base model, or on the same architecture randomly initialised (no build)")
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -468,7 +477,7 @@ def main(argv=None) -> None:
           + f", load average {os.getloadavg()[0]:.1f}; medians of {args.repeats} interleaved repeats")
     t0 = time.perf_counter()
     if args.vs_trl:
-        bench_vs_trl(max(args.steps, 4), args.repeats)
+        bench_vs_trl(max(args.steps, 4), args.repeats, args.vs_trl_init)
         return print(f"\n({time.perf_counter() - t0:.0f} s in all)")
     if args.only in (None, "rollouts"):
         bench_rollouts(device, args.repeats)
