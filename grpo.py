@@ -135,6 +135,54 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return out.view(logits.shape[:-1])
 
 
+def reduce_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    reduction: str = "sequence",
+    num_tokens: float | torch.Tensor | None = None,
+    max_len: int | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token losses [N, T] -> scalar, counting only valid tokens (mask [N, T], 1.0 on valid ones).
+
+    The three reductions of `policy_loss`, with the same global denominators, for the losses in
+    variants.py: "sequence" = sum over responses of each one's token mean / num_seqs (default N);
+    "token" = sum over valid tokens / num_tokens (default mask.sum()); "constant" = sum / (num_seqs *
+    max_len), max_len defaulting to T. Passing the step's global counts makes micro-batches and ranks
+    add up to the full-batch loss.
+    """
+    if reduction not in ("sequence", "token", "constant"):
+        raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
+    mask = mask.to(per_token.dtype)                                           # [N, T]
+    n = per_token.shape[0] if num_seqs is None else num_seqs
+    if reduction == "sequence":
+        seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
+        return seq_mean.sum() / n
+    if reduction == "token":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return (per_token * mask).sum() / (denom.clamp_min(1.0) if torch.is_tensor(denom) else max(denom, 1.0))
+    return (per_token * mask).sum() / (n * (per_token.shape[1] if max_len is None else max_len))
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate, k1 = logp - ref: [N, T], [N, T] -> [N, T].
+
+    Schulman (2020): unbiased for tokens sampled from pi_theta but high-variance and negative for about
+    half the tokens. As a loss its expected gradient is zero on-policy (the score function has mean 0).
+    """
+    return logp - ref_logp                                                    # [N, T]
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL estimate, k2 = 0.5 (logp - ref)^2 >= 0: [N, T], [N, T] -> [N, T].
+
+    Schulman (2020): biased as a value (low variance, close for nearby policies), but as a loss its
+    on-policy expected gradient is exactly the gradient of KL(pi_theta || pi_ref) (Liu et al., arXiv
+    2510.01555).
+    """
+    return 0.5 * (logp - ref_logp) ** 2                                       # [N, T]
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate, k3 = exp(ref - logp) - (ref - logp) - 1 >= 0.
 
