@@ -860,20 +860,21 @@ def _verl_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None):
     return (row_mean * (per_row > 0)).sum() / ((per_row > 0).sum() if num_seqs is None else num_seqs)
 
 
-def _verl_gspo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode):
+def _verl_gspo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
     """verl compute_policy_loss_gspo: token ratio with value s_i = exp(masked mean of logp - old) and the
     gradient of logp (log-space: sg(log s_i) + logp - sg(logp), capped at 10), PPO's max of the two losses."""
     log_s = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     log_tok = torch.clamp(log_s.detach()[:, None] + logp - logp.detach(), max=10.0)
     s = log_tok.exp()
     loss_mat = torch.maximum(-adv_tok * s, -adv_tok * s.clamp(1 - clip_low, 1 + clip_high))
-    return _verl_agg(loss_mat, mask, mode)
+    return _verl_agg(loss_mat * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
 
 
-def _verl_cispo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode):
-    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 + high)) * A * logp."""
+def _verl_cispo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
+    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 + high)) * A * logp;
+    rollout_is_weights (verl's rollout correction, e.g. truncated IS) multiply each token's loss."""
     w = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(1 - clip_low, 1 + clip_high).detach()
-    return _verl_agg(-w * adv_tok * logp, mask, mode)
+    return _verl_agg(-w * adv_tok * logp * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
 
 
 def _verl_kl(logp, ref_logp, name):
@@ -953,6 +954,14 @@ def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     with pytest.raises(ValueError):
         variants.gspo_loss(logp, old, adv_tok, mask)
+    # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
+    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
+                                                                 reduction, weights=w)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
+    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high, reduction, weights=w)[0], want)
     m = variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
     return m["clip/low_frac"] + m["clip/high_frac"]
 
@@ -982,6 +991,12 @@ def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
     want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
                                                        mode), logp)
     got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
+                                                       mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction,
+                                                             weights=w)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     m = variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
     return m["clip/low_frac"] + m["clip/high_frac"]
@@ -1013,6 +1028,8 @@ def test_policy_loss_is_reduce_loss_of_its_tokens_and_kl_term_splits_off():
         with_kl, m = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, ref_logp=ref, beta=0.04, **kw)
         kl, mk = variants.kl_term(logp, ref, mask, grpo.kl_k3, **kw)
         assert torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12) and abs(m["kl"] - mk["kl"]) < 1e-9
+        k2, mk2 = variants.kl_term(logp, ref, mask, grpo.kl_k2, **kw)  # another estimator: same "kl" metric (k3)
+        assert torch.allclose(k2, grpo.reduce_loss(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
     with pytest.raises(ValueError):
         grpo.reduce_loss(per_token, mask, "mean")
 
