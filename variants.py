@@ -5,18 +5,19 @@ plainly as `grpo.policy_loss`, with the same inputs, the same reductions and the
 (num_tokens, num_seqs, max_len: micro-batches and DDP ranks add up to the full-batch loss), and returning
 (loss to minimise, metrics):
 
-- GSPO (Zheng et al. 2025, arXiv 2507.18071, Eq. 5-7): one importance ratio per response,
+- GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per response,
   s_i = exp(mean_t (logp - old_logp)), clipped per response with tiny bounds (paper: 3e-4 / 4e-4):
-  `gspo_loss`. GSPO-token (Eq. 13-14) carries sg[s_i] * pi(t) / sg[pi(t)] on each token so that
+  `gspo_loss`. GSPO-token carries sg[s_i] * pi(t) / sg[pi(t)] on each token so that
   per-token advantages can be used; with one advantage per response it has the same value and gradient:
   `gspo_token_loss`.
-- CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4-5): -sg(clip(ratio)) * A * logp, so a clipped token keeps
+- CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(ratio)) * A * logp, so a clipped token keeps
   its gradient (only its weight is bounded): `cispo_loss`.
 - KL to the reference with any estimator of grpo.py (k1, k2, k3) as a separate term: `kl_term`.
 - Entropy bonus: the mean entropy of the policy's next-token distribution, to subtract with a
   coefficient: `token_entropy` (differentiable, block by block) and `entropy_bonus`.
-- Rollout/train mismatch: truncated importance sampling weights min(pi_old / pi_sampler, C)
-  (`tis_weights`) and the mismatch metrics (`mismatch_metrics`).
+- Rollout/train mismatch (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL Systems"):
+  truncated importance sampling weights min(pi_old / pi_sampler, C) (`tis_weights`) and the mismatch
+  metrics (`mismatch_metrics`).
 
 Shapes: N responses, T response tokens, V vocabulary; masks are 1.0 on valid response tokens.
 """
@@ -30,7 +31,7 @@ import torch
 import grpo
 
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # GSPO paper, Sec. 5.1
-CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0  # no lower bound (MiniMax-M1 Sec. 3.1); ratio capped at 5 (ScaleRL)
+CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0  # no lower bound (MiniMax-M1); ratio capped at 5 (ScaleRL, arXiv 2510.13786)
 LOG_RATIO_MAX = 20.0  # log-ratios are clamped to +-20 before exp, as verl does (exp(89) overflows float32)
 
 
@@ -70,7 +71,7 @@ def gspo_loss(
     num_seqs: float | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO's objective to minimise (arXiv 2507.18071, Eq. 5-7), and its metrics.
+    """GSPO's objective to minimise (arXiv 2507.18071), and its metrics.
 
     Per response: -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i), with the length-normalised
     sequence ratio s_i = (pi_theta(y_i) / pi_old(y_i))^(1 / |y_i|) = exp(mean over valid tokens of
@@ -105,11 +106,11 @@ def gspo_token_loss(
     num_seqs: float | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO-token (arXiv 2507.18071, Eq. 13-14): GSPO with per-token advantages [N, T] (or [N]).
+    """GSPO-token (arXiv 2507.18071): GSPO with per-token advantages [N, T] (or [N]).
 
     Token ratio s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]: its value is s_i, its gradient
     that of logp_t scaled by s_i. Per token: -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t}). With one
-    advantage per response, value and gradient equal `gspo_loss` (Eq. 15-17 of the paper).
+    advantage per response, value and gradient equal `gspo_loss` (as the paper shows).
     """
     adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
@@ -137,7 +138,7 @@ def cispo_loss(
     num_seqs: float | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """CISPO's objective to minimise (MiniMax-M1, arXiv 2506.13585, Eq. 4-5), and its metrics.
+    """CISPO's objective to minimise (MiniMax-M1, arXiv 2506.13585), and its metrics.
 
     Per token: -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp, ratio = exp(logp - old_logp).
     Unlike PPO's clip, which drops the gradient of a clipped token, here every token keeps the gradient
