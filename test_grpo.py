@@ -316,6 +316,9 @@ VERIFIER_RULES = [
     R("so $\\boxed 7$.", "7", 1.0, id="boxed-bare-token"),
     R("\\boxed {7}", "7", 1.0, id="boxed-space-before-brace"),
     R("\\boxed{7", "7", 0.0, id="unclosed-last-box-is-no-answer"),
+    R("I will put it in \\boxed{}.\nAnswer: 7", "7", 1.0, id="empty-box-is-skipped"),
+    R("The roots are $\\boxed{2}$ and $\\boxed{-3}$.", "-3, 2", 1.0, id="adjacent-boxes-are-one-answer"),
+    R("$\\boxed{5}$ or $\\boxed{6}$", "6", 0.0, id="hedging-boxes-are-not-credited"),
     R("\\boxed{34}\n" + "Let me check this once more. " * 4000, "34", 1.0, id="boxed-before-a-100k-self-check"),
     R("The total is 1,234.\n#### 1,234", "1234", 1.0, id="hashes-gsm8k"),
     R("#### 72", "Natalia sold 48/2 = 24 clips... #### 72", 1.0, id="reference-read-the-same-way"),
@@ -436,7 +439,8 @@ def test_verifier_time_is_bounded_on_megabyte_inputs():
                "answe" * (n // 5), "#### " + "1" * n, "(" * n, "9" * n, "$" * n, "Answer: " + "\\(" * (n // 2),
                "Answer: " + "1 " * (n // 2), "Answer: " + "\\frac{" * (n // 6), "Answer: " + "a " * (n // 2) + "1",
                "Answer: " + "1," * (n // 2), "Answer: " + "{" * 500 + "}" * 500, "Answer: " + "-(" * (n // 2),
-               "\\boxed{\\{" + "1," * 450 + "\\}}", "x" * n + "\\boxed{1}"]
+               "\\boxed{\\{" + "1," * 450 + "\\}}", "x" * n + "\\boxed{1}", "\\boxed{1}" * (n // 9), "\\boxed{}" * (n // 8),
+               "$\\boxed{1}$, " * (n // 12)]
     slowest = 0.0
     for s in attacks:
         for response, answer in ((s, "1"), ("Answer: 1", s), (s, s)):

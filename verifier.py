@@ -9,8 +9,9 @@ takes a few milliseconds at most whatever the length of either input: the whole 
 `str.rfind` (linear), and everything after that reads at most MAX_ANSWER characters.
 
 The final answer (`extract_answer`; the reference is read the same way, and used whole when it has none):
-1. the content of the last `\\boxed{...}` (nested braces; also `\\boxed 7`, `\\boxed {7}`); an unclosed last
-   box (a cut-off response) is no answer;
+1. the content of the last `\\boxed{...}` (nested braces; also `\\boxed 7`, `\\boxed {7}`), with the boxes just
+   before it that only `,` `and` `or` `$` separate (`$\\boxed{2}$ and $\\boxed{3}$` is `2, 3`); an unclosed last
+   box (a cut-off response) is no answer; an empty one (`\\boxed{}`) is skipped;
 2. else the line after the last `####` (GSM8K);
 3. else the text after the last `answer` (any case, markdown bold allowed) followed by `:`, `is` or `=`:
    `Answer: 34`, `**Answer:** 34`, `the answer is 72`, Minerva's "The final answer is $34$. I hope it is
@@ -51,6 +52,7 @@ MAX_ITEMS = 20           # an answer with more comma-separated parts is compared
 MAX_DIGITS = 100         # longer number literals are compared as strings
 MAX_POWER_DIGITS = 1000  # a power with more digits than this is compared as a string
 
+_BOX_GAP = re.compile(r"(?:\s|\$|\\[()\[\]]|[,;]|and|or){0,20}")
 _MARK = re.compile(r"(?:\*\*|__|\*)?[ \t]{0,3}(?::|=|is\b[ \t]*:?)[ \t*_:]*")
 _PROSE = re.compile(r"(?!(?:yes|no|none|true|false)\b)[a-z]{2,}\b(?!\s*[=(])")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
@@ -81,9 +83,24 @@ def extract_answer(response: str) -> str | None:
     """The final answer written in `response`, or None when it states none."""
     if not isinstance(response, str):
         return None
-    box = response.rfind("\\boxed")
+    box = response.rfind("\\boxed")  # 6 characters
     if box >= 0:
-        return _boxed(response[box + len("\\boxed"):box + len("\\boxed") + MAX_ANSWER])
+        got = _boxed(response[box + 6:box + 6 + MAX_ANSWER])
+        if got is None or got[0] == "":  # unclosed, or an empty "\boxed{}" ("I will put the answer in \boxed{}")
+            return None if got is None else _unboxed(response)
+        answers = [got[0]]
+        for _ in range(MAX_ITEMS):  # "$\boxed{2}$ and $\boxed{3}$": boxes apart only by and / , / $
+            box, end = response.rfind("\\boxed", max(0, box - MAX_ANSWER), box), box
+            got = _boxed(response[box + 6:end]) if box >= 0 else None
+            if got is None or not _BOX_GAP.fullmatch(response, box + 6 + got[1], end):
+                break
+            answers[:0] = [] if got[0] in answers else [got[0]]
+        return ", ".join(answers)
+    return _unboxed(response)
+
+
+def _unboxed(response: str) -> str | None:
+    """The final answer of a response without a (non-empty) box: after `####`, else after an answer marker."""
     hashes = response.rfind("####")
     if hashes >= 0:
         line = response[hashes + 4:hashes + 4 + MAX_ANSWER].lstrip(" \t").split("\n", 1)[0]
@@ -95,17 +112,18 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
-def _boxed(after: str) -> str | None:
-    """The argument of a \\boxed, given the text after it: `{...}` with braces counted, or one bare token."""
+def _boxed(after: str) -> tuple[str, int] | None:
+    """(argument, length read) of a \\boxed, given the text after it: `{...}` with braces counted, or a bare token."""
     body = after.lstrip()
+    skipped = len(after) - len(body)
     if not body.startswith("{"):
-        m = re.match(r"[^\s${}\\]+", body) if after[:1].isspace() else None
-        return m.group(0) if m else None
+        m = re.match(r"[^\s${}\\]+", body) if skipped else None
+        return (m.group(0), skipped + m.end()) if m else None
     depth = 0
     for j, ch in enumerate(body):
         depth += (ch == "{") - (ch == "}")
         if depth == 0:
-            return body[1:j].strip()
+            return body[1:j].strip(), skipped + j + 1
     return None  # unclosed within MAX_ANSWER characters: a cut-off response
 
 
