@@ -426,6 +426,9 @@ def test_verifier_is_total_and_bounded():
     for h in hostile:
         assert verify(h, "1") in (0.0, 1.0) and verify("Answer: 1", h) in (0.0, 1.0)
     assert verify("Answer: " + "9" * 100, "9" * 100) == 1.0   # long numbers still compare, as strings
+    prose = "Checking: the answer is right.\n"  # markers followed by prose are skipped, at most MAX_MARKERS of them
+    assert verify("Answer: 5\n" + prose * (verifier.MAX_MARKERS - 1), "5") == 1.0
+    assert verify("Answer: 5\n" + prose * verifier.MAX_MARKERS, "5") == 0.0
     assert parse_number("1,234") == 1234 and parse_number("-\\frac{1}{2}") == parse_number("-0.5")
     assert extract_answer("no answer here") is None
     assert format_reward("Answer: 3") == 1.0 and format_reward("x=3") == 0.0 and format_reward("Answer:") == 0.0
@@ -440,7 +443,7 @@ def test_verifier_time_is_bounded_on_megabyte_inputs():
                "Answer: " + "1 " * (n // 2), "Answer: " + "\\frac{" * (n // 6), "Answer: " + "a " * (n // 2) + "1",
                "Answer: " + "1," * (n // 2), "Answer: " + "{" * 500 + "}" * 500, "Answer: " + "-(" * (n // 2),
                "\\boxed{\\{" + "1," * 450 + "\\}}", "x" * n + "\\boxed{1}", "\\boxed{1}" * (n // 9), "\\boxed{}" * (n // 8),
-               "$\\boxed{1}$, " * (n // 12)]
+               "$\\boxed{1}$, " * (n // 12), "the answer is wrong. " * (n // 21)]
     slowest = 0.0
     for s in attacks:
         for response, answer in ((s, "1"), ("Answer: 1", s), (s, s)):
