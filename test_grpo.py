@@ -434,6 +434,21 @@ def test_verifier_is_total_and_bounded():
     assert format_reward("Answer: 3") == 1.0 and format_reward("x=3") == 0.0 and format_reward("Answer:") == 0.0
 
 
+def test_verifier_never_raises_on_random_latex():
+    # random strings of the tokens the rules read: every call returns 0 or 1 and a canonical text or None
+    rng = random.Random(0)
+    tokens = ["\\boxed{", "\\boxed", "}", "{", "\\frac", "1", "2", "0", ".", ",", " ", "-", "/", "^", "\\times", "10", "e",
+              "x", "=", "(", ")", "[", "]", "\\{", "\\}", "$", "\\$", "%", "\\text{", "cm", " and ", "\\pm", "\\overline{",
+              "Answer:", "answer is", "####", "\n", "\\left(", "\\sqrt", "−", "(A)", "\\circ", "**", "\\(", "\\)", "{,}", "\\,"]
+    numeric = ["1", "2", "0", " ", "/", "-", ".", "\\frac", "{", "}", "^", "e", ","]  # half the cases: number-like answers
+    for i in range(3000):
+        pool = numeric if i % 2 else tokens
+        response = "Answer: " * (i % 2) + "".join(rng.choice(pool) for _ in range(rng.randint(1, 30)))
+        answer = "".join(rng.choice(pool) for _ in range(rng.randint(1, 10)))
+        assert verify(response, answer) in (0.0, 1.0) and verify(answer, response) in (0.0, 1.0)
+        assert isinstance(canonical_answer(response), (str, type(None)))
+
+
 def test_verifier_time_is_bounded_on_megabyte_inputs():
     # adversarial 1 MB inputs, as response and as reference: a superlinear step would take seconds here;
     # a linear one takes a few milliseconds (the bound is loose because the CPUs are shared)

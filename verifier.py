@@ -258,8 +258,10 @@ def _number(s: str) -> Fraction | None:
     mixed = _MIXED.fullmatch(s)
     if mixed:  # 3 1/2, 3\frac{1}{2}
         num, den = int(mixed.group(3) or mixed.group(5)), int(mixed.group(4) or mixed.group(6))
+        if not 0 < num < den:
+            return None
         whole = int(mixed.group(2)) + Fraction(num, den)
-        return (-whole if mixed.group(1) == "-" else whole) if 0 < num < den else None
+        return -whole if mixed.group(1) == "-" else whole
     return None if re.search(r"\d\s+\d", s) else _value(re.sub(r"\s+", "", s))
 
 
