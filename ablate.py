@@ -101,9 +101,9 @@ def table(runs: dict[str, list[list[dict]]], budget: int) -> str:
     for (name, _, paper), seeds in zip(ROWS, runs.values()):
         quarter = [max((v for s, v in curve(r, "eval/accuracy") if s <= budget / 4), default=None) for r in seeds]
         reach = [samples_to_reach(r, 0.9) for r in seeds]
-        tail = lambda key: [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]  # noqa: E731
+        tail = lambda key, seeds=seeds: [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]  # noqa: E731
         steps = [max(r["step"] for r in rs if "loss" in r) for rs in seeds]
-        clip = lambda key: statistics.mean(statistics.mean(v for _, v in curve(r, key)) for r in seeds)  # noqa: E731
+        clip = lambda key, seeds=seeds: statistics.mean(statistics.mean(v for _, v in curve(r, key)) for r in seeds)  # noqa: E731
         reached = f"{statistics.mean([x for x in reach if x is not None]):.0f} ({sum(x is not None for x in reach)}/{len(reach)} seeds)" \
             if any(x is not None for x in reach) else f"never (0/{len(reach)})"
         lines.append(f"| {name} | {fmt([curve(r, 'eval/accuracy')[-1][1] for r in seeds])} | {fmt(quarter)} | {reached} | "
@@ -127,8 +127,8 @@ def main() -> None:
             out = os.path.join(a.out, f"row{i}-seed{seed}")
             if not os.path.exists(os.path.join(out, "final", "config.json")):  # finished runs are kept: rerun resumes the table
                 print(f"{name}, seed {seed}")
-                train.main([*row_flags(i), *shlex.split(a.train_flags), "--seed", str(seed), "--max-samples", str(a.budget), "--steps", "1000",
-                            "--eval-every", str(a.eval_every), "--out", out])
+                train.main([*row_flags(i), *shlex.split(a.train_flags), "--seed", str(seed), "--max-samples", str(a.budget),
+                            "--steps", "1000", "--eval-every", str(a.eval_every), "--out", out])
             runs.setdefault(name, []).append(read_metrics(os.path.join(out, "metrics.jsonl")))
     md = table(runs, a.budget)
     with open(os.path.join(a.out, "ablation.md"), "w") as fh:

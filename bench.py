@@ -243,7 +243,7 @@ def bench_logprobs(device: str, repeats: int) -> None:
     for _ in range(repeats):
         for kind, run in (("forward", fwd), ("forward + backward", fwd_bwd)):
             for name in ("naive", "ours"):
-                times.setdefault((kind, name), []).append(_timed(lambda: run(_variant(name)), device)[0])
+                times.setdefault((kind, name), []).append(_timed(lambda run=run, name=name: run(_variant(name)), device)[0])
     print(f"{'time, float32':36s}{'naive':>10s}{'token_logprobs':>16s}")
     for kind in ("forward", "forward + backward"):
         a, b = (statistics.median(times[(kind, n)]) for n in ("naive", "ours"))

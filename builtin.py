@@ -110,7 +110,7 @@ def shortcut_steps(equation: str) -> str:
     return f"x={m}/{a}\nAnswer: {int(m / a)}"
 
 
-def demonstration(equation: str, x: int, rng: random.Random, cfg: "BaseModelConfig") -> str:
+def demonstration(equation: str, x: int, rng: random.Random, cfg: BaseModelConfig) -> str:
     """What the warm-start data shows for `equation`: careful on one-sided equations most of the time,
     on two-sided ones seldom; careful solutions are verbose (with a check line) a fraction of the time."""
     careful = cfg.careful_one_sided if "x" not in equation.split("=")[1] else cfg.careful_two_sided

@@ -44,7 +44,7 @@ class Rollout:
     def num_groups(self) -> int:
         return len(self.prompts)
 
-    def select_groups(self, keep: torch.Tensor) -> "Rollout":
+    def select_groups(self, keep: torch.Tensor) -> Rollout:
         """The rollout restricted to the groups where keep [B] is True."""
         rows = keep.to(torch.bool).repeat_interleave(self.G)                  # [N]
         return replace(
@@ -54,7 +54,7 @@ class Rollout:
             extra={k: v[rows] for k, v in self.extra.items()})
 
     @staticmethod
-    def cat(rollouts: list["Rollout"]) -> "Rollout":
+    def cat(rollouts: list[Rollout]) -> Rollout:
         """Concatenate rollouts with the same G along the group axis, padding T to the longest."""
         T = max(r.response_ids.shape[1] for r in rollouts)
         pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731

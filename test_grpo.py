@@ -523,6 +523,19 @@ def test_bad_flags_exit_with_one_line(capsys):
         assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
+def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
+    # the CUDA branch of Dist cannot run here: drive it with set_device and init_process_group stubbed out
+    import train
+    calls = []
+    for k, v in (("WORLD_SIZE", "2"), ("RANK", "3"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    ddp = train.Dist("cuda")
+    assert (ddp.device, ddp.rank, ddp.world, ddp.master) == ("cuda:1", 3, 2, False)
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
+
+
 @pytest.fixture(scope="module")
 def tiny_run_inputs(tmp_path_factory):
     """A tiny random model with the built-in tokenizer, and small train / eval JSONL files."""
@@ -695,6 +708,23 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
                   for n in ("fp32", "bf16"))
     assert math.isfinite(bf16["entropy"]) and bf16["entropy"] != fp32["entropy"]  # bfloat16 logits round differently
     assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "bf16" / "final").values())  # weights stay float32
+
+
+def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, tmp_path):
+    # hub models are mostly saved in bfloat16; transformers 5 keeps a checkpoint's dtype unless told otherwise,
+    # and AdamW updates of ~lr 1e-6 on bf16 weights mostly round away: load float32 master weights always
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    src = tiny_run_inputs / "model"
+    AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / "bf16")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16  # the trap is real
+    _, _, model = data.load_model(str(tmp_path / "bf16"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    _run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1", "--save-every", "1")
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert {v.dtype for v in ckpt["model"].values()} == {torch.float32}
+    moments = [t for s in ckpt["optimizer"]["state"].values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
 def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):

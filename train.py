@@ -29,6 +29,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default argument.
+# Imported after init_process_group, those defaults pin the process group, so destroy_process_group cannot
+# free it and its gloo threads run on into interpreter exit (where a rank aborted in CI). Imported here,
+# before any process group exists, the defaults are None. (Inside a function, `import torch.distributed.nn`
+# would also make `torch` a local name there: pyflakes F823.)
+import torch.distributed.nn  # noqa: F401
+
 import builtin
 import checkpoint
 import dapo
@@ -165,11 +172,6 @@ class Dist:
             if device.startswith("cuda"):
                 self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
                 torch.cuda.set_device(self.device)
-            # DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default
-            # argument. Imported after init_process_group, those defaults pin the process group, so
-            # destroy_process_group cannot free it and its gloo threads run on into interpreter exit
-            # (where a rank aborted in CI). Imported first, the defaults are None.
-            import torch.distributed.nn  # noqa: F401
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +340,7 @@ def run(args: Args, ddp: Dist) -> dict:
         drawn = torch.zeros(6)  # local sums: reward, correct, samples, length, truncated, zero-std groups
         timing = {"time/sample_s": 0.0, "time/reward_s": 0.0}
 
-        def draw(rnd: int) -> Rollout:
+        def draw(rnd: int, drawn=drawn, timing=timing) -> Rollout:  # called within this step only
             t_draw = time.time()
             block = args.prompts_per_step // ddp.world
             first = state["data_pos"] + rnd * args.prompts_per_step + ddp.rank * block
