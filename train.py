@@ -372,7 +372,7 @@ def run(args: Args, ddp: Dist) -> dict:
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn = verifier.load_reward(args.reward)
+    reward_fn = data.load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
