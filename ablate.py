@@ -20,12 +20,13 @@ import os
 import shlex
 import statistics
 
+import dapo
 import train
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
     ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
     ("+ overlong filtering", ["--overlong-filter"], 36),
-    ("+ clip-higher", ["--eps-high", "0.28"], 38),
+    ("+ clip-higher", ["--eps-high", str(dapo.EPS_HIGH)], 38),
     ("+ soft overlong punishment", ["--overlong-penalty"], 41),
     ("+ token-level loss", ["--reduction", "token"], 42),
     ("+ dynamic sampling (= DAPO)", ["--dynamic-sampling"], 50),

@@ -89,13 +89,13 @@ class Args:
     bf16: bool = _f(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
     beta: float = _f(None, "KL coefficient to the reference model, k3 estimator (grpo: 0.04, dapo: 0)")
-    eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low")
+    eps_low: float = _f(dapo.EPS_LOW, "lower clip range: ratio >= 1 - eps_low")
     eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher)")
     clip_c: float = _f(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: off; verl 3, DAPO recipe 10)")
     adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
     reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
                         ["sequence", "token", "constant"])
-    dynamic_sampling: bool = _f(None, "keep only groups with mixed rewards and resample to fill the step (dapo: on)")
+    dynamic_sampling: bool = _f(None, "keep only groups with 0 < #correct < G (Eq. 11), resampling to fill the step (dapo: on)")
     max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step before training on what it has")
     overlong_filter: bool = _f(None, "mask truncated responses out of the loss (dapo: on)")
     overlong_penalty: bool = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
