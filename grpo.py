@@ -147,7 +147,8 @@ def reduce_loss(
     """Per-token losses [N, T] -> scalar, counting only valid tokens (mask [N, T], 1.0 on valid ones).
 
     The three reductions of `policy_loss`, with the same global denominators, for the losses in
-    variants.py: "sequence" = sum over responses of each one's token mean / num_seqs (default N);
+    variants.py: "sequence" = sum over responses of each one's token mean / num_seqs (default: the rows
+    with at least one valid token, as policy_loss);
     "token" = sum over valid tokens / num_tokens (default mask.sum()); "constant" = sum / (num_seqs *
     max_len), max_len defaulting to T. Passing the step's global counts makes micro-batches and ranks
     add up to the full-batch loss.
@@ -155,7 +156,8 @@ def reduce_loss(
     if reduction not in ("sequence", "token", "constant"):
         raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
     mask = mask.to(per_token.dtype)                                           # [N, T]
-    n = per_token.shape[0] if num_seqs is None else num_seqs
+    n = (mask.sum(-1) > 0).to(mask.dtype).sum() if num_seqs is None else num_seqs
+    n = n.clamp_min(1.0) if torch.is_tensor(n) else max(n, 1.0)
     if reduction == "sequence":
         seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
         return seq_mean.sum() / n
@@ -208,6 +210,7 @@ def policy_loss(
     max_len: int | None = None,
     num_seqs: float | torch.Tensor | None = None,
     clip_c: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate (+ beta * k3 KL) to minimise, and its metrics (the article's Step 4).
 
@@ -223,6 +226,7 @@ def policy_loss(
     clip_c > 1: dual-clip (Ye et al. 2020) for A < 0, the per-token loss is at most -clip_c * A, so a huge
     ratio on a token the policy should avoid cannot blow the loss up (verl's default 3). 0: off.
     The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp: a stale old_logp cannot give inf or NaN.
+    weights [N, T] (optional, detached): multiply each token's surrogate (not the KL), e.g. variants.tis_weights.
     Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens.
     """
     if reduction not in ("sequence", "token", "constant"):
@@ -237,6 +241,8 @@ def policy_loss(
             raise ValueError(f"dual-clip needs clip_c > 1, got {clip_c}")
         dual = (adv < 0) & (per_token > -clip_c * adv)                        # [N, T] loss capped at -c * A
         per_token = torch.where(dual, -clip_c * adv, per_token)               # [N, T]
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)          # [N, T]
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # [N, T]
     if beta != 0.0:
         if ref_logp is None:

@@ -605,7 +605,8 @@ def test_builtin_tokenizer_round_trips_through_save_pretrained(tmp_path):
 def test_bad_flags_exit_with_one_line(capsys):
     import train
     for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"],
-                ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"]):
+                ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"], ["--loss", "reinforce"],
+                ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"]):
         with pytest.raises(SystemExit) as e:
             train.parse_args(bad)
         err = capsys.readouterr().err
@@ -675,7 +676,8 @@ def _weights(folder):
 
 METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zero_std", "kl", "entropy",
                "clip/low_frac", "clip/high_frac", "ratio/mean", "len/mean", "len/truncated_frac", "grad_norm",
-               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s"}
+               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s", "mismatch/logp_abs_mean",
+               "mismatch/logp_abs_max", "mismatch/kl"}
 
 
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
@@ -692,6 +694,8 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
         assert 0.0 <= r["entropy"] <= math.log(len(builtin.CHARS) + 3) + 1e-4
         assert 0.0 <= r["len/truncated_frac"] <= 1.0 and 1.0 <= r["len/mean"] <= 12.0
         assert r["kl"] == 0.0 and abs(r["ratio/mean"] - 1.0) < 1e-5  # beta 0: no reference; mu 1: ratio 1
+        # float32: the sampler's log-probs and the training forward's agree (the sampled tokens' own log-probs)
+        assert 0.0 <= r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"] < 1e-4 and 0 <= r["mismatch/kl"] < 1e-6
     before, after = _weights(d / "model"), _weights(tmp_path / "run" / "final")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -749,7 +753,11 @@ def _thread_counting_driver(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adv_scale,extra", [("group", ["--mini-batches", "2", "--mu", "2"]), ("batch", [])])
+@pytest.mark.parametrize("adv_scale,extra", [
+    ("group", ["--mini-batches", "2", "--mu", "2"]),
+    # the objectives of variants.py: GSPO off-policy, the KL term with k2, the entropy bonus, truncated IS
+    ("batch", ["--loss", "gspo", "--mu", "2", "--beta", "0.04", "--kl", "k2", "--entropy-coef", "0.01", "--tis-cap", "2"]),
+])
 def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, extra):
     """1 rank and 2 ranks (gloo) with the same seed and global batch draw the same responses and rewards
     at every step, compute the same gradients and end with the same weights, up to floating-point
@@ -916,6 +924,14 @@ def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
     changed = [sum(vars(train.parse_args(ablate.row_flags(i)))[k] != vars(train.parse_args(ablate.row_flags(i - 1)))[k]
                    for k in vars(first) if k != "algo") for i in range(1, len(ablate.ROWS))]
     assert changed == [1] * (len(ablate.ROWS) - 1)
+    # a --variant row is DAPO plus its flags
+    rows = ablate.ROWS + [ablate.variant_row("+ CISPO=--loss cispo --tis-cap 2")]
+    v = train.parse_args(ablate.row_flags(len(rows) - 1, rows))
+    assert {**vars(v), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None} == \
+        {**vars(last), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None}
+    assert (v.loss, v.tis_cap, v.eps_high) == ("cispo", 2.0, 0.28)  # ROWS set --eps-high 0.28 on the command line
+    with pytest.raises(SystemExit):
+        ablate.variant_row("--loss cispo")
 
 
 def test_ablation_table_and_curves_from_metrics():
@@ -1358,3 +1374,56 @@ def test_mismatch_metrics_by_hand():
     assert abs(m["mismatch/kl"] - k3) < 1e-6
     assert variants.mismatch_metrics(old, old, mask) == {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0,
                                                           "mismatch/kl": 0.0}
+
+
+def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
+    import train
+    assert set(train.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(train.KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    a = train.parse_args(["--loss", "gspo"])
+    assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
+    a = train.parse_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
+    assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
+    a = train.parse_args(["--algo", "dapo"])
+    assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
+
+
+def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
+    logp, old, adv, mask = _random_policy_batch(6, 0.3)
+    ref, w = torch.randn_like(old) - 2.0, torch.rand_like(old)
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
+    got, _ = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, reduction="token", weights=w)
+    want = grpo.reduce_loss(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def _one_step(d, out, *extra):
+    import train
+    train.main([*_tiny_flags(d, out), "--steps", "1", "--eval-every", "5", "--grad-clip", "0", "--algo", "dapo",
+                "--no-dynamic-sampling", *extra])
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][-1]
+
+
+def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
+    # The same samples each time (same seed); each flag must change the update as its math says.
+    d = tiny_run_inputs
+    base = _one_step(d, tmp_path / "base")
+    # float32: pi_old and the sampler agree to ~1e-7, so a cap of 0.5 makes every weight 0.5: half the gradient
+    tis = _one_step(d, tmp_path / "tis", "--tis-cap", "0.5")
+    assert tis["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-4)
+    assert tis["loss"] == pytest.approx(0.5 * base["loss"], rel=1e-4, abs=1e-7)
+    # entropy bonus: loss - c * (token mean of the entropy over the loss's tokens); a different gradient
+    ent = _one_step(d, tmp_path / "ent", "--entropy-coef", "0.5")
+    assert ent["grad_norm"] != pytest.approx(base["grad_norm"], rel=1e-3)
+    assert ent["loss"] < base["loss"] - 0.1 * ent["entropy"]
+    # GSPO: on-policy (one update) its gradient is the policy gradient, as PPO's; off-policy (a second pass,
+    # where the paper's 3e-4 / 4e-4 clip most responses) it is not
+    gspo = _one_step(d, tmp_path / "gspo", "--loss", "gspo")
+    assert gspo["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
+    base2, gspo2 = _one_step(d, tmp_path / "base2", "--mu", "2"), _one_step(d, tmp_path / "gspo2", "--loss", "gspo", "--mu", "2")
+    assert gspo2["grad_norm"] != pytest.approx(base2["grad_norm"], rel=1e-3)
+    assert gspo2["clip/low_frac"] + gspo2["clip/high_frac"] > base2["clip/low_frac"] + base2["clip/high_frac"]
+    # the KL estimator reaches the loss: in the second pass the policy has left the reference
+    k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")
+    k1 = _one_step(d, tmp_path / "k1", "--beta", "0.5", "--mu", "2", "--kl", "k1")
+    assert k1["grad_norm"] != pytest.approx(k3["grad_norm"], rel=1e-4) and k3["kl"] > 0

@@ -1,7 +1,8 @@
 """Online RL for language models with GRPO or DAPO: sample, verify, compute advantages, update.
 
 Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts -> Step 2 rewards -> Step 3
-advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo.
+advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family objectives
+of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
     python train.py --algo dapo                      # built-in task and model, CPU, ~5 minutes
     python train.py --algo grpo --steps 60
@@ -42,6 +43,7 @@ import checkpoint
 import dapo
 import data
 import grpo
+import variants
 import verifier
 from sampler import Rollout, rollout_logprobs, sample_groups
 
@@ -88,10 +90,16 @@ class Args:
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
     bf16: bool = _f(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
-    beta: float = _f(None, "KL coefficient to the reference model, k3 estimator (grpo: 0.04, dapo: 0)")
-    eps_low: float = _f(dapo.EPS_LOW, "lower clip range: ratio >= 1 - eps_low")
-    eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher)")
+    beta: float = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
+    eps_low: float = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
+    eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher; "
+                                "gspo: 4e-4, cispo: 4)")
     clip_c: float = _f(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: off; verl 3, DAPO recipe 10)")
+    loss: str = _f("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, gspo-token, cispo (variants.py)",
+                   ["ppo", "gspo", "gspo-token", "cispo"])
+    kl: str = _f("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 (DeepSeekMath)", ["k1", "k2", "k3"])
+    entropy_coef: float = _f(0.0, "subtract this times the mean token entropy from the loss (0: off)")
+    tis_cap: float = _f(0.0, "truncated importance sampling: each token's loss times min(pi_old / pi_sampler, C) (0: off)")
     adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
     reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
                         ["sequence", "token", "constant"])
@@ -110,11 +118,19 @@ class Args:
 
 
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
-    "grpo": dict(beta=0.04, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
+    "grpo": dict(beta=0.04, eps_low=0.2, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
                  overlong_filter=False, overlong_penalty=False, wrong_reward=0.0),
-    "dapo": dict(beta=0.0, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
+    "dapo": dict(beta=0.0, eps_low=dapo.EPS_LOW, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
                  overlong_filter=True, overlong_penalty=True, wrong_reward=-1.0),
 }
+LOSSES = {"ppo": grpo.policy_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
+          "cispo": variants.cispo_loss}  # --loss: same inputs, reductions and denominators, (loss, metrics)
+LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the command line wins)
+    "gspo": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
+    "gspo-token": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
+    "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
+}
+KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, max_new_tokens=1024, lr=1e-6)
 
@@ -136,7 +152,8 @@ def parse_args(argv=None) -> Args:
             p.add_argument(flag, type=kind, default=f.default, help=help_, choices=f.metadata["choices"])
     ns = p.parse_args(argv)
     # --- derived settings: resolved once, here, and written to config.json ---
-    fill = {**ALGO_DEFAULTS[ns.algo], **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
+    fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
+            **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
@@ -152,6 +169,8 @@ def parse_args(argv=None) -> Args:
               (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
               (ns.mini_batches >= 1, "--mini-batches must be >= 1"), (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
+              (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
+              (ns.tis_cap >= 0, "--tis-cap must be >= 0 (0: off)"),
               (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),
               (ns.micro_batch_size >= 1, "--micro-batch-size must be >= 1"), (ns.max_rounds >= 1, "--max-rounds must be >= 1"),
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
@@ -210,7 +229,7 @@ class Dist:
 # ---------------------------------------------------------------------------------------------
 
 UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac", "clip/high_frac",
-               "clip/dual_frac", "ratio/mean", "grad_norm", "updates")
+               "clip/dual_frac", "ratio/mean", "grad_norm", "updates", "mismatch/abs", "mismatch/kl", "mismatch/tokens")
 
 
 def minibatch_rows(roll: Rollout | None, K: int, ddp: Dist) -> list[slice]:
@@ -233,14 +252,17 @@ def minibatch_rows(roll: Rollout | None, K: int, ddp: Dist) -> list[slice]:
 
 
 def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, args: Args, ddp: Dist, opt, amp):
-    """Step 4: --mu passes over --mini-batches optimizer updates of the clipped surrogate; returns (sums, s).
+    """Step 4: --mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
+    --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap);
+    returns (sums of the first update, sums of the others, max |sampler - old log-prob|, seconds).
 
     Old log-probs are computed once, before the first update (with one update they equal the current ones).
     Each update's denominators are its mini-batch's global token and response counts (all ranks), so the
     summed micro-batch gradients equal the mini-batch gradient on any number of ranks. Every rank runs the
     same number of backward passes per update (a zero-weight one where it has run out), because DDP
     synchronises in each. The sums (over ranks) hold the clip and ratio metrics of the off-policy updates
-    only (all but the first), once there are any: in the first update the ratio is exactly 1.
+    only (all but the first), once there are any: in the first update the ratio is exactly 1. The entropy
+    and the sampler/trainer mismatch (Rollout.logprobs against the old log-probs) are summed once per row.
     """
     mb = args.micro_batch_size
     minibatches = []                                                     # per update: (its micro slices, tokens, seqs)
@@ -257,6 +279,7 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
         ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
     t_logprob = time.time() - t0
     first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
+    abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
     for epoch in range(args.mu):
         for k, (micro, num_tokens, num_seqs) in enumerate(minibatches):
             sums = first if epoch == 0 and k == 0 else rest
@@ -267,29 +290,42 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
                     if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
                         (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
                         continue
-                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
-                    key = (s.start, s.stop)
-                    loss, m = grpo.policy_loss(
-                        logp, old_logp[key] if old_logp is not None else logp.detach(), advantages[s].to(logp.device),
-                        mask[s].to(logp.device), args.eps_low, args.eps_high,
-                        ref_logp=ref_logp[key] if ref_logp is not None else None, beta=args.beta, reduction=args.reduction,
-                        num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs, clip_c=args.clip_c)
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus,
+                                                        entropy=variants.token_entropy if bonus else grpo.token_entropy)
+                    key, dev = (s.start, s.stop), logp.device
+                    old, m_s = old_logp[key] if old_logp is not None else logp.detach(), mask[s].to(dev)  # [n, T] each
+                    sampler_logp = roll.logprobs[s].to(dev)                    # [n, T], what the tokens were drawn with
+                    den = dict(reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
+                    loss, m = LOSSES[args.loss](
+                        logp, old, advantages[s].to(dev), m_s, args.eps_low, args.eps_high, **den, **dual,
+                        weights=variants.tis_weights(old, sampler_logp, m_s, args.tis_cap) if args.tis_cap else None)
+                    if ref_logp is not None:                                   # + beta * KL(pi_theta || pi_ref), --kl estimator
+                        kl, mk = variants.kl_term(logp, ref_logp[key], m_s, KL_ESTIMATORS[args.kl], **den)
+                        loss, m = loss + args.beta * kl, {**m, **mk}
+                    if bonus:                                                  # - entropy_coef * mean token entropy
+                        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, **den)[0]
                     (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
                 tok = float(mask[s].sum())
                 sums["loss"] += loss.item()
                 sums["tokens"] += tok
                 for key in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
                     sums[key] += m.get(key, 0.0) * tok
-                if ent is not None:
-                    sums["entropy"] += float((ent * valid).sum())
+                if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
+                    sums["entropy"] += float((ent.detach() * valid).sum())
                     sums["entropy_tokens"] += float(valid.sum())
+                    mm, n_valid = variants.mismatch_metrics(old, sampler_logp, valid), float(valid.sum())
+                    sums["mismatch/abs"] += mm["mismatch/logp_abs_mean"] * n_valid
+                    sums["mismatch/kl"] += mm["mismatch/kl"] * n_valid
+                    sums["mismatch/tokens"] += n_valid
+                    abs_max = max(abs_max, mm["mismatch/logp_abs_max"])
             # the norm is logged with clipping off too (max_norm inf clips nothing)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
             if ddp.master:  # every rank holds the same all-reduced gradient: count its norm once
                 sums["grad_norm"] += float(grad_norm)
                 sums["updates"] += 1
             opt.step()
-    return reduce_sums(ddp, first), reduce_sums(ddp, rest), t_logprob
+    abs_max = float(torch.cat(ddp.gather(torch.tensor([abs_max], dtype=torch.float64))).max())  # over ranks
+    return reduce_sums(ddp, first), reduce_sums(ddp, rest), abs_max, t_logprob
 
 
 def reduce_sums(ddp: Dist, sums: dict[str, float]) -> dict[str, float]:
@@ -470,7 +506,7 @@ def run(args: Args, ddp: Dist) -> dict:
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         t_update = time.time()
-        first, rest, t_logprob = update_policy(policy, model, ref, roll, advantages, mask, args, ddp, opt, amp)
+        first, rest, mismatch_max, t_logprob = update_policy(policy, model, ref, roll, advantages, mask, args, ddp, opt, amp)
         sched.step()                                 # the learning-rate schedule counts rollout steps
         t_update = time.time() - t_update - t_logprob
 
@@ -484,6 +520,8 @@ def run(args: Args, ddp: Dist) -> dict:
                "reward/frac_zero_std": d["groups_zero_std"] / d["groups"],
                "groups/all_correct": d["groups_all_correct"] / d["groups"], "groups/all_wrong": d["groups_all_wrong"] / d["groups"],
                "kl": u["kl"] / max(u["tokens"], 1.0), "entropy": u["entropy"] / max(u["entropy_tokens"], 1.0),
+               "mismatch/logp_abs_mean": u["mismatch/abs"] / max(u["mismatch/tokens"], 1.0),
+               "mismatch/logp_abs_max": mismatch_max, "mismatch/kl": u["mismatch/kl"] / max(u["mismatch/tokens"], 1.0),
                **{k: off[k] / off["tokens"] for k in ("clip/low_frac", "clip/high_frac", "ratio/mean")
                   + (("clip/dual_frac",) if args.clip_c else ()) if off["tokens"] > 0},  # absent: nothing trained
                "len/mean": d["length"] / d["samples"], "len/truncated_frac": d["truncated"] / d["samples"],

@@ -32,7 +32,6 @@ import grpo
 
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # GSPO paper, Sec. 5.1
 CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0  # no lower bound (MiniMax-M1); ratio capped at 5 (ScaleRL, arXiv 2510.13786)
-LOG_RATIO_MAX = 20.0  # log-ratios are clamped to +-20 before exp, as verl does (exp(89) overflows float32)
 
 
 def _check_adv(advantages: torch.Tensor, mask: torch.Tensor, per_token_ok: bool) -> torch.Tensor:
@@ -83,7 +82,7 @@ def gspo_loss(
     adv = _check_adv(advantages, mask, per_token_ok=False).to(logp.dtype)    # [N, 1]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)  # [N, 1]
-    s = torch.exp(log_s.clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX))                 # [N, 1]
+    s = torch.exp(log_s.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))   # [N, 1]
     clipped = s.clamp(1.0 - eps_low, 1.0 + eps_high)                          # [N, 1]
     per_seq = -torch.minimum(s * adv, clipped * adv)                          # [N, 1]
     per_token = _apply_weights(per_seq.expand_as(mask), weights)              # [N, T]: the response's loss on each token
@@ -115,7 +114,7 @@ def gspo_token_loss(
     adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)  # [N, 1]
-    log_s_t = log_s.detach().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX) + logp - logp.detach()  # [N, T], value log s_i
+    log_s_t = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP) + logp - logp.detach()  # [N, T], value log s_i
     s_t = torch.exp(log_s_t)                                                  # [N, T]
     clipped = s_t.clamp(1.0 - eps_low, 1.0 + eps_high)                        # [N, T]
     per_token = _apply_weights(-torch.minimum(s_t * adv, clipped * adv), weights)  # [N, T]
@@ -150,7 +149,7 @@ def cispo_loss(
     """
     adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
-    ratio = torch.exp((logp - old_logp).detach().clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX))  # [N, T], no gradient
+    ratio = torch.exp((logp - old_logp).detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))  # [N, T], no gradient
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)                       # [N, T], sg(clip(ratio))
     per_token = _apply_weights(-weight * adv * logp, weights)                 # [N, T]
     loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
