@@ -261,6 +261,7 @@ def mismatch_metrics(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: t
     mismatch/kl: the k3 estimate of KL(pi_sampler || pi_old) (the tokens were drawn by the sampler).
     Inputs [N, T]; all 0 when no token is valid.
     """
+    old_logp, sampler_logp = old_logp.double(), sampler_logp.double()        # k3 of a 1e-7 gap underflows in float32
     m, zero = mask.bool(), torch.zeros_like(old_logp)                         # [N, T] each
     valid = m.sum().clamp_min(1)
     delta = torch.where(m, (old_logp - sampler_logp).abs(), zero)             # [N, T]; padding may hold anything
