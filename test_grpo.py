@@ -20,7 +20,7 @@ import dapo
 import data
 import grpo
 import verifier
-from sampler import Rollout, sample_groups
+from sampler import Rollout, rollout_logprobs, sample_groups
 from verifier import extract_answer, format_reward, parse_number, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -386,15 +386,135 @@ def test_bad_flags_exit_with_one_line(capsys):
 
 def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
     # the CUDA branch of Dist cannot run here: drive it with set_device and init_process_group stubbed out
-    import train
+    import parallel
     calls = []
     for k, v in (("WORLD_SIZE", "2"), ("RANK", "3"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
-    ddp = train.Dist("cuda")
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    ddp = parallel.Dist("cuda")
     assert (ddp.device, ddp.rank, ddp.world, ddp.master) == ("cuda:1", 3, 2, False)
-    assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl", {})]
+    # without torchrun: no process group, except for --fsdp, which shards over one rank (an in-memory store)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k)
+    calls.clear()
+    parallel.Dist("cuda")
+    assert calls == []
+    ddp = parallel.Dist("cuda", fsdp=True)
+    assert ddp.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
+
+
+def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
+    # fully_shard recorded instead of run, so the CUDA branch (bf16 compute, float32 reductions) runs on CPU too
+    import torch.distributed.device_mesh as device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import parallel
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    calls, meshes = [], []
+    monkeypatch.setattr(parallel, "fully_shard", lambda m, **kw: calls.append((m, kw)))
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or "mesh")
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 4)
+    for device, param_dtype, reduce_dtype in (("cuda:1", torch.bfloat16, torch.float32), ("cpu", None, None)):
+        calls.clear()
+        assert parallel.wrap(model, parallel.Dist(device), fsdp=True) is model
+        assert [m for m, _ in calls] == [*model.model.layers, model]                 # bottom-up, the root last
+        assert [kw["reshard_after_forward"] for _, kw in calls] == [True, True, True, False]
+        assert all(kw["mesh"] == "mesh" and kw["mp_policy"].param_dtype == param_dtype
+                   and kw["mp_policy"].reduce_dtype == reduce_dtype for _, kw in calls)
+    assert meshes == [("cuda", (4,)), ("cpu", (4,))]
+    with pytest.raises(data.InputError, match="no decoder layers"):
+        parallel.shard(torch.nn.Linear(2, 2), "cpu")
+    assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model          # one process, no --fsdp: as is
+
+
+def test_sharded_checkpoint_is_atomic_tensor_only_and_restores_the_state(tmp_path, monkeypatch):
+    # FSDP2 over a one-rank gloo group in this process: save step 1, crash in the middle of saving step 2,
+    # and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come back exactly
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import checkpoint
+    import parallel
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    ddp = parallel.Dist("cpu", fsdp=True)
+    try:
+        def fresh():
+            torch.manual_seed(0)
+            cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2)
+            model = parallel.wrap(LlamaForCausalLM(cfg), ddp, fsdp=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+        def train_step(model, opt, sched):
+            model(input_ids=torch.arange(1, 9)[None]).logits.square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+        def snapshot(model, opt):
+            return ({k: v.full_tensor().clone() for k, v in model.state_dict().items()},
+                    [t.full_tensor().clone() for s in opt.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])])
+
+        model, opt, sched = fresh()
+        folder = str(tmp_path / "checkpoint")
+        train_step(model, opt, sched)
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ddp)
+        saved = snapshot(model, opt)
+        train_step(model, opt, sched)
+        real_save = dcp.save
+
+        def crash(state, checkpoint_id):  # half the shards written, then the process dies
+            real_save(dict(list(state.items())[: len(state) // 2]), checkpoint_id=checkpoint_id)
+            raise KeyboardInterrupt("killed mid-save")
+        monkeypatch.setattr(dcp, "save", crash)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)
+        monkeypatch.setattr(dcp, "save", real_save)
+        assert checkpoint.latest(folder).endswith("step-000001") and os.path.isdir(folder + "/step-000002.tmp")
+        meta = dcp.FileSystemReader(checkpoint.latest(folder)).read_metadata().state_dict_metadata
+        assert all(type(m).__name__ == "TensorStorageMetadata" for m in meta.values())  # nothing DCP would unpickle
+        model2, opt2, sched2 = fresh()
+        state = checkpoint.load_sharded(folder, model2, opt2, sched2, ddp)
+        assert (state["step"], state["data_pos"], sched2.last_epoch, opt2.param_groups[0]["lr"]) == (1, 4, 1, 5e-3)
+        (w, m), (w2, m2) = saved, snapshot(model2, opt2)
+        assert all(torch.equal(w[k], w2[k]) for k in w) and all(torch.equal(a, b) for a, b in zip(m, m2)) and len(m) > 0
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)  # a completed save
+        assert sorted(os.listdir(folder)) == ["latest", "step-000002"]                   # replaces the old one
+    finally:
+        ddp.close()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import parallel
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1))
+    roll = sample_groups(model, PROMPTS, 2, 10, eos_token_id=1, pad_token_id=0,
+                         generator=[torch.Generator().manual_seed(s) for s in range(3)])
+    calls = []
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # runs first in the layer
+
+    def grads():
+        model.train()
+        model.zero_grad()
+        calls.clear()
+        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0)
+        (-(logp * valid).sum() / valid.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)
+
+    plain, n_plain = grads()
+    parallel.checkpoint_activations(model)
+    ckpt, n_ckpt = grads()
+    assert (n_plain, n_ckpt) == (1, 2)                       # the layer ran again in backward: it was checkpointed
+    assert max((plain[k] - ckpt[k]).abs().max().item() for k in plain) <= 1e-5
+    assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)
 
 
 @pytest.fixture(scope="module")
@@ -507,6 +627,44 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
     start = _weights(d / "model")
     assert any(not torch.equal(start[k], w1[k]) for k in w1)
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactly(tiny_run_inputs, tmp_path):
+    """FSDP2 on 2 gloo ranks against one plain process (same seed and global batch), 3 steps: the same rewards
+    at every step and final weights within 1e-3, with half the per-rank bytes of weights, gradients and AdamW
+    state; then 3 steps + --resume to 6 equals 6 straight steps, bit for bit. The flags take every FSDP path:
+    the reference model (beta > 0, sharded too), the old-policy pass (--mu 2), ranks with different numbers
+    of groups and micro-batches (dynamic sampling, --micro-batch-size 3), gradient checkpointing."""
+    d = tiny_run_inputs
+    flags = [*_tiny_flags(d, tmp_path / "unused"), "--overlong-cache", "12", "--micro-batch-size", "3", "--eval-every", "3",
+             "--algo", "dapo", "--beta", "0.04", "--mu", "2"]
+    fsdp = ["--fsdp", "--gradient-checkpointing", "--save-every", "3"]
+
+    def metrics(out):
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
+    _run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
+    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "3")
+    (m1, w1), (m2, w2) = ((metrics(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
+    assert len(m1) == len(m2) == 3
+    for a, b in zip(m1, m2):
+        for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept"):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), k
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["kl"] == pytest.approx(b["kl"], abs=1e-4)
+    assert sum(r["sampling/groups_kept"] for r in m1) > 0 and all(r["kl"] > 0 for r in m1[1:])
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
+    assert any(not torch.equal(_weights(d / "model")[k], w1[k]) for k in w1)
+    ratio = m2[-1]["memory/state_bytes"] / m1[-1]["memory/state_bytes"]
+    print(f"per-rank bytes of weights + gradients + AdamW state + reference: 1 process {m1[-1]['memory/state_bytes']}, "
+          f"FSDP rank 0 of 2 {m2[-1]['memory/state_bytes']} ({ratio:.3f}x)")
+    assert ratio <= 0.55
+    # resume: the 3-step run's sharded checkpoint, continued to 6, against 6 straight steps
+    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "6", "--resume")
+    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp, "--steps", "6")
+    a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == [r["loss"] for r in metrics(tmp_path / "six")]
+    assert sorted(os.listdir(tmp_path / "six" / "checkpoint")) == ["latest", "step-000006"]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
