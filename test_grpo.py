@@ -430,9 +430,10 @@ def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
     assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model          # one process, no --fsdp: as is
 
 
-def test_sharded_checkpoint_is_atomic_tensor_only_and_restores_the_state(tmp_path, monkeypatch):
-    # FSDP2 over a one-rank gloo group in this process: save step 1, crash in the middle of saving step 2,
-    # and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come back exactly
+def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp_path, monkeypatch):
+    # FSDP2 over a one-rank gloo group in this process. `unsharded` leaves the layers sharded again, and
+    # freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of saving
+    # step 2, and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come back
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -461,6 +462,14 @@ def test_sharded_checkpoint_is_atomic_tensor_only_and_restores_the_state(tmp_pat
                     [t.full_tensor().clone() for s in opt.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])])
 
         model, opt, sched = fresh()
+        layer = model.model.layers[0].self_attn.q_proj
+        sharded = lambda: type(layer.weight).__name__ == "DTensor"  # noqa: E731 - the registered parameter is the shard
+        with parallel.unsharded(model), torch.no_grad():
+            model(input_ids=torch.arange(1, 9)[None])
+            assert not sharded()                     # gathered, and kept gathered after a forward
+        assert sharded()
+        model(input_ids=torch.arange(1, 9)[None])
+        assert sharded()                             # a layer frees its gathered weights after a forward again
         folder = str(tmp_path / "checkpoint")
         train_step(model, opt, sched)
         checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ddp)
