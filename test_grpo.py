@@ -571,7 +571,7 @@ def _weights(folder):
 
 METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zero_std", "kl", "entropy",
                "clip/low_frac", "clip/high_frac", "ratio/mean", "len/mean", "len/truncated_frac", "grad_norm",
-               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s"}
+               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s", "memory/state_bytes"}
 
 
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
