@@ -5,8 +5,8 @@ Article section: "DAPO 递进增益" (Qwen2.5-32B, AIME 2024: naive GRPO 30, + o
 
 Six rows, each adding one fix to the row above, the last being exactly `train.py --algo dapo`. Every run
 gets the same budget of sampled responses (`--max-samples`): dynamic sampling's extra samples count
-against it, so that row takes fewer optimizer steps. All rows use beta = 0, as DAPO does, so that only the
-four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the curves; needs matplotlib).
+against it, so that row takes fewer optimizer steps. All rows use beta = 0 and +-1 rewards, as DAPO does, so
+that only the four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the curves; needs matplotlib).
 
     python ablate.py                          # 6 rows x 3 seeds on 2 CPU cores, about 30 minutes
     python ablate.py --seeds 0 --budget 2560  # a quick look
@@ -20,12 +20,13 @@ import os
 import shlex
 import statistics
 
+import dapo
 import train
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
-    ("naive GRPO", ["--algo", "grpo", "--beta", "0"], 30),
+    ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
     ("+ overlong filtering", ["--overlong-filter"], 36),
-    ("+ clip-higher", ["--eps-high", "0.28"], 38),
+    ("+ clip-higher", ["--eps-high", str(dapo.EPS_HIGH)], 38),
     ("+ soft overlong punishment", ["--overlong-penalty"], 41),
     ("+ token-level loss", ["--reduction", "token"], 42),
     ("+ dynamic sampling (= DAPO)", ["--dynamic-sampling"], 50),

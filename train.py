@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,8 @@ class Args:
     system_prompt: str = _f(None, "system message for chat models (prepended as a line without a chat template)")
     chat_template: bool = _f(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
     reward: str = _f("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
+    wrong_reward: float = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
+                                   "(grpo: 0, the article; dapo: -1, the paper's +-1)")
     format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
     trust_remote_code: bool = _f(False, "let transformers run code shipped with the model (only for models you trust)")
     # -- how much
@@ -73,19 +76,21 @@ class Args:
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps (DAPO: 20)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
-    mu: int = _f(1, "policy updates per rollout batch; old log-probs are the sampling policy's")
+    mini_batches: int = _f(1, "optimizer updates per rollout step, each on 1/K of the step's groups (DAPO paper: 16)")
+    mu: int = _f(1, "passes over the step's mini-batches; old log-probs are the sampling policy's")
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
     bf16: bool = _f(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
     fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
     beta: float = _f(None, "KL coefficient to the reference model, k3 estimator (grpo: 0.04, dapo: 0)")
-    eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low")
+    eps_low: float = _f(dapo.EPS_LOW, "lower clip range: ratio >= 1 - eps_low")
     eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher)")
+    clip_c: float = _f(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: off; verl 3, DAPO recipe 10)")
     adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
     reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
                         ["sequence", "token", "constant"])
-    dynamic_sampling: bool = _f(None, "keep only groups with mixed rewards and resample to fill the step (dapo: on)")
+    dynamic_sampling: bool = _f(None, "keep only groups with 0 < #correct < G (Eq. 11), resampling to fill the step (dapo: on)")
     max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step before training on what it has")
     overlong_filter: bool = _f(None, "mask truncated responses out of the loss (dapo: on)")
     overlong_penalty: bool = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
@@ -101,9 +106,9 @@ class Args:
 
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
     "grpo": dict(beta=0.04, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
-                 overlong_filter=False, overlong_penalty=False),
+                 overlong_filter=False, overlong_penalty=False, wrong_reward=0.0),
     "dapo": dict(beta=0.0, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
-                 overlong_filter=True, overlong_penalty=True),
+                 overlong_filter=True, overlong_penalty=True, wrong_reward=-1.0),
 }
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, max_new_tokens=1024, lr=1e-6)
@@ -141,6 +146,8 @@ def parse_args(argv=None) -> Args:
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
               (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
+              (ns.mini_batches >= 1, "--mini-batches must be >= 1"), (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
+              (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),
               (ns.micro_batch_size >= 1, "--micro-batch-size must be >= 1"), (ns.max_rounds >= 1, "--max-rounds must be >= 1"),
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
@@ -157,52 +164,150 @@ def parse_args(argv=None) -> Args:
 # The run
 # ---------------------------------------------------------------------------------------------
 
-def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Args, ddp: parallel.Dist, opt, sched, amp):
-    """Step 4: --mu updates of the clipped surrogate over micro-batches; returns (metric sums, grad norm, s).
+UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac", "clip/high_frac",
+               "clip/dual_frac", "ratio/mean", "grad_norm", "updates")
 
-    Denominators are the step's global token and response counts, so the summed micro-batch gradients
-    equal the full-batch gradient on any number of ranks. Every rank runs the same number of backward
-    passes (a zero-weight one where it has run out), because DDP synchronises in each.
+
+def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
+    """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
+
+    Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
+    index over all ranks), so the same groups share an update on any number of ranks. A rank's groups are
+    in prompt order, so its share of each mini-batch is one contiguous block of rows.
     """
-    n_local = 0 if roll is None else roll.response_ids.shape[0]
-    num_tokens = ddp.sum(mask.sum() if roll is not None else torch.zeros(())).float()
-    num_seqs = ddp.sum(torch.tensor(float(n_local))).float()
+    G = roll.G if roll is not None else 1
+    idx = roll.extra["index"][::G].contiguous() if roll is not None else torch.zeros(0, dtype=torch.long)  # [b] prompt index
+    b_max = ddp.max(idx.numel())
+    everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    everyone = everyone[everyone >= 0].sort().values                                             # [B]
+    B = everyone.numel()
+    if B == 0:
+        return []
+    mb = torch.searchsorted(everyone, idx) * K // B                                              # [b] mini-batch of each group
+    return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
+
+
+def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, args: Args, ddp: parallel.Dist, opt, amp):
+    """Step 4: --mu passes over --mini-batches optimizer updates of the clipped surrogate; returns (sums, s).
+
+    Old log-probs are computed once, before the first update (with one update they equal the current ones).
+    Each update's denominators are its mini-batch's global token and response counts (all ranks), so the
+    summed micro-batch gradients equal the mini-batch gradient on any number of ranks. Every rank runs the
+    same number of backward passes per update (a zero-weight one where it has run out), because DDP
+    synchronises in each. The sums (over ranks) hold the clip and ratio metrics of the off-policy updates
+    only (all but the first), once there are any: in the first update the ratio is exactly 1.
+    """
     mb = args.micro_batch_size
-    slices = [slice(k * mb, min((k + 1) * mb, n_local)) for k in range(ddp.max(math.ceil(n_local / mb)))]
+    minibatches = []                                                     # per update: (its micro slices, tokens, seqs)
+    for rows in minibatch_rows(roll, args.mini_batches, ddp):
+        n = rows.stop - rows.start
+        micro = [slice(rows.start + i * mb, min(rows.start + (i + 1) * mb, rows.stop)) for i in range(ddp.max(math.ceil(n / mb)))]
+        m = mask[rows] if n else torch.zeros(0, 1)
+        minibatches.append((micro, ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()))
+    passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
     t0 = time.time()
-    with torch.no_grad(), amp(), parallel.unsharded(model if args.mu > 1 else None), parallel.unsharded(ref):
-        # old policy only when mu > 1 (else old = current), reference only when beta > 0
-        old_logp = [rollout_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
-            if args.mu > 1 else None
-        ref_logp = [rollout_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
-            if ref is not None else None
+    several = args.mu * len(minibatches) > 1
+    with torch.no_grad(), amp(), parallel.unsharded(model if several else None), parallel.unsharded(ref):
+        # old policy only when it differs from the current one, reference only when beta > 0
+        old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
+        ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
     t_logprob = time.time() - t0
-    sums = torch.zeros(8)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok, entropy tokens
-    grad_norm = 0.0
+    first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
     for epoch in range(args.mu):
-        opt.zero_grad(set_to_none=True)
-        for k, s in enumerate(slices):
-            last = k == len(slices) - 1
-            with parallel.grad_sync(policy, last), amp():
-                if s.start >= s.stop:  # this rank ran out of micro-batches: a zero-weight pass keeps DDP in step
-                    (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
-                    continue
-                logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
-                loss, m = grpo.policy_loss(
-                    logp, old_logp[k] if old_logp is not None else logp.detach(), advantages[s].to(logp.device),
-                    mask[s].to(logp.device), args.eps_low, args.eps_high,
-                    ref_logp=ref_logp[k] if ref_logp is not None else None, beta=args.beta,
-                    reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
-                (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
-            tok = float(mask[s].sum())
-            ent_sum, ent_tok = (float((ent * valid).sum()), float(valid.sum())) if ent is not None else (0.0, 0.0)
-            sums += torch.tensor([loss.item(), m["kl"] * tok, ent_sum, m["clip/low_frac"] * tok,
-                                  m["clip/high_frac"] * tok, m["ratio/mean"] * tok, tok, ent_tok])
-        if args.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-        opt.step()
-        sched.step()
-    return sums, grad_norm, t_logprob
+        for k, (micro, num_tokens, num_seqs) in enumerate(minibatches):
+            sums = first if epoch == 0 and k == 0 else rest
+            opt.zero_grad(set_to_none=True)
+            for i, s in enumerate(micro):
+                last = i == len(micro) - 1
+                with parallel.grad_sync(policy, last), amp():
+                    if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
+                        (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
+                        continue
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
+                    key = (s.start, s.stop)
+                    loss, m = grpo.policy_loss(
+                        logp, old_logp[key] if old_logp is not None else logp.detach(), advantages[s].to(logp.device),
+                        mask[s].to(logp.device), args.eps_low, args.eps_high,
+                        ref_logp=ref_logp[key] if ref_logp is not None else None, beta=args.beta, reduction=args.reduction,
+                        num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs, clip_c=args.clip_c)
+                    (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
+                tok = float(mask[s].sum())
+                sums["loss"] += loss.item()
+                sums["tokens"] += tok
+                for key in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
+                    sums[key] += m.get(key, 0.0) * tok
+                if ent is not None:
+                    sums["entropy"] += float((ent * valid).sum())
+                    sums["entropy_tokens"] += float(valid.sum())
+            # the norm is logged with clipping off too (max_norm inf clips nothing)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
+            if ddp.master:  # every rank holds the same all-reduced gradient: count its norm once
+                sums["grad_norm"] += float(grad_norm)
+                sums["updates"] += 1
+            opt.step()
+    return reduce_sums(ddp, first), reduce_sums(ddp, rest), t_logprob
+
+
+def reduce_sums(ddp: parallel.Dist, sums: dict[str, float]) -> dict[str, float]:
+    """Named local sums, summed over ranks in one all-reduce (every rank has the same keys)."""
+    keys = sorted(sums)
+    return dict(zip(keys, ddp.sum(torch.tensor([float(sums[k]) for k in keys])).tolist()))
+
+
+@dataclass
+class Task:
+    """What sampling and scoring need besides the policy: the prompt stream and how answers are read."""
+    rows: list[dict]
+    encode: Callable[[str], list[int]]          # prompt text -> token ids (template, chat template)
+    decode: Callable[[Rollout, int], str]       # (rollout, row) -> response text
+    reward_fn: Callable[[str, str], float]      # (response, reference answer) -> score, 1 for right
+    eos: list[int]
+    pad: int
+
+
+def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
+    """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
+
+    Returns the rollout, with per-response extra["correct"] (the score), extra["rewards"] (DAPO: +-1 and
+    the soft overlong penalty) and extra["index"] (the prompt's position in the stream), and its timings.
+    """
+    t0 = time.time()
+    block = args.prompts_per_step // ddp.world
+    mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
+    with amp(), parallel.unsharded(model):
+        roll = sample_groups(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
+                             task.eos, task.pad, args.temperature, args.top_p,
+                             generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
+    t1 = time.time()
+    answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
+    texts = [task.decode(roll, i) for i in range(len(answers))]
+    correct = torch.tensor([float(task.reward_fn(t, a)) for t, a in zip(texts, answers)])        # [N]
+    rewards = args.wrong_reward + (1.0 - args.wrong_reward) * correct                            # [N]
+    if args.format_weight:
+        rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
+    if args.overlong_penalty:
+        rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
+    index = torch.tensor([j for j, _ in mine], dtype=torch.long).repeat_interleave(args.group_size)  # [N]
+    roll.extra = {"rewards": rewards, "correct": correct, "index": index}
+    return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
+
+
+def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
+    """This rank's sums over every response drawn in a step, kept by dynamic sampling or not."""
+    s = dict.fromkeys(["samples", "reward", "correct", "length", "truncated", "groups", "groups_zero_std",
+                       "groups_all_correct", "groups_all_wrong"], 0.0)
+    for r in rolls:
+        correct, rewards = r.extra["correct"].view(-1, r.G), r.extra["rewards"].view(-1, r.G)  # [b, G] each
+        s["samples"] += correct.numel()
+        s["reward"] += float(rewards.sum())
+        s["correct"] += float(correct.sum())
+        s["length"] += float(r.lengths.sum())
+        s["truncated"] += float(r.truncated.sum())
+        s["groups"] += correct.shape[0]
+        s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
+        s["groups_all_correct"] += float((correct == 1).all(1).sum())
+        s["groups_all_wrong"] += float((correct == 0).all(1).sum())
+    return s
 
 
 def main(argv=None) -> dict:
@@ -222,7 +327,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn = verifier.load_reward(args.reward)
+    reward_fn = data.load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
@@ -287,6 +392,14 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         log({"step": step, "eval/accuracy": c / n, "eval/truncated_frac": t / n, "eval/len_mean": L / n})
         return c / n
 
+    task = Task(train_rows, encode, decode, reward_fn, eos, pad)
+    rounds: list[tuple[Rollout, dict]] = []  # this step's sampling rounds (kept or not), for its metrics
+
+    def draw(rnd: int) -> Rollout:
+        """Round rnd of this step: the prompts after the step's first data position + rnd rounds."""
+        rounds.append(draw_round(model, task, args, ddp, amp, state["data_pos"] + rnd * args.prompts_per_step))
+        return rounds[-1][0]
+
     # ---------------------------------------------------------------- the loop
     t_start = time.time()
     if not args.resume:
@@ -298,36 +411,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps, dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
-        # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling, soft overlong punishment) ----
-        drawn = torch.zeros(6)  # local sums: reward, correct, samples, length, truncated, zero-std groups
-        timing = {"time/sample_s": 0.0, "time/reward_s": 0.0}
-
-        def draw(rnd: int, drawn=drawn, timing=timing) -> Rollout:  # called within this step only
-            t_draw = time.time()
-            block = args.prompts_per_step // ddp.world
-            first = state["data_pos"] + rnd * args.prompts_per_step + ddp.rank * block
-            mine = data.prompt_rows(train_rows, args.seed, first, block)
-            with amp(), parallel.unsharded(model):
-                roll = sample_groups(model, [encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
-                                     eos, pad, args.temperature, args.top_p,
-                                     generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
-            t_reward = time.time()
-            timing["time/sample_s"] += t_reward - t_draw
-            answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
-            texts = [decode(roll, i) for i in range(len(answers))]
-            correct = torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, answers)])              # [N]
-            rewards = correct.clone()                                                                     # [N]
-            if args.format_weight:
-                rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
-            if args.overlong_penalty:
-                rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
-            roll.extra = {"rewards": rewards}
-            timing["time/reward_s"] += time.time() - t_reward
-            zero_std = grpo.constant_groups(rewards.view(-1, args.group_size)).sum()
-            drawn.add_(torch.tensor([rewards.sum(), correct.sum(), len(answers), roll.lengths.sum().item(),
-                                     roll.truncated.sum().item(), zero_std.item()], dtype=torch.float))
-            return roll
-
+        # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling on correctness, soft overlong punishment) ----
+        rounds.clear()
         if args.dynamic_sampling:
             roll, sstats = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather, ddp.rank)
         else:
@@ -345,23 +430,30 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
             mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
 
-        # ---- Step 4: the clipped surrogate ----
+        # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         t_update = time.time()
-        sums, grad_norm, timing["time/logprob_s"] = update_policy(policy, model, ref, roll, advantages, mask, args, ddp,
-                                                                   opt, sched, amp)
-        timing["time/update_s"] = time.time() - t_update - timing["time/logprob_s"]
+        first, rest, t_logprob = update_policy(policy, model, ref, roll, advantages, mask, args, ddp, opt, amp)
+        sched.step()                                 # the learning-rate schedule counts rollout steps
+        t_update = time.time() - t_update - t_logprob
 
-        # ---- metrics, reduced over ranks ----
-        d = ddp.sum(drawn).tolist()
-        u = ddp.sum(sums).tolist()
-        state["samples"] += int(d[2])
-        tok = max(u[6], 1.0)
-        row = {"step": step + 1, "loss": u[0] / args.mu, "reward/mean": d[0] / d[2], "reward/correct": d[1] / d[2],
-               "reward/frac_zero_std": d[5] / (d[2] / args.group_size), "kl": u[1] / tok,
-               "entropy": u[2] / max(u[7], 1.0), "clip/low_frac": u[3] / tok, "clip/high_frac": u[4] / tok,
-               "ratio/mean": u[5] / tok, "len/mean": d[3] / d[2], "len/truncated_frac": d[4] / d[2],
-               "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "samples": state["samples"],
-               **sstats, **timing, "time/step_s": time.time() - t0}
+        # ---- metrics, summed over ranks ----
+        d = reduce_sums(ddp, drawn_sums([r for r, _ in rounds]))
+        u = {k: first[k] + rest[k] for k in UPDATE_SUMS}
+        off = rest if rest["tokens"] > 0 else first  # clip and ratio metrics of the off-policy updates, once there are any
+        state["samples"] += int(d["samples"])
+        row = {"step": step + 1, "loss": u["loss"] / max(u["updates"], 1.0),
+               "reward/mean": d["reward"] / d["samples"], "reward/correct": d["correct"] / d["samples"],
+               "reward/frac_zero_std": d["groups_zero_std"] / d["groups"],
+               "groups/all_correct": d["groups_all_correct"] / d["groups"], "groups/all_wrong": d["groups_all_wrong"] / d["groups"],
+               "kl": u["kl"] / max(u["tokens"], 1.0), "entropy": u["entropy"] / max(u["entropy_tokens"], 1.0),
+               **{k: off[k] / off["tokens"] for k in ("clip/low_frac", "clip/high_frac", "ratio/mean")
+                  + (("clip/dual_frac",) if args.clip_c else ()) if off["tokens"] > 0},  # absent: nothing trained
+               "len/mean": d["length"] / d["samples"], "len/truncated_frac": d["truncated"] / d["samples"],
+               "tokens/in_loss": u["tokens"] / args.mu, "grad_norm": u["grad_norm"] / max(u["updates"], 1.0),
+               "updates": u["updates"],
+               "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
+               "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
+               "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
         row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
         log(row)
         state["step"] = step + 1
