@@ -21,7 +21,7 @@ import data
 import grpo
 import variants
 import verifier
-from sampler import Rollout, sample_groups
+from sampler import Rollout, rollout_logprobs, sample_groups
 from verifier import canonical, canonical_answer, extract_answer, format_reward, parse_number, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -615,15 +615,144 @@ def test_bad_flags_exit_with_one_line(capsys):
 
 def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
     # the CUDA branch of Dist cannot run here: drive it with set_device and init_process_group stubbed out
-    import train
+    import parallel
     calls = []
     for k, v in (("WORLD_SIZE", "2"), ("RANK", "3"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
-    ddp = train.Dist("cuda")
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    ddp = parallel.Dist("cuda")
     assert (ddp.device, ddp.rank, ddp.world, ddp.master) == ("cuda:1", 3, 2, False)
-    assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl", {})]
+    # without torchrun: no process group, except for --fsdp, which shards over one rank (an in-memory store)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k)
+    calls.clear()
+    parallel.Dist("cuda")
+    assert calls == []
+    ddp = parallel.Dist("cuda", fsdp=True)
+    assert ddp.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
+
+
+def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
+    # fully_shard recorded instead of run, so the CUDA branch (bf16 compute, float32 reductions) runs on CPU too
+    import torch.distributed.device_mesh as device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import parallel
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    calls, meshes = [], []
+    monkeypatch.setattr(parallel, "fully_shard", lambda m, **kw: calls.append((m, kw)))
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or "mesh")
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 4)
+    for device, param_dtype, reduce_dtype in (("cuda:1", torch.bfloat16, torch.float32), ("cpu", None, None)):
+        calls.clear()
+        assert parallel.wrap(model, parallel.Dist(device), fsdp=True) is model
+        assert [m for m, _ in calls] == [*model.model.layers, model]                 # bottom-up, the root last
+        assert [kw["reshard_after_forward"] for _, kw in calls] == [True, True, True, False]
+        assert all(kw["mesh"] == "mesh" and kw["mp_policy"].param_dtype == param_dtype
+                   and kw["mp_policy"].reduce_dtype == reduce_dtype for _, kw in calls)
+    assert meshes == [("cuda", (4,)), ("cpu", (4,))]
+    with pytest.raises(data.InputError, match="no decoder layers"):
+        parallel.shard(torch.nn.Linear(2, 2), "cpu")
+    assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model          # one process, no --fsdp: as is
+
+
+def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp_path, monkeypatch):
+    # FSDP2 over a one-rank gloo group in this process. `unsharded` leaves the layers sharded again, and
+    # freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of saving
+    # step 2, and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come back
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import checkpoint
+    import parallel
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    ddp = parallel.Dist("cpu", fsdp=True)
+    try:
+        def fresh():
+            torch.manual_seed(0)
+            cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2)
+            model = parallel.wrap(LlamaForCausalLM(cfg), ddp, fsdp=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+        def train_step(model, opt, sched):
+            model(input_ids=torch.arange(1, 9)[None]).logits.square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+        def snapshot(model, opt):
+            return ({k: v.full_tensor().clone() for k, v in model.state_dict().items()},
+                    [t.full_tensor().clone() for s in opt.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])])
+
+        model, opt, sched = fresh()
+        layer = model.model.layers[0].self_attn.q_proj
+        sharded = lambda: type(layer.weight).__name__ == "DTensor"  # noqa: E731 - the registered parameter is the shard
+        with parallel.unsharded(model), torch.no_grad():
+            model(input_ids=torch.arange(1, 9)[None])
+            assert not sharded()                     # gathered, and kept gathered after a forward
+        assert sharded()
+        model(input_ids=torch.arange(1, 9)[None])
+        assert sharded()                             # a layer frees its gathered weights after a forward again
+        folder = str(tmp_path / "checkpoint")
+        train_step(model, opt, sched)
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ddp)
+        saved = snapshot(model, opt)
+        train_step(model, opt, sched)
+        real_save = dcp.save
+
+        def crash(state, checkpoint_id):  # half the shards written, then the process dies
+            real_save(dict(list(state.items())[: len(state) // 2]), checkpoint_id=checkpoint_id)
+            raise KeyboardInterrupt("killed mid-save")
+        monkeypatch.setattr(dcp, "save", crash)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)
+        monkeypatch.setattr(dcp, "save", real_save)
+        assert checkpoint.latest(folder).endswith("step-000001") and os.path.isdir(folder + "/step-000002.tmp")
+        meta = dcp.FileSystemReader(checkpoint.latest(folder)).read_metadata().state_dict_metadata
+        assert all(type(m).__name__ == "TensorStorageMetadata" for m in meta.values())  # nothing DCP would unpickle
+        model2, opt2, sched2 = fresh()
+        state = checkpoint.load_sharded(folder, model2, opt2, sched2, ddp)
+        assert (state["step"], state["data_pos"], sched2.last_epoch, opt2.param_groups[0]["lr"]) == (1, 4, 1, 5e-3)
+        (w, m), (w2, m2) = saved, snapshot(model2, opt2)
+        assert all(torch.equal(w[k], w2[k]) for k in w) and all(torch.equal(a, b) for a, b in zip(m, m2)) and len(m) > 0
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)  # a completed save
+        assert sorted(os.listdir(folder)) == ["latest", "step-000002"]                   # replaces the old one
+    finally:
+        ddp.close()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import parallel
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1))
+    roll = sample_groups(model, PROMPTS, 2, 10, eos_token_id=1, pad_token_id=0,
+                         generator=[torch.Generator().manual_seed(s) for s in range(3)])
+    calls = []
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # runs first in the layer
+
+    def grads():
+        model.train()
+        model.zero_grad()
+        calls.clear()
+        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0)
+        (-(logp * valid).sum() / valid.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)
+
+    plain, n_plain = grads()
+    parallel.checkpoint_activations(model)
+    ckpt, n_ckpt = grads()
+    assert (n_plain, n_ckpt) == (1, 2)                       # the layer ran again in backward: it was checkpointed
+    assert max((plain[k] - ckpt[k]).abs().max().item() for k in plain) <= 1e-5
+    assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)
 
 
 @pytest.fixture(scope="module")
@@ -676,8 +805,8 @@ def _weights(folder):
 
 METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zero_std", "kl", "entropy",
                "clip/low_frac", "clip/high_frac", "ratio/mean", "len/mean", "len/truncated_frac", "grad_norm",
-               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s", "mismatch/logp_abs_mean",
-               "mismatch/logp_abs_max", "mismatch/kl"}
+               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s", "memory/state_bytes",
+               "mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl"}
 
 
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
@@ -739,6 +868,46 @@ def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
     assert all(r["kl"] > 0 for r in rows)               # the second update has moved away from the reference
     assert any(r["ratio/mean"] != 1.0 for r in rows)    # and from the sampling policy
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactly(tiny_run_inputs, tmp_path):
+    """FSDP2 on 2 gloo ranks against one plain process (same seed and global batch), 3 steps: the same rewards
+    at every step and final weights within 1e-3, with half the per-rank bytes of weights, gradients and AdamW
+    state; then 3 steps + --resume to 6 equals 6 straight steps, bit for bit. The flags take every FSDP path:
+    the reference model (beta > 0, sharded too), the old-policy pass (--mu 2, --mini-batches 2), ranks with
+    different numbers of groups and micro-batches (dynamic sampling, --micro-batch-size 3), gradient
+    checkpointing."""
+    d = tiny_run_inputs
+    flags = [*_tiny_flags(d, tmp_path / "unused"), "--overlong-cache", "12", "--micro-batch-size", "3", "--eval-every", "3",
+             "--algo", "dapo", "--beta", "0.04", "--mu", "2", "--mini-batches", "2"]
+    fsdp = ["--fsdp", "--gradient-checkpointing", "--save-every", "3"]
+
+    def metrics(out):
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
+    _run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
+    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "3")
+    (m1, w1), (m2, w2) = ((metrics(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
+    assert len(m1) == len(m2) == 3
+    for a, b in zip(m1, m2):
+        for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept"):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), k
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["kl"] == pytest.approx(b["kl"], abs=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert sum(r["sampling/groups_kept"] for r in m1) > 0 and all(r["kl"] > 0 for r in m1[1:])
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
+    assert any(not torch.equal(_weights(d / "model")[k], w1[k]) for k in w1)
+    ratio = m2[-1]["memory/state_bytes"] / m1[-1]["memory/state_bytes"]
+    print(f"per-rank bytes of weights + gradients + AdamW state + reference: 1 process {m1[-1]['memory/state_bytes']}, "
+          f"FSDP rank 0 of 2 {m2[-1]['memory/state_bytes']} ({ratio:.3f}x)")
+    assert ratio <= 0.55
+    # resume: the 3-step run's sharded checkpoint, continued to 6, against 6 straight steps
+    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "6", "--resume")
+    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp, "--steps", "6")
+    a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == [r["loss"] for r in metrics(tmp_path / "six")]
+    assert sorted(os.listdir(tmp_path / "six" / "checkpoint")) == ["latest", "step-000006"]
 
 
 def _thread_counting_driver(tmp_path):
@@ -1439,3 +1608,69 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")
     k1 = _one_step(d, tmp_path / "k1", "--beta", "0.5", "--mu", "2", "--kl", "k1")
     assert k1["grad_norm"] != pytest.approx(k3["grad_norm"], rel=1e-4) and k3["kl"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# On GPUs (python -m pytest -q test_grpo.py -m gpu): skipped, with the reason, where CUDA is missing
+# ---------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU machine: pytest -m gpu)")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (on a GPU machine: pytest -m gpu)")
+
+
+def _train_rows(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
+    d = tiny_run_inputs
+    _run_train(d, tmp_path / "run", "--device", "cuda", "--steps", "3", "--algo", "grpo", "--reward", "tinyreward:has_x")
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"] is True   # the default on CUDA
+    rows = _train_rows(tmp_path / "run")
+    assert len(rows) == 3 and all(math.isfinite(v) for r in rows for v in r.values())
+    w, start = _weights(tmp_path / "run" / "final"), _weights(d / "model")
+    assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_sampler_greedy_equals_generate():
+    model = _tiny("qwen2", torch.float32).cuda()
+    roll = sample_groups(model, PROMPTS, 2, 16, eos_token_id=1, pad_token_id=0, temperature=0.0)
+    assert roll.response_ids.is_cuda
+    for i, p in enumerate(PROMPTS):
+        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=1,
+                             pad_token_id=0)[0, len(p):].tolist()
+        for r in (2 * i, 2 * i + 1):
+            L = int(roll.lengths[r])
+            assert roll.response_ids[r, :L].tolist() == ref[:L]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path):
+    d, out = tiny_run_inputs, tmp_path / "run"
+    flags = [*_tiny_flags(d, out), "--device", "cuda", "--fsdp", "--beta", "0.04", "--save-every", "2"]
+    _torchrun(1, os.path.join(HERE, "train.py"), *flags, "--steps", "2")
+    _torchrun(1, os.path.join(HERE, "train.py"), *flags, "--steps", "3", "--resume")
+    rows = _train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(v) for r in rows for v in r.values())
+    w, start = _weights(out / "final"), _weights(d / "model")
+    assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
+    d, state = tiny_run_inputs, {}
+    for mode, extra in (("ddp", []), ("fsdp", ["--fsdp", "--save-every", "2"])):
+        out = tmp_path / mode
+        _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--device", "cuda", "--steps", "2",
+                  "--beta", "0.04", *extra)
+        rows = _train_rows(out)
+        assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values())
+        state[mode] = rows[-1]["memory/state_bytes"]
+    print(f"per-rank state bytes on 2 GPUs: DDP {state['ddp']}, FSDP {state['fsdp']}")
+    assert state["fsdp"] <= 0.55 * state["ddp"]

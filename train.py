@@ -10,14 +10,14 @@ of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train.py ...
 
 Distributed data parallel is wired through torchrun's environment variables and is invisible at world
-size 1. Each rank samples a contiguous block of the step's prompts; a prompt's G samples stay on one rank.
-With --save-every K a checkpoint (model, optimizer, scheduler, RNG, step, data position) is written
-atomically to OUT/checkpoint.pt; --resume continues from it with the same result as an unbroken run.
+size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the step's prompts;
+a prompt's G samples stay on one rank. With --save-every K a checkpoint (model, optimizer, scheduler, RNG,
+step, data position) is written atomically to OUT/checkpoint.pt (with --fsdp: sharded, to OUT/checkpoint/);
+--resume continues from it with the same result as an unbroken run.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
@@ -29,20 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-
-# DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default argument.
-# Imported after init_process_group, those defaults pin the process group, so destroy_process_group cannot
-# free it and its gloo threads run on into interpreter exit (where a rank aborted in CI). Imported here,
-# before any process group exists, the defaults are None. (Inside a function, `import torch.distributed.nn`
-# would also make `torch` a local name there: pyflakes F823.)
-import torch.distributed.nn  # noqa: F401
 
 import builtin
 import checkpoint
 import dapo
 import data
 import grpo
+import parallel
 import variants
 import verifier
 from sampler import Rollout, rollout_logprobs, sample_groups
@@ -89,6 +82,8 @@ class Args:
     mu: int = _f(1, "passes over the step's mini-batches; old log-probs are the sampling policy's")
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
     bf16: bool = _f(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
+    fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
     beta: float = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
     eps_low: float = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
@@ -110,9 +105,9 @@ class Args:
     overlong_cache: int = _f(None, "L_cache of Eq. 13: the penalty ramps over the last L_cache tokens (default: L_max // 5)")
     # -- the run
     seed: int = _f(0, "seeds the data order, the sampling and the model's initialisation")
-    out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt, final/")
-    save_every: int = _f(0, "write OUT/checkpoint.pt every this many steps (0: only the final model)")
-    resume: bool = _f(False, "continue from OUT/checkpoint.pt (same flags; --steps is the total)")
+    out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt (--fsdp: checkpoint/), final/")
+    save_every: int = _f(0, "write OUT/checkpoint.pt (--fsdp: OUT/checkpoint/) every this many steps (0: only the final model)")
+    resume: bool = _f(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; --steps is the total)")
     device: str = _f(None, "cpu or cuda (default: cuda if available)")
     plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
 
@@ -185,46 +180,6 @@ def parse_args(argv=None) -> Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them this is a single process
-# ---------------------------------------------------------------------------------------------
-
-class Dist:
-    def __init__(self, device: str):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.master = self.rank == 0
-        self.device = device
-        if self.world > 1:
-            if device.startswith("cuda"):
-                self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduced sum (a float64 copy, on the collective's device)."""
-        x = x.detach().to(self.device, torch.float64).clone()
-        if self.world > 1:
-            dist.all_reduce(x)
-        return x
-
-    def max(self, n: int) -> int:
-        """All-reduced maximum of an integer."""
-        x = torch.tensor([n], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return int(x.item())
-
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's equal-sized x, in rank order (bool travels as uint8: not every backend has bool)."""
-        if self.world == 1:
-            return [x]
-        y = x.to(self.device, torch.uint8 if x.dtype == torch.bool else x.dtype)
-        out = [torch.empty_like(y) for _ in range(self.world)]
-        dist.all_gather(out, y)
-        return [o.to("cpu", x.dtype) for o in out]
-
-
-# ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
@@ -232,7 +187,7 @@ UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_fr
                "clip/dual_frac", "ratio/mean", "grad_norm", "updates", "mismatch/abs", "mismatch/kl", "mismatch/tokens")
 
 
-def minibatch_rows(roll: Rollout | None, K: int, ddp: Dist) -> list[slice]:
+def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
     """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
 
     Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
@@ -251,7 +206,7 @@ def minibatch_rows(roll: Rollout | None, K: int, ddp: Dist) -> list[slice]:
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 
-def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, args: Args, ddp: Dist, opt, amp):
+def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, args: Args, ddp: parallel.Dist, opt, amp):
     """Step 4: --mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap);
     returns (sums of the first update, sums of the others, max |sampler - old log-prob|, seconds).
@@ -273,8 +228,9 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
         minibatches.append((micro, ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()))
     passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
     t0 = time.time()
-    with torch.no_grad(), amp():  # old policy only when it differs from the current one, reference only when beta > 0
-        several = args.mu * len(minibatches) > 1
+    several = args.mu * len(minibatches) > 1
+    with torch.no_grad(), amp(), parallel.unsharded(model if several else None), parallel.unsharded(ref):
+        # old policy only when it differs from the current one, reference only when beta > 0
         old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
         ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
     t_logprob = time.time() - t0
@@ -286,7 +242,7 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
             opt.zero_grad(set_to_none=True)
             for i, s in enumerate(micro):
                 last = i == len(micro) - 1
-                with (policy.no_sync() if ddp.world > 1 and not last else contextlib.nullcontext()), amp():
+                with parallel.grad_sync(policy, last), amp():
                     if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
                         (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
                         continue
@@ -328,7 +284,7 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
     return reduce_sums(ddp, first), reduce_sums(ddp, rest), abs_max, t_logprob
 
 
-def reduce_sums(ddp: Dist, sums: dict[str, float]) -> dict[str, float]:
+def reduce_sums(ddp: parallel.Dist, sums: dict[str, float]) -> dict[str, float]:
     """Named local sums, summed over ranks in one all-reduce (every rank has the same keys)."""
     keys = sorted(sums)
     return dict(zip(keys, ddp.sum(torch.tensor([float(sums[k]) for k in keys])).tolist()))
@@ -345,7 +301,7 @@ class Task:
     pad: int
 
 
-def draw_round(model, task: Task, args: Args, ddp: Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
+def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
 
     Returns the rollout, with per-response extra["correct"] (the score), extra["rewards"] (DAPO: +-1 and
@@ -354,7 +310,7 @@ def draw_round(model, task: Task, args: Args, ddp: Dist, amp, first: int) -> tup
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
     mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
-    with amp():
+    with amp(), parallel.unsharded(model):
         roll = sample_groups(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
                              task.eos, task.pad, args.temperature, args.top_p,
                              generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
@@ -392,18 +348,17 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ddp = Dist(args.device)
+    ddp = parallel.Dist(args.device, args.fsdp)
     try:
         return run(args, ddp)
     except data.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
-        if ddp.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        ddp.close()
 
 
-def run(args: Args, ddp: Dist) -> dict:
+def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
@@ -412,27 +367,34 @@ def run(args: Args, ddp: Dist) -> dict:
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
-    ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
-    if args.resume and not os.path.exists(ckpt_path):
+    ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if args.resume and not (checkpoint.latest(ckpt_path) if args.fsdp else os.path.exists(ckpt_path)):
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
     if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once, the others wait
         if ddp.master:
             builtin.base_model()
-        dist.barrier()
+        ddp.barrier()
     path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
-    model.to(ddp.device)
+    if args.gradient_checkpointing:
+        parallel.checkpoint_activations(model)
+    if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
+        model.to(ddp.device)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
     amp = lambda: torch.autocast(torch.device(ddp.device).type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    policy = torch.nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
+    if ref is not None and args.fsdp:
+        parallel.shard(ref, ddp.device)
+    policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
-        ckpt = checkpoint.load(ckpt_path, model, opt, sched)
+        ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
+            checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
@@ -456,7 +418,7 @@ def run(args: Args, ddp: Dist) -> dict:
         correct = trunc = length = 0.0
         for k in range(0, len(mine), 128):
             chunk = mine[k:k + 128]
-            with amp():
+            with amp(), parallel.unsharded(model):
                 roll = sample_groups(model, [encode(r["prompt"]) for r in chunk], 1, args.max_new_tokens, eos, pad, temperature=0.0)
             correct += sum(reward_fn(decode(roll, i), r["answer"]) for i, r in enumerate(chunk))
             trunc += roll.truncated.sum().item()
@@ -530,13 +492,17 @@ def run(args: Args, ddp: Dist) -> dict:
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
                "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
+        row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
         log(row)
         state["step"] = step + 1
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
             state["acc_after"] = evaluate(state["step"])
-        if args.save_every and (state["step"] % args.save_every == 0 or done) and ddp.master:
-            checkpoint.save(ckpt_path, model, opt, sched, state)
+        if args.save_every and (state["step"] % args.save_every == 0 or done):
+            if args.fsdp:   # every rank writes its shards
+                checkpoint.save_sharded(ckpt_path, model, opt, sched, state, ddp)
+            elif ddp.master:
+                checkpoint.save(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
                             **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}))
@@ -545,10 +511,11 @@ def run(args: Args, ddp: Dist) -> dict:
 
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
+    weights = parallel.full_state_dict(model)  # gathered on rank 0 under --fsdp (every rank takes part)
     if ddp.master:
         final = os.path.join(args.out, "final")
         tmp = f"{final}.tmp{os.getpid()}"
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         if os.path.isdir(final):
             import shutil
