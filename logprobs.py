@@ -202,6 +202,11 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
     (test_shared_prefix_forward_equals_per_response).
     """
     a, b = _rows(roll, rows)
+    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
+    if torch.is_grad_enabled() and inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()):
+        # transformers drops the cache in checkpointed layers (a recompute would append to it twice), so with
+        # --gradient-checkpointing the update runs the per-response forward; the no-grad passes keep the cache
+        return per_response_logprobs(model, roll, rows, temperature, with_entropy)
     G, dev = roll.G, next(model.parameters()).device
     T_all = roll.response_ids.shape[1]
     g0 = a // G
@@ -209,7 +214,6 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
     group = torch.arange(a, b) // G - g0                                      # [n] row -> its prompt in `prompts`
     plen = torch.tensor([len(p) for p in prompts])                            # [g]
     last = torch.tensor([p[-1] for p in prompts])                             # [g] each prompt's last token
-    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
     cache, name = None, _cache_kwarg(inner)
     if int(plen.max()) > 1:                                                   # 1. the prompts, once per group
         head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1] each
