@@ -28,7 +28,10 @@ A slice may cut a group (`--micro-batch-size` counts responses): its partial gro
 once. Responses are trimmed to the slice's own longest response, not the rollout's. The gradient equals the
 per-response one: the prompt's activations are the same function of the parameters, reached by G paths.
 Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with long prompts and short
-answers, and little with long reasoning traces (T >> P).
+answers, and little with long reasoning traces (T >> P). With one process, a slice whose response lengths
+are spread runs as two length buckets (`_length_buckets`). Under DDP the prompt runs on the wrapped module
+and the responses in one DDP forward (DDP syncs in each forward, so every rank runs one per micro-batch);
+under FSDP2, or when gradient checkpointing would drop the cache, the per-response forward runs instead.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import copy
 import inspect
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
 from sampler import Rollout, _cache_kwarg, _left_padded
@@ -203,10 +207,15 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
     """
     a, b = _rows(roll, rows)
     inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
-    if torch.is_grad_enabled() and inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()):
-        # transformers drops the cache in checkpointed layers (a recompute would append to it twice), so with
-        # --gradient-checkpointing the update runs the per-response forward; the no-grad passes keep the cache
+    checkpointed = torch.is_grad_enabled() and inner.training and any(getattr(m, "gradient_checkpointing", False)
+                                                                      for m in inner.modules())
+    if checkpointed or any(isinstance(m, FSDPModule) for m in inner.modules()):
+        # transformers drops the cache in checkpointed layers (a recompute would append to it twice); FSDP2
+        # all-gathers in every forward, so ranks must run one forward per micro-batch as a zero-weight pass does
         return per_response_logprobs(model, roll, rows, temperature, with_entropy)
+    # DDP syncs in each of its forwards: one per micro-batch on every rank, so no length buckets there
+    several_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
     G, dev = roll.G, next(model.parameters()).device
     T_all = roll.response_ids.shape[1]
     g0 = a // G
@@ -225,7 +234,7 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
         inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
               use_cache=True, logits_to_keep=1, **{name: cache})
     out, order = [], []
-    for r in _length_buckets(roll.lengths[a:b].cpu()):                        # rows r [m] of the slice
+    for r in [torch.arange(b - a)] if several_ranks else _length_buckets(roll.lengths[a:b].cpu()):  # rows r [m]
         T = int(roll.lengths[a:b][r].max())                                   # this bucket's longest response
         resp = roll.response_ids[a:b][r, :T].cpu()                            # [m, T]
         ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)           # [m, T] the rows' inputs
