@@ -526,8 +526,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                if eval_rows and state["acc_before"] is not None else "")
         print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
         if args.plot:
-            import ablate
-            if ablate.plot_runs({args.algo: [ablate.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
+            import curves
+            if curves.plot_runs({args.algo: [curves.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
                 print(f"curves: {os.path.join(args.out, 'curves.png')}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 
