@@ -471,7 +471,7 @@ def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     _run_train(d, tmp_path / "grpo", "--algo", "grpo", "--mu", "2", "--reward", "tinyreward:has_x")
     _run_train(d, tmp_path / "dapo", "--algo", "dapo", "--eps-high", "0.2", "--reduction", "sequence", "--beta", "0.04",
                "--no-dynamic-sampling", "--no-overlong-filter", "--no-overlong-penalty", "--mu", "2",
-               "--reward", "tinyreward:has_x")
+               "--reward", "tinyreward:has_x", "--log-completions", "0")
     a, b = _weights(tmp_path / "grpo" / "final"), _weights(tmp_path / "dapo" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
     start = _weights(d / "model")
@@ -482,23 +482,37 @@ def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
     assert all(r["kl"] > 0 for r in rows)               # the second update has moved away from the reference
     assert any(r["ratio/mean"] != 1.0 for r in rows)    # and from the sampling policy
+    # --log-completions 2 (the default): two completions per step, one from each of the first two groups
+    comps = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in comps] == [1, 1, 2, 2] and comps[0]["prompt"] != comps[1]["prompt"]
+    prompts = {r["prompt"] for r in data.load_rows(str(d / "train.jsonl"), "train")}
+    for c in comps:
+        assert c["prompt"] in prompts and c["reward"] == float("x" in c["response"]) and 1 <= c["length"] <= 12
+    assert not (tmp_path / "dapo" / "completions.jsonl").exists()  # --log-completions 0
 
 
 @pytest.mark.parametrize("adv_scale", ["group", "batch"])
 def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale):
     """1 rank and 2 ranks (gloo) with the same seed and global batch draw the same responses and rewards
     at every step and end with the same weights, up to floating-point reduction order (with
-    --adv-scale batch, the std is that of the global batch, not of each rank's share)."""
+    --adv-scale batch, the std is that of the global batch, not of each rank's share). Evaluation with 2
+    samples per problem, split over the ranks, logs the same numbers."""
     d = tiny_run_inputs
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"w{n}"
         _torchrun(n, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--steps", "3", "--overlong-cache", "12",
-                  "--micro-batch-size", "3", "--eval-every", "3", "--algo", "dapo", "--adv-scale", adv_scale)
+                  "--micro-batch-size", "3", "--eval-every", "3", "--algo", "dapo", "--adv-scale", adv_scale,
+                  "--eval-samples", "2")
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"))
-    (m1, w1), (m2, w2) = runs[1], runs[2]
+        runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"), [r for r in rows if "eval/mean@2" in r])
+    (m1, w1, e1), (m2, w2, e2) = runs[1], runs[2]
     assert len(m1) == len(m2) == 3
+    assert [e["step"] for e in e1] == [e["step"] for e in e2] == [0, 3]
+    for a, b in zip(e1, e2):  # the eval lines: mean@2 and its std, pass@1, pass@2, maj@2, truncation, length
+        assert {"eval/mean@2_std", "eval/pass@2", "eval/maj@2", "eval/len_mean"} <= set(a) and "eval/accuracy" not in a
+        assert a == pytest.approx(b, abs=1e-9)
+    assert e1[0]["eval/len_mean"] != e1[1]["eval/len_mean"]  # the trained model samples other responses
     for a, b in zip(m1, m2):
         for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept"):
             assert a[k] == pytest.approx(b[k], abs=1e-6), k  # float32 sums in another order
