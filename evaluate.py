@@ -72,7 +72,7 @@ def _canonical_answer_fallback(response: str) -> str | None:
     """TEMPORARY, until verifier.canonical_answer (branch `verifier`) is on main: a number as an exact
     rational, else the normalised string."""
     answer = verifier.extract_answer(response)
-    if answer is None:
+    if not answer:  # None, or a marker with nothing after it
         return None
     number = verifier.parse_number(answer)
     return str(number) if number is not None else verifier._normalise(answer)

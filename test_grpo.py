@@ -903,10 +903,10 @@ def _record(i, responses, scores, lengths=None, truncated=None):
 
 def test_eval_metrics_by_hand():
     import evaluate
-    # problem 0: 2 of 4 right, the vote is a tie of '4' and '5' that '4' wins by appearing first: maj right
-    # problem 1: none right, the only stated answer '3' wins the vote over the Nones: maj wrong
-    a = _record(0, ["Answer: 4", "Answer: 5", "Answer: 5", "Answer: 4"], [1.0, 0.0, 0.0, 1.0], [2, 4, 4, 2], [False] * 4)
-    b = _record(1, ["no", "x", "Answer: 3", "Answer:"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
+    # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
+    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does: maj wrong
+    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0], [2, 4, 4, 2], [False] * 4)
+    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
     assert a["majority"] == evaluate.canonical_answer("Answer: 4") and a["majority_score"] == 1.0 and a["correct"] == 2
     assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
     ks = evaluate.pass_ks(4)
