@@ -5,81 +5,52 @@ Article section: "DAPO 递进增益" (Qwen2.5-32B, AIME 2024: naive GRPO 30, + o
 
 Six rows, each adding one fix to the row above, the last being exactly `train.py --algo dapo`. Every run
 gets the same budget of sampled responses (`--max-samples`): dynamic sampling's extra samples count
-against it, so that row takes fewer optimizer steps. All rows use beta = 0, as DAPO does, so that only the
-four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the curves; needs matplotlib).
+against it, so that row takes fewer optimizer steps. All rows use beta = 0 and +-1 rewards, as DAPO does, so
+that only the four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the curves; needs matplotlib).
 
     python ablate.py                          # 6 rows x 3 seeds on 2 CPU cores, about 30 minutes
     python ablate.py --seeds 0 --budget 2560  # a quick look
     python ablate.py --train-flags "--mu 4" --out runs/ablation-mu4  # each batch reused for 4 updates
+    python ablate.py --train-flags "--mini-batches 4" --variant "+ GSPO=--loss gspo --eps-high 4e-4" \
+        --variant "+ CISPO=--loss cispo --eps-high 4"   # DAPO + another objective, off-policy updates
+
+A --variant NAME=FLAGS row is the last row (DAPO) plus FLAGS: any objective of variants.py, or any flag.
+The clip-higher row passes --eps-high 0.28 on the command line, so a variant row gives its own.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
 
+import dapo
 import train
+from curves import curve, plot_runs, read_metrics
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
-    ("naive GRPO", ["--algo", "grpo", "--beta", "0"], 30),
+    ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
     ("+ overlong filtering", ["--overlong-filter"], 36),
-    ("+ clip-higher", ["--eps-high", "0.28"], 38),
+    ("+ clip-higher", ["--eps-high", str(dapo.EPS_HIGH)], 38),
     ("+ soft overlong punishment", ["--overlong-penalty"], 41),
     ("+ token-level loss", ["--reduction", "token"], 42),
     ("+ dynamic sampling (= DAPO)", ["--dynamic-sampling"], 50),
 ]
-CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
-          ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
 
 
-def row_flags(i: int) -> list[str]:
-    """The cumulative flags of row i: everything of the rows above it, plus its own."""
-    return [f for _, flags, _ in ROWS[: i + 1] for f in flags]
+
+def row_flags(i: int, rows: list[tuple] = ROWS) -> list[str]:
+    """The flags of row i of rows: a row of ROWS has everything of the rows above it plus its own; a
+    --variant row after them has all of ROWS (= DAPO) plus its own."""
+    return [f for _, flags, _ in ROWS[: i + 1] for f in flags] + (rows[i][1] if i >= len(ROWS) else [])
 
 
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(samples drawn so far, value) points of `key`; eval lines take the sample count of their step."""
-    samples_at = {0: 0, **{r["step"]: r["samples"] for r in rows if "samples" in r}}
-    return [(samples_at[r["step"]], r[key]) for r in rows if key in r]
-
-
-def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
-    """Seeds averaged point by point (runs of one row log at the same steps, so points line up)."""
-    curves = [curve(r, key) for r in runs]
-    n = min(len(c) for c in curves)
-    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
-
-
-def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
-    """Four panels (CURVES) against samples drawn, one line per run name; False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return False
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax, (key, title) in zip(axes.flat, CURVES):
-        for name, seeds in runs.items():
-            pts = mean_curve(seeds, key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="o" if key.startswith("eval") else None,
-                    markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("responses sampled")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+def variant_row(spec: str) -> tuple[str, list[str], None]:
+    """--variant 'NAME=FLAGS' -> (NAME, FLAGS split as a shell would, no paper figure)."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name.strip():
+        raise SystemExit(f"error: --variant needs NAME=FLAGS, got {spec!r}")
+    return name.strip(), shlex.split(flags), None
 
 
 def samples_to_reach(rows: list[dict], target: float) -> float | None:
@@ -95,10 +66,10 @@ def fmt(values: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
-def table(runs: dict[str, list[list[dict]]], budget: int) -> str:
+def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = ROWS) -> str:
     lines = ["| row | held-out acc. at end | acc. at 1/4 budget | samples to 90% | entropy (last 5 steps) | "
              "length (last 5) | truncated (last 5) | tokens clipped low / high | steps | paper AIME24 |", "|" + " --- |" * 10]
-    for (name, _, paper), seeds in zip(ROWS, runs.values()):
+    for (name, _, paper), seeds in zip(rows, runs.values()):
         quarter = [max((v for s, v in curve(r, "eval/accuracy") if s <= budget / 4), default=None) for r in seeds]
         reach = [samples_to_reach(r, 0.9) for r in seeds]
         tail = lambda key, seeds=seeds: [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]  # noqa: E731
@@ -108,7 +79,8 @@ def table(runs: dict[str, list[list[dict]]], budget: int) -> str:
             if any(x is not None for x in reach) else f"never (0/{len(reach)})"
         lines.append(f"| {name} | {fmt([curve(r, 'eval/accuracy')[-1][1] for r in seeds])} | {fmt(quarter)} | {reached} | "
                      f"{fmt(tail('entropy'), 4)} | {fmt(tail('len/mean'), 1)} | {fmt(tail('len/truncated_frac'))} | "
-                     f"{clip('clip/low_frac'):.2%} / {clip('clip/high_frac'):.2%} | {statistics.mean(steps):.0f} | {paper} |")
+                     f"{clip('clip/low_frac'):.2%} / {clip('clip/high_frac'):.2%} | {statistics.mean(steps):.0f} | "
+                     f"{'-' if paper is None else paper} |")
     return "\n".join(lines)
 
 
@@ -120,17 +92,20 @@ def main() -> None:
     p.add_argument("--out", default="runs/ablation", help="output folder")
     p.add_argument("--train-flags", default="", help="train.py flags added to every run, e.g. '--mu 4' (with --mu 1, "
                    "the default, the ratio is exactly 1 and clip-higher cannot act)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="add a row: DAPO (the last row) plus FLAGS, e.g. '+ CISPO=--loss cispo' (repeatable)")
     a = p.parse_args()
+    rows = ROWS + [variant_row(v) for v in a.variant]
     runs: dict[str, list[list[dict]]] = {}
-    for i, (name, _, _) in enumerate(ROWS):
+    for i, (name, _, _) in enumerate(rows):
         for seed in a.seeds:
             out = os.path.join(a.out, f"row{i}-seed{seed}")
             if not os.path.exists(os.path.join(out, "final", "config.json")):  # finished runs are kept: rerun resumes the table
                 print(f"{name}, seed {seed}")
-                train.main([*row_flags(i), *shlex.split(a.train_flags), "--seed", str(seed), "--max-samples", str(a.budget),
+                train.main([*row_flags(i, rows), *shlex.split(a.train_flags), "--seed", str(seed), "--max-samples", str(a.budget),
                             "--steps", "1000", "--eval-every", str(a.eval_every), "--out", out])
             runs.setdefault(name, []).append(read_metrics(os.path.join(out, "metrics.jsonl")))
-    md = table(runs, a.budget)
+    md = table(runs, a.budget, rows)
     with open(os.path.join(a.out, "ablation.md"), "w") as fh:
         fh.write(md + "\n")
     print(md)

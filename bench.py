@@ -1,9 +1,10 @@
-"""Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step.
+"""Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step,
+and one update on long responses with and without gradient checkpointing.
 
 Article sections it measures: "Step 1: Rollout 采样" (generation is most of an RL step's time) and the
 log-prob passes of "Step 4: PPO Loss 计算" (vocabulary-sized logits dominate memory).
 
-    python bench.py               # about 3 minutes on CPU (one torch thread); uses CUDA if available
+    python bench.py               # about 4 minutes on CPU (one torch thread); uses CUDA if available
     python bench.py --threads 0   # torch's default thread count
 
 Every time is the median of --repeats repeats, interleaved (A, B, A, B, ...) so that load from other
@@ -26,7 +27,7 @@ import time
 import torch
 
 import grpo
-from sampler import sample_groups
+from sampler import Rollout, rollout_logprobs, sample_groups
 
 V_QWEN = 151_936  # Qwen2's vocabulary
 LOGIT_SHAPE = (8, 64)  # 512 rows of logits for the log-prob comparison
@@ -272,6 +273,102 @@ def bench_step(device: str, steps: int) -> None:
         print(f"  {' '.join(flags) + ' ' + note:42s}" + "".join(f"{x:8.2f}" for x in med))
 
 
+# ---------------------------------------------------------------------------------------------
+# 4. Gradient checkpointing (--gradient-checkpointing): one update on long responses
+# ---------------------------------------------------------------------------------------------
+
+GC_SHAPE = dict(rows=4, prompt=32, response=512)   # 4 responses of 512 tokens after 32-token prompts
+
+
+def _gc_setup(device: str, checkpointing: bool, response: int = GC_SHAPE["response"]):
+    """A small random Qwen2 in train mode and a rollout of long responses (every token valid)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    import parallel
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).to(device).train()
+    if checkpointing:
+        parallel.checkpoint_activations(model)
+    g = torch.Generator().manual_seed(0)
+    n, P = GC_SHAPE["rows"], GC_SHAPE["prompt"]
+    roll = Rollout(prompts=torch.randint(2, cfg.vocab_size, (1, P), generator=g).tolist() * n, G=1, pad_token_id=0,
+                   response_ids=torch.randint(2, cfg.vocab_size, (n, response), generator=g), mask=torch.ones(n, response),
+                   lengths=torch.full((n,), response), truncated=torch.ones(n, dtype=torch.bool),
+                   logprobs=torch.zeros(n, response))
+    return model, roll
+
+
+def _gc_update(model, roll) -> None:
+    """One micro-batch of train.update_policy: log-probs of the responses, the clipped surrogate, backward."""
+    logp, _, valid = rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)   # [n, T]
+    advantages = torch.linspace(-1, 1, logp.shape[0], device=logp.device)                      # [n]
+    loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, valid, reduction="token")
+    loss.backward()
+
+
+def gc_child(checkpointing: bool) -> None:
+    """Run in a fresh process: print the peak resident memory of one update above what was there before it
+    (weights, gradients from a short warm-up update, the rollout), in bytes."""
+    model, roll = _gc_setup("cpu", checkpointing)
+    _gc_update(model, _gc_setup("cpu", False, response=8)[1])               # load the kernels, allocate .grad
+    with open("/proc/self/clear_refs", "w") as fh:                           # peak RSS := current RSS (Linux)
+        fh.write("5")
+    before = _status_kib("VmRSS")
+    _gc_update(model, roll)
+    print((_status_kib("VmHWM") - before) * 1024)
+
+
+def gc_peak(checkpointing: bool, device: str) -> int:
+    """Bytes of peak memory one update adds: CUDA's peak allocated, or on CPU a fresh process's peak RSS."""
+    if device.startswith("cuda"):
+        model, roll = _gc_setup(device, checkpointing)
+        _gc_update(model, _gc_setup(device, False, response=8)[1])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _gc_update(model, roll)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    here = os.path.abspath(__file__)
+    res = subprocess.run([sys.executable, here, "--gc-child", str(int(checkpointing))],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(here))
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+def bench_checkpointing(device: str, repeats: int) -> None:
+    n, P, T = GC_SHAPE["rows"], GC_SHAPE["prompt"], GC_SHAPE["response"]
+    models = {flag: _gc_setup(device, flag) for flag in (False, True)}
+    params = sum(p.numel() for p in models[False][0].parameters())
+    print(f"\n## One update on long responses, without and with gradient checkpointing: {n} responses of {T} tokens "
+          f"(prompts {P}), Qwen2 {params / 1e6:.1f}M parameters (hidden 256, 8 layers, vocab 8000), {device}")
+    if device == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+        print("  (memory not measured: on CPU the measurement reads Linux's /proc/self)")
+        peak = None
+    else:
+        peak = {flag: gc_peak(flag, device) for flag in (False, True)}
+    times = {False: [], True: []}
+    for _ in range(repeats):
+        for flag in (False, True):
+            model, roll = models[flag]
+            times[flag].append(_timed(lambda model=model, roll=roll: _gc_update(model, roll), device)[0])
+            model.zero_grad(set_to_none=True)
+    for model, roll in models.values():                                       # one more update each: same gradients?
+        _gc_update(model, roll)
+    diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(models[False][0].parameters(), models[True][0].parameters()))
+    how = "CUDA peak allocated" if device.startswith("cuda") else "peak RSS of a fresh process (Linux VmHWM)"
+    print(f"{'':34s}{'without':>10s}{'with':>10s}{'ratio':>8s}")
+    if peak:
+        print(f"  {'extra peak memory of the update':32s}{peak[False] / 2**20:7.0f} MB{peak[True] / 2**20:7.0f} MB"
+              f"{peak[True] / peak[False]:8.2f}")
+    a, b = (statistics.median(times[f]) for f in (False, True))
+    print(f"  {'time of the update':32s}{a:8.2f} s{b:8.2f} s{b / a:8.2f}")
+    print(f"  memory: {how}, above the weights, gradients and inputs; max |gradient difference| {diff:.1e}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per timing (median reported)")
@@ -280,12 +377,16 @@ def main(argv=None) -> None:
                    help="torch intra-op threads on CPU, 0 = torch's default. 1 by default: on cores shared with other "
                         "jobs, threads spin-waiting for a busy core make times vary tenfold")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--only", choices=["rollouts", "logprobs", "step"], default=None, help="run one section")
+    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "checkpointing"], default=None, help="run one section")
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--gc-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mem_child:
         variant, dtype_name, backward = args.mem_child
         return mem_child(variant, dtype_name, backward == "1")
+    if args.gc_child:
+        torch.set_num_threads(1)
+        return gc_child(args.gc_child == "1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads and device == "cpu":
         torch.set_num_threads(args.threads)
@@ -302,6 +403,8 @@ def main(argv=None) -> None:
         bench_logprobs(device, args.repeats)
     if args.only in (None, "step"):
         bench_step(device, args.steps)
+    if args.only in (None, "checkpointing"):
+        bench_checkpointing(device, args.repeats)
     print(f"\n({time.perf_counter() - t0:.0f} s in all)")
 
 

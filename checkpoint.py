@@ -4,12 +4,22 @@ Not an article section: the run's bookkeeping. `save` writes model, optimizer, s
 step and data position to one file through a temporary name and os.replace, so a crash or SIGKILL in
 the middle of a save leaves the previous checkpoint intact. `load` reads it back with
 `weights_only=True` (no pickled code is ever executed).
+
+With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
+torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after a
+barrier rank 0 renames it to step-N and then atomically replaces the pointer file OUT/checkpoint/latest, so
+a crash at any point leaves `latest` naming a complete checkpoint. Only tensors go through DCP (its loader
+unpickles anything else with weights_only=False); the rest (optimizer hyperparameters, scheduler, step,
+data position) is one small torch.save file, and each rank's RNG states another, both read back with
+weights_only=True. `load_sharded` reads the shards into the model's and optimizer's own sharded tensors,
+so a checkpoint is never gathered on one rank.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 
 import torch
 
@@ -19,9 +29,7 @@ from data import InputError
 def save(path: str, model, opt, sched, state: dict) -> None:
     """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            **state}
+            "rng": _rng_states(), **state}
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(ckpt, tmp)
     os.replace(tmp, path)
@@ -36,11 +44,113 @@ def load(path: str, model, opt, sched) -> dict:
         sched.load_state_dict(ckpt["scheduler"])
     except (OSError, RuntimeError, KeyError, ValueError) as e:
         raise InputError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    random.setstate(ckpt["rng"]["python"])
-    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    _set_rng_states(ckpt["rng"])
     return ckpt
+
+
+def _rng_states() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_states(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _split(tree, prefix: str, tensors: dict):
+    """A copy of nested dicts / lists / tuples with every tensor leaf moved to tensors[path], left as its path."""
+    if isinstance(tree, torch.Tensor):
+        tensors[prefix] = tree
+        return {"__tensor__": prefix}
+    if isinstance(tree, dict):
+        return {k: _split(v, f"{prefix}/{k}", tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(tree))
+    return tree
+
+
+def _join(tree, tensors: dict):
+    """The inverse of _split: the skeleton with each path replaced by its tensor."""
+    if isinstance(tree, dict):
+        if set(tree) == {"__tensor__"}:
+            return tensors[tree["__tensor__"]]
+        return {k: _join(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_join(v, tensors) for v in tree)
+    return tree
+
+
+def _sharded_dicts(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)  # this rank's shards (DTensors); creates AdamW's state if it has none
+    return {"model": msd, "optimizer": osd}
+
+
+def latest(folder: str) -> str | None:
+    """The complete sharded checkpoint under `folder` (OUT/checkpoint), or None."""
+    try:
+        with open(os.path.join(folder, "latest")) as fh:
+            return os.path.join(folder, fh.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
+    """Every rank writes its shards of model and optimizer to folder/step-N; atomic as a whole (see above)."""
+    import torch.distributed.checkpoint as dcp
+    name = f"step-{state['step']:06d}"
+    target, tmp = os.path.join(folder, name), os.path.join(folder, name + ".tmp")
+    if ddp.master:
+        shutil.rmtree(tmp, ignore_errors=True)          # left by a crash mid-save
+        os.makedirs(tmp)
+    ddp.barrier()
+    tensors = {}
+    skeleton = _split(_sharded_dicts(model, opt), "", tensors)
+    dcp.save(tensors, checkpoint_id=tmp)
+    torch.save({"rng": _rng_states()}, os.path.join(tmp, f"rng-rank{ddp.rank}.pt"))
+    if ddp.master:
+        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ddp.world, **state},
+                   os.path.join(tmp, "state.pt"))
+    ddp.barrier()                                        # every rank's files are written
+    if ddp.master:
+        previous = latest(folder)
+        if os.path.isdir(target):                        # a same-step save that never became `latest`
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+        with open(os.path.join(folder, "latest.tmp"), "w") as fh:
+            fh.write(name)
+        os.replace(os.path.join(folder, "latest.tmp"), os.path.join(folder, "latest"))
+        if previous and os.path.abspath(previous) != os.path.abspath(target):
+            shutil.rmtree(previous, ignore_errors=True)
+    ddp.barrier()
+
+
+def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
+    """Restore this rank's shards, the optimizer, the scheduler and this rank's RNG from `folder`'s latest
+    checkpoint; returns the saved train state (step, data position, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    path = latest(folder)
+    if path is None:
+        raise InputError(f"{folder}: no sharded checkpoint (no 'latest' file)")
+    try:
+        meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+        if meta["world_size"] != ddp.world:
+            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ddp.world}: the RNG states are per rank")
+        rng = torch.load(os.path.join(path, f"rng-rank{ddp.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
+        tensors = {}
+        _split(_sharded_dicts(model, opt), "", tensors)   # the tensors to read into, sharded as this run shards
+        dcp.load(tensors, checkpoint_id=path)
+        saved = _join(meta["skeleton"], tensors)
+        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+        sched.load_state_dict(meta["scheduler"])
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        raise InputError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+    _set_rng_states(rng)
+    return meta
 
 
 def trim_metrics(path: str, last_step: int) -> None:

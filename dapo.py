@@ -5,7 +5,8 @@ Article section: "DAPO：四项修正". Each fix is switched on or off alone by 
 1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new code:
    it is `eps_high` of `grpo.policy_loss`; `EPS_HIGH` below is the paper's value.
 2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G rewards are all equal (their advantages are
-   zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has enough:
+   zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has enough;
+   the filter reads correctness, as Eq. 11 counts correct answers:
    `keep_groups`, `dynamic_sampling`.
 3. Token-Level Policy Gradient Loss (Sec. 3.3, Eq. 12): divide the summed token losses by the number of
    tokens of the whole batch, not per response: `grpo.policy_loss(reduction="token", num_tokens=...)`.
@@ -13,7 +14,10 @@ Article section: "DAPO：四项修正". Each fix is switched on or off alone by 
    `overlong_filter`) and soft overlong punishment (Eq. 13: `overlong_penalty`, added to the reward).
 
 DAPO also drops the KL term (beta = 0): for long reasoning the policy is meant to move far from the
-initial model.
+initial model; scores a right answer +1 and a wrong one -1 (Sec. 2; train.py --wrong-reward -1), so the
+soft overlong penalty in [-1, 0] weighs against a reward gap of 2; and takes 16 optimizer steps per
+rollout step, on mini-batches of 512 of its 512 x 16 responses (train.py --mini-batches 16), so that
+from the second mini-batch on the policy is off-policy and the clip bounds act.
 """
 from __future__ import annotations
 
@@ -46,13 +50,14 @@ def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor
     return mask * (~truncated.bool()).to(mask.dtype)[:, None]                 # [N, T]
 
 
-def keep_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """Dynamic sampling's filter, DAPO Eq. 11 (0 < #correct < G): rewards [B, G] -> bool [B].
+def keep_groups(correct: torch.Tensor) -> torch.Tensor:
+    """Dynamic sampling's filter, DAPO Eq. 11 (0 < #correct < G): correctness [B, G] -> bool [B].
 
-    False where all G rewards of a group are equal (all right or all wrong), since such a group's
-    advantages are all zero.
+    False where a group's G answers are all right or all wrong. It reads correctness (the verifier's
+    score), not the shaped reward: an all-correct group whose lengths differ has unequal rewards once the
+    soft overlong penalty is added, and keeping it would push a correct answer down.
     """
-    return ~grpo.constant_groups(rewards)                                     # [B]
+    return ~grpo.constant_groups(correct)                                     # [B]
 
 
 def dynamic_sampling(
@@ -64,7 +69,7 @@ def dynamic_sampling(
 ) -> tuple[Rollout | None, dict[str, float]]:
     """Sample rounds of groups until `target` informative groups are kept, or `max_rounds` rounds ran.
 
-    draw(round) -> this rank's Rollout for that round, with extra["rewards"] [N]. With several ranks,
+    draw(round) -> this rank's Rollout for that round, with extra["correct"] [N]. With several ranks,
     gather(keep [b]) returns every rank's keep flags in rank order, and rank blocks are contiguous in the
     round's global prompt order: all ranks then keep the same global groups (the first informative ones
     in prompt order) however many ranks there are, and agree on when to stop. Returns the kept groups of
@@ -75,7 +80,7 @@ def dynamic_sampling(
     while have < target and rounds < max_rounds:
         roll = draw(rounds)
         rounds += 1
-        keep = keep_groups(roll.extra["rewards"].view(-1, roll.G))           # [b]
+        keep = keep_groups(roll.extra["correct"].view(-1, roll.G))           # [b]
         parts = gather(keep)                                                  # W x [b_w]
         keep_all = torch.cat(parts)                                           # [B_round], global prompt order
         drawn_groups += keep_all.numel()

@@ -10,6 +10,7 @@ A JSONL file has one JSON object per line. `--prompt-field` / `--answer-field` n
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import zlib
@@ -51,6 +52,21 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
     if not rows:
         raise InputError(f"{path}: no rows")
     return rows
+
+
+def load_reward(spec: str):
+    """verifier.verify, or the function named by 'module:function' (imported, never evaluated)."""
+    if spec == "verifier":
+        import verifier
+        return verifier.verify
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise InputError(f"--reward {spec}: expected module:function ({e})") from None
+    if not callable(fn):
+        raise InputError(f"--reward {spec}: {name} is not callable")
+    return fn
 
 
 class PromptFormatter:

@@ -68,17 +68,7 @@ def majority_vote(answers: list[str | None]) -> str | None:
     return max(counts, key=counts.get) if counts else None  # max keeps the first of equal counts: insertion order
 
 
-def _canonical_answer_fallback(response: str) -> str | None:
-    """TEMPORARY, until verifier.canonical_answer (branch `verifier`) is on main: a number as an exact
-    rational, else the normalised string."""
-    answer = verifier.extract_answer(response)
-    if not answer:  # None, or a marker with nothing after it
-        return None
-    number = verifier.parse_number(answer)
-    return str(number) if number is not None else verifier._normalise(answer)
-
-
-canonical_answer = getattr(verifier, "canonical_answer", _canonical_answer_fallback)
+canonical_answer = verifier.canonical_answer  # majority voting compares these canonical final answers
 
 
 def problem_record(index: int, row: dict, responses: list[str], scores: list[float], lengths: list[int],
@@ -146,7 +136,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     scores a response (default: the one --reward names)."""
     n, ks = args.eval_samples, pass_ks(args.eval_samples)
     greedy = n == 1
-    reward_fn = reward_fn or verifier.load_reward(args.reward)
+    reward_fn = reward_fn or data.load_reward(args.reward)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -272,7 +262,7 @@ def main(argv=None) -> list[tuple[str, dict]]:
     resolve(args, p.error, builtin=args.data == "builtin" or all(m == "builtin" for m in args.model))
     try:
         rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size)
-        reward_fn = verifier.load_reward(args.reward)
+        reward_fn = data.load_reward(args.reward)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
             _, tokenizer, model = data.load_model(spec, args.trust_remote_code)

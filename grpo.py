@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
+LOG_RATIO_CLAMP = 20.0   # |logp - old_logp| is clamped to this before exp (as verl does): no inf, no NaN gradient
 
 
 def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6,
@@ -135,6 +136,56 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return out.view(logits.shape[:-1])
 
 
+def reduce_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    reduction: str = "sequence",
+    num_tokens: float | torch.Tensor | None = None,
+    max_len: int | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token losses [N, T] -> scalar, counting only valid tokens (mask [N, T], 1.0 on valid ones).
+
+    The three reductions of `policy_loss`, with the same global denominators, for the losses in
+    variants.py: "sequence" = sum over responses of each one's token mean / num_seqs (default: the rows
+    with at least one valid token, as policy_loss);
+    "token" = sum over valid tokens / num_tokens (default mask.sum()); "constant" = sum / (num_seqs *
+    max_len), max_len defaulting to T. Passing the step's global counts makes micro-batches and ranks
+    add up to the full-batch loss.
+    """
+    if reduction not in ("sequence", "token", "constant"):
+        raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
+    mask = mask.to(per_token.dtype)                                           # [N, T]
+    n = (mask.sum(-1) > 0).to(mask.dtype).sum() if num_seqs is None else num_seqs
+    n = n.clamp_min(1.0) if torch.is_tensor(n) else max(n, 1.0)
+    if reduction == "sequence":
+        seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
+        return seq_mean.sum() / n
+    if reduction == "token":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return (per_token * mask).sum() / (denom.clamp_min(1.0) if torch.is_tensor(denom) else max(denom, 1.0))
+    return (per_token * mask).sum() / (n * (per_token.shape[1] if max_len is None else max_len))
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate, k1 = logp - ref: [N, T], [N, T] -> [N, T].
+
+    Schulman (2020): unbiased for tokens sampled from pi_theta but high-variance and negative for about
+    half the tokens. As a loss its expected gradient is zero on-policy (the score function has mean 0).
+    """
+    return logp - ref_logp                                                    # [N, T]
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL estimate, k2 = 0.5 (logp - ref)^2 >= 0: [N, T], [N, T] -> [N, T].
+
+    Schulman (2020): biased as a value (low variance, close for nearby policies), but as a loss its
+    on-policy expected gradient is exactly the gradient of KL(pi_theta || pi_ref) (Liu et al., arXiv
+    2510.01555).
+    """
+    return 0.5 * (logp - ref_logp) ** 2                                       # [N, T]
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate, k3 = exp(ref - logp) - (ref - logp) - 1 >= 0.
 
@@ -158,6 +209,8 @@ def policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     max_len: int | None = None,
     num_seqs: float | torch.Tensor | None = None,
+    clip_c: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate (+ beta * k3 KL) to minimise, and its metrics (the article's Step 4).
 
@@ -167,23 +220,37 @@ def policy_loss(
     reduction="token": sum over valid tokens / num_tokens (DAPO Eq. 8; num_tokens defaults to mask.sum()
         and is passed explicitly so gradient accumulation and DDP divide by the step's global count);
     reduction="constant": sum / (num_seqs * max_len), max_len defaulting to T (Dr. GRPO).
-    num_seqs (default N) is likewise the step's global number of responses for "sequence"/"constant".
+    num_seqs is likewise the step's global number of responses in the loss for "sequence"/"constant"; it
+    defaults to the rows with at least one valid token, so responses masked out whole (overlong filtering)
+    are not counted (as verl does; TRL counts them).
+    clip_c > 1: dual-clip (Ye et al. 2020) for A < 0, the per-token loss is at most -clip_c * A, so a huge
+    ratio on a token the policy should avoid cannot blow the loss up (verl's default 3). 0: off.
+    The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp: a stale old_logp cannot give inf or NaN.
+    weights [N, T] (optional, detached): multiply each token's surrogate (not the KL), e.g. variants.tis_weights.
     Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens.
     """
     if reduction not in ("sequence", "token", "constant"):
         raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
     mask = mask.to(logp.dtype)                                                # [N, T]
     adv = advantages.to(logp.dtype)[:, None]                                  # [N, 1]
-    ratio = torch.exp(logp - old_logp)                                        # [N, T]
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, T]
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)                      # [N, T]
     per_token = -torch.minimum(ratio * adv, clipped * adv)                    # [N, T]
+    if clip_c:
+        if clip_c <= 1.0:
+            raise ValueError(f"dual-clip needs clip_c > 1, got {clip_c}")
+        dual = (adv < 0) & (per_token > -clip_c * adv)                        # [N, T] loss capped at -c * A
+        per_token = torch.where(dual, -clip_c * adv, per_token)               # [N, T]
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)          # [N, T]
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # [N, T]
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
         per_token = per_token + beta * kl                                     # [N, T]
 
-    n = logp.shape[0] if num_seqs is None else num_seqs
+    n = (mask.sum(-1) > 0).to(mask.dtype).sum() if num_seqs is None else num_seqs
+    n = n.clamp_min(1.0) if torch.is_tensor(n) else max(n, 1.0)
     if reduction == "sequence":
         seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
         loss = seq_mean.sum() / n
@@ -203,4 +270,6 @@ def policy_loss(
             "ratio/mean": ((ratio * mask).sum() / valid).item(),
             "kl": ((kl * mask).sum() / valid).item(),
         }
+        if clip_c:
+            metrics["clip/dual_frac"] = ((dual.to(mask.dtype) * mask).sum() / valid).item()
     return loss, metrics

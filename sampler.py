@@ -260,8 +260,10 @@ def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) ->
                    lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
 
 
-def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
-    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T].
+def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False,
+                     entropy=grpo.token_entropy):
+    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T]
+    (entropy(logits, temperature): grpo.token_entropy, no gradient, or variants.token_entropy).
 
     The training side of the sampler: the same tempered distribution the tokens were drawn from. One
     forward over left-padded prompt + right-padded response; only the last T + 1 positions' logits are
@@ -277,5 +279,5 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
     pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
     logp = grpo.token_logprobs(logits, resp.to(dev), temperature)             # [n, T], of softmax(logits / temperature)
-    ent = grpo.token_entropy(logits, temperature) if with_entropy else None   # [n, T]
+    ent = entropy(logits, temperature) if with_entropy else None             # [n, T]
     return logp, ent, rmask.to(dev)

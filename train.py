@@ -1,7 +1,8 @@
 """Online RL for language models with GRPO or DAPO: sample, verify, compute advantages, update.
 
 Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts -> Step 2 rewards -> Step 3
-advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo.
+advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family objectives
+of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
     python train.py --algo dapo                      # built-in task and model, CPU, ~5 minutes
     python train.py --algo grpo --steps 60
@@ -9,14 +10,14 @@ advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dap
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train.py ...
 
 Distributed data parallel is wired through torchrun's environment variables and is invisible at world
-size 1. Each rank samples a contiguous block of the step's prompts; a prompt's G samples stay on one rank.
-With --save-every K a checkpoint (model, optimizer, scheduler, RNG, step, data position) is written
-atomically to OUT/checkpoint.pt; --resume continues from it with the same result as an unbroken run.
+size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the step's prompts;
+a prompt's G samples stay on one rank. With --save-every K a checkpoint (model, optimizer, scheduler, RNG,
+step, data position) is written atomically to OUT/checkpoint.pt (with --fsdp: sharded, to OUT/checkpoint/);
+--resume continues from it with the same result as an unbroken run.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
@@ -24,17 +25,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-# DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default argument.
-# Imported after init_process_group, those defaults pin the process group, so destroy_process_group cannot
-# free it and its gloo threads run on into interpreter exit (where a rank aborted in CI). Imported here,
-# before any process group exists, the defaults are None. (Inside a function, `import torch.distributed.nn`
-# would also make `torch` a local name there: pyflakes F823.)
-import torch.distributed.nn  # noqa: F401
 
 import builtin
 import checkpoint
@@ -42,6 +36,8 @@ import dapo
 import data
 import evaluate
 import grpo
+import parallel
+import variants
 import verifier
 from evaluate import flag as _f
 from evaluate import shared
@@ -62,6 +58,8 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     system_prompt: str = shared("system_prompt")
     chat_template: bool = shared("chat_template")
     reward: str = shared("reward")
+    wrong_reward: float = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
+                                   "(grpo: 0, the article; dapo: -1, the paper's +-1)")
     format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
     trust_remote_code: bool = shared("trust_remote_code")
     # -- how much
@@ -82,26 +80,36 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps (DAPO: 20)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
-    mu: int = _f(1, "policy updates per rollout batch; old log-probs are the sampling policy's")
+    mini_batches: int = _f(1, "optimizer updates per rollout step, each on 1/K of the step's groups (DAPO paper: 16)")
+    mu: int = _f(1, "passes over the step's mini-batches; old log-probs are the sampling policy's")
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
     bf16: bool = shared("bf16")
+    fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
-    beta: float = _f(None, "KL coefficient to the reference model, k3 estimator (grpo: 0.04, dapo: 0)")
-    eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low")
-    eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher)")
+    beta: float = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
+    eps_low: float = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
+    eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher; "
+                                "gspo: 4e-4, cispo: 4)")
+    clip_c: float = _f(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: off; verl 3, DAPO recipe 10)")
+    loss: str = _f("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, gspo-token, cispo (variants.py)",
+                   ["ppo", "gspo", "gspo-token", "cispo"])
+    kl: str = _f("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 (DeepSeekMath)", ["k1", "k2", "k3"])
+    entropy_coef: float = _f(0.0, "subtract this times the mean token entropy from the loss (0: off)")
+    tis_cap: float = _f(0.0, "truncated importance sampling: each token's loss times min(pi_old / pi_sampler, C) (0: off)")
     adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
     reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
                         ["sequence", "token", "constant"])
-    dynamic_sampling: bool = _f(None, "keep only groups with mixed rewards and resample to fill the step (dapo: on)")
+    dynamic_sampling: bool = _f(None, "keep only groups with 0 < #correct < G (Eq. 11), resampling to fill the step (dapo: on)")
     max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step before training on what it has")
     overlong_filter: bool = _f(None, "mask truncated responses out of the loss (dapo: on)")
     overlong_penalty: bool = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
     overlong_cache: int = _f(None, "L_cache of Eq. 13: the penalty ramps over the last L_cache tokens (default: L_max // 5)")
     # -- the run
     seed: int = shared("seed")
-    out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt, final/")
-    save_every: int = _f(0, "write OUT/checkpoint.pt every this many steps (0: only the final model)")
-    resume: bool = _f(False, "continue from OUT/checkpoint.pt (same flags; --steps is the total)")
+    out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt (--fsdp: checkpoint/), final/")
+    save_every: int = _f(0, "write OUT/checkpoint.pt (--fsdp: OUT/checkpoint/) every this many steps (0: only the final model)")
+    resume: bool = _f(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; --steps is the total)")
     device: str = shared("device")
     plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
     log_completions: int = _f(2, "append this many sampled completions per step (prompt, response, reward) to "
@@ -109,11 +117,19 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
 
 
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
-    "grpo": dict(beta=0.04, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
-                 overlong_filter=False, overlong_penalty=False),
-    "dapo": dict(beta=0.0, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
-                 overlong_filter=True, overlong_penalty=True),
+    "grpo": dict(beta=0.04, eps_low=0.2, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
+                 overlong_filter=False, overlong_penalty=False, wrong_reward=0.0),
+    "dapo": dict(beta=0.0, eps_low=dapo.EPS_LOW, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
+                 overlong_filter=True, overlong_penalty=True, wrong_reward=-1.0),
 }
+LOSSES = {"ppo": grpo.policy_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
+          "cispo": variants.cispo_loss}  # --loss: same inputs, reductions and denominators, (loss, metrics)
+LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the command line wins)
+    "gspo": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
+    "gspo-token": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
+    "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
+}
+KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
 
@@ -123,7 +139,8 @@ def parse_args(argv=None) -> Args:
     evaluate.add_flags(p, Args)
     ns = p.parse_args(argv)
     # --- derived settings: resolved once, here, and written to config.json ---
-    fill = {**ALGO_DEFAULTS[ns.algo], **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
+    fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
+            **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
@@ -135,6 +152,10 @@ def parse_args(argv=None) -> Args:
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
               (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
+              (ns.mini_batches >= 1, "--mini-batches must be >= 1"), (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
+              (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
+              (ns.tis_cap >= 0, "--tis-cap must be >= 0 (0: off)"),
+              (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),
               (ns.micro_batch_size >= 1, "--micro-batch-size must be >= 1"), (ns.max_rounds >= 1, "--max-rounds must be >= 1"),
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
@@ -147,140 +168,221 @@ def parse_args(argv=None) -> Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them this is a single process
-# ---------------------------------------------------------------------------------------------
-
-class Dist:
-    def __init__(self, device: str):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.master = self.rank == 0
-        self.device = device
-        if self.world > 1:
-            if device.startswith("cuda"):
-                self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduced sum (a float64 copy, on the collective's device)."""
-        x = x.detach().to(self.device, torch.float64).clone()
-        if self.world > 1:
-            dist.all_reduce(x)
-        return x
-
-    def max(self, n: int) -> int:
-        """All-reduced maximum of an integer."""
-        x = torch.tensor([n], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return int(x.item())
-
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's equal-sized x, in rank order (bool travels as uint8: not every backend has bool)."""
-        if self.world == 1:
-            return [x]
-        y = x.to(self.device, torch.uint8 if x.dtype == torch.bool else x.dtype)
-        out = [torch.empty_like(y) for _ in range(self.world)]
-        dist.all_gather(out, y)
-        return [o.to("cpu", x.dtype) for o in out]
-
-
-# ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
-def update_policy(policy, model, ref, roll: Rollout, advantages, mask, args: Args, ddp: Dist, opt, sched, amp):
-    """Step 4: --mu updates of the clipped surrogate over micro-batches; returns (metric sums, grad norm, s).
+UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac", "clip/high_frac",
+               "clip/dual_frac", "ratio/mean", "grad_norm", "updates", "mismatch/abs", "mismatch/kl", "mismatch/tokens")
 
-    Denominators are the step's global token and response counts, so the summed micro-batch gradients
-    equal the full-batch gradient on any number of ranks. Every rank runs the same number of backward
-    passes (a zero-weight one where it has run out), because DDP synchronises in each.
+
+def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
+    """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
+
+    Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
+    index over all ranks), so the same groups share an update on any number of ranks. A rank's groups are
+    in prompt order, so its share of each mini-batch is one contiguous block of rows.
     """
-    n_local = 0 if roll is None else roll.response_ids.shape[0]
-    num_tokens = ddp.sum(mask.sum() if roll is not None else torch.zeros(())).float()
-    num_seqs = ddp.sum(torch.tensor(float(n_local))).float()
+    G = roll.G if roll is not None else 1
+    idx = roll.extra["index"][::G].contiguous() if roll is not None else torch.zeros(0, dtype=torch.long)  # [b] prompt index
+    b_max = ddp.max(idx.numel())
+    everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    everyone = everyone[everyone >= 0].sort().values                                             # [B]
+    B = everyone.numel()
+    if B == 0:
+        return []
+    mb = torch.searchsorted(everyone, idx) * K // B                                              # [b] mini-batch of each group
+    return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
+
+
+def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, args: Args, ddp: parallel.Dist, opt, amp):
+    """Step 4: --mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
+    --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap);
+    returns (sums of the first update, sums of the others, max |sampler - old log-prob|, seconds).
+
+    Old log-probs are computed once, before the first update (with one update they equal the current ones).
+    Each update's denominators are its mini-batch's global token and response counts (all ranks), so the
+    summed micro-batch gradients equal the mini-batch gradient on any number of ranks. Every rank runs the
+    same number of backward passes per update (a zero-weight one where it has run out), because DDP
+    synchronises in each. The sums (over ranks) hold the clip and ratio metrics of the off-policy updates
+    only (all but the first), once there are any: in the first update the ratio is exactly 1. The entropy
+    and the sampler/trainer mismatch (Rollout.logprobs against the old log-probs) are summed once per row.
+    """
     mb = args.micro_batch_size
-    slices = [slice(k * mb, min((k + 1) * mb, n_local)) for k in range(ddp.max(math.ceil(n_local / mb)))]
+    minibatches = []                                                     # per update: (its micro slices, tokens, seqs)
+    for rows in minibatch_rows(roll, args.mini_batches, ddp):
+        n = rows.stop - rows.start
+        micro = [slice(rows.start + i * mb, min(rows.start + (i + 1) * mb, rows.stop)) for i in range(ddp.max(math.ceil(n / mb)))]
+        m = mask[rows] if n else torch.zeros(0, 1)
+        minibatches.append((micro, ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()))
+    passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
     t0 = time.time()
-    with torch.no_grad(), amp():  # old policy only when mu > 1 (else old = current), reference only when beta > 0
-        old_logp = [rollout_logprobs(model, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
-            if args.mu > 1 else None
-        ref_logp = [rollout_logprobs(ref, roll, s, args.temperature)[0] for s in slices if s.start < s.stop] \
-            if ref is not None else None
+    several = args.mu * len(minibatches) > 1
+    with torch.no_grad(), amp(), parallel.unsharded(model if several else None), parallel.unsharded(ref):
+        # old policy only when it differs from the current one, reference only when beta > 0
+        old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
+        ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
     t_logprob = time.time() - t0
-    sums = torch.zeros(8)  # loss, kl*tok, entropy*tok, low*tok, high*tok, ratio*tok, tok, entropy tokens
-    grad_norm = 0.0
+    first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
+    abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
     for epoch in range(args.mu):
-        opt.zero_grad(set_to_none=True)
-        for k, s in enumerate(slices):
-            last = k == len(slices) - 1
-            with (policy.no_sync() if ddp.world > 1 and not last else contextlib.nullcontext()), amp():
-                if s.start >= s.stop:  # this rank ran out of micro-batches: a zero-weight pass keeps DDP in step
-                    (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
-                    continue
-                logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0)
-                loss, m = grpo.policy_loss(
-                    logp, old_logp[k] if old_logp is not None else logp.detach(), advantages[s].to(logp.device),
-                    mask[s].to(logp.device), args.eps_low, args.eps_high,
-                    ref_logp=ref_logp[k] if ref_logp is not None else None, beta=args.beta,
-                    reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
-                (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
-            tok = float(mask[s].sum())
-            ent_sum, ent_tok = (float((ent * valid).sum()), float(valid.sum())) if ent is not None else (0.0, 0.0)
-            sums += torch.tensor([loss.item(), m["kl"] * tok, ent_sum, m["clip/low_frac"] * tok,
-                                  m["clip/high_frac"] * tok, m["ratio/mean"] * tok, tok, ent_tok])
-        if args.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-        opt.step()
-        sched.step()
-    return sums, grad_norm, t_logprob
+        for k, (micro, num_tokens, num_seqs) in enumerate(minibatches):
+            sums = first if epoch == 0 and k == 0 else rest
+            opt.zero_grad(set_to_none=True)
+            for i, s in enumerate(micro):
+                last = i == len(micro) - 1
+                with parallel.grad_sync(policy, last), amp():
+                    if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
+                        (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
+                        continue
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus,
+                                                        entropy=variants.token_entropy if bonus else grpo.token_entropy)
+                    key, dev = (s.start, s.stop), logp.device
+                    old, m_s = old_logp[key] if old_logp is not None else logp.detach(), mask[s].to(dev)  # [n, T] each
+                    sampler_logp = roll.logprobs[s].to(dev)                    # [n, T], what the tokens were drawn with
+                    den = dict(reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
+                    loss, m = LOSSES[args.loss](
+                        logp, old, advantages[s].to(dev), m_s, args.eps_low, args.eps_high, **den, **dual,
+                        weights=variants.tis_weights(old, sampler_logp, m_s, args.tis_cap) if args.tis_cap else None)
+                    if ref_logp is not None:                                   # + beta * KL(pi_theta || pi_ref), --kl estimator
+                        kl, mk = variants.kl_term(logp, ref_logp[key], m_s, KL_ESTIMATORS[args.kl], **den)
+                        loss, m = loss + args.beta * kl, {**m, **mk}
+                    if bonus:                                                  # - entropy_coef * mean token entropy
+                        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, **den)[0]
+                    (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
+                tok = float(mask[s].sum())
+                sums["loss"] += loss.item()
+                sums["tokens"] += tok
+                for key in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
+                    sums[key] += m.get(key, 0.0) * tok
+                if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
+                    sums["entropy"] += float((ent.detach() * valid).sum())
+                    sums["entropy_tokens"] += float(valid.sum())
+                    mm, n_valid = variants.mismatch_metrics(old, sampler_logp, valid), float(valid.sum())
+                    sums["mismatch/abs"] += mm["mismatch/logp_abs_mean"] * n_valid
+                    sums["mismatch/kl"] += mm["mismatch/kl"] * n_valid
+                    sums["mismatch/tokens"] += n_valid
+                    abs_max = max(abs_max, mm["mismatch/logp_abs_max"])
+            # the norm is logged with clipping off too (max_norm inf clips nothing)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
+            if ddp.master:  # every rank holds the same all-reduced gradient: count its norm once
+                sums["grad_norm"] += float(grad_norm)
+                sums["updates"] += 1
+            opt.step()
+    abs_max = float(torch.cat(ddp.gather(torch.tensor([abs_max], dtype=torch.float64))).max())  # over ranks
+    return reduce_sums(ddp, first), reduce_sums(ddp, rest), abs_max, t_logprob
+
+
+def reduce_sums(ddp: parallel.Dist, sums: dict[str, float]) -> dict[str, float]:
+    """Named local sums, summed over ranks in one all-reduce (every rank has the same keys)."""
+    keys = sorted(sums)
+    return dict(zip(keys, ddp.sum(torch.tensor([float(sums[k]) for k in keys])).tolist()))
+
+
+@dataclass
+class Task:
+    """What sampling and scoring need besides the policy: the prompt stream and how answers are read."""
+    rows: list[dict]
+    encode: Callable[[str], list[int]]          # prompt text -> token ids (template, chat template)
+    decode: Callable[[Rollout, int], str]       # (rollout, row) -> response text
+    reward_fn: Callable[[str, str], float]      # (response, reference answer) -> score, 1 for right
+    eos: list[int]
+    pad: int
+
+
+def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
+    """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
+
+    Returns the rollout, with per-response extra["correct"] (the score), extra["rewards"] (DAPO: +-1 and
+    the soft overlong penalty) and extra["index"] (the prompt's position in the stream), and its timings.
+    """
+    t0 = time.time()
+    block = args.prompts_per_step // ddp.world
+    mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
+    with amp(), parallel.unsharded(model):
+        roll = sample_groups(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
+                             task.eos, task.pad, args.temperature, args.top_p,
+                             generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
+    t1 = time.time()
+    answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
+    texts = [task.decode(roll, i) for i in range(len(answers))]
+    correct = torch.tensor([float(task.reward_fn(t, a)) for t, a in zip(texts, answers)])        # [N]
+    rewards = args.wrong_reward + (1.0 - args.wrong_reward) * correct                            # [N]
+    if args.format_weight:
+        rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
+    if args.overlong_penalty:
+        rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
+    index = torch.tensor([j for j, _ in mine], dtype=torch.long).repeat_interleave(args.group_size)  # [N]
+    roll.extra = {"rewards": rewards, "correct": correct, "index": index}
+    return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
+
+
+def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
+    """This rank's sums over every response drawn in a step, kept by dynamic sampling or not."""
+    s = dict.fromkeys(["samples", "reward", "correct", "length", "truncated", "groups", "groups_zero_std",
+                       "groups_all_correct", "groups_all_wrong"], 0.0)
+    for r in rolls:
+        correct, rewards = r.extra["correct"].view(-1, r.G), r.extra["rewards"].view(-1, r.G)  # [b, G] each
+        s["samples"] += correct.numel()
+        s["reward"] += float(rewards.sum())
+        s["correct"] += float(correct.sum())
+        s["length"] += float(r.lengths.sum())
+        s["truncated"] += float(r.truncated.sum())
+        s["groups"] += correct.shape[0]
+        s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
+        s["groups_all_correct"] += float((correct == 1).all(1).sum())
+        s["groups_all_wrong"] += float((correct == 0).all(1).sum())
+    return s
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    ddp = Dist(args.device)
+    ddp = parallel.Dist(args.device, args.fsdp)
     try:
         return run(args, ddp)
     except data.InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
-        if ddp.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        ddp.close()
 
 
-def run(args: Args, ddp: Dist) -> dict:
+def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn = verifier.load_reward(args.reward)
+    reward_fn = data.load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
-    ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
-    completions_path = os.path.join(args.out, "completions.jsonl")
-    if args.resume and not os.path.exists(ckpt_path):
+    ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
+    metrics_path, completions_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "completions.jsonl")
+    if args.resume and not (checkpoint.latest(ckpt_path) if args.fsdp else os.path.exists(ckpt_path)):
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
     if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once, the others wait
         if ddp.master:
             builtin.base_model()
-        dist.barrier()
+        ddp.barrier()
     path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
-    model.to(ddp.device)
+    if args.gradient_checkpointing:
+        parallel.checkpoint_activations(model)
+    if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
+        model.to(ddp.device)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
     amp = lambda: torch.autocast(torch.device(ddp.device).type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    policy = torch.nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
+    if ref is not None and args.fsdp:
+        parallel.shard(ref, ddp.device)
+    policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
-        ckpt = checkpoint.load(ckpt_path, model, opt, sched)
+        ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
+            checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
@@ -302,9 +404,18 @@ def run(args: Args, ddp: Dist) -> dict:
         """Held-out metrics (evaluate.py; split over ranks) logged; returns greedy accuracy, or mean@n."""
         if not eval_rows:
             return None
-        m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn)
+        with parallel.unsharded(model):  # under --fsdp: the whole model gathered once for all its forwards
+            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn)
         log({"step": step, **m})
         return m[evaluate.headline(args.eval_samples)]
+
+    task = Task(train_rows, encode, decode, reward_fn, eos, pad)
+    rounds: list[tuple[Rollout, dict]] = []  # this step's sampling rounds (kept or not), for its metrics
+
+    def draw(rnd: int) -> Rollout:
+        """Round rnd of this step: the prompts after the step's first data position + rnd rounds."""
+        rounds.append(draw_round(model, task, args, ddp, amp, state["data_pos"] + rnd * args.prompts_per_step))
+        return rounds[-1][0]
 
     # ---------------------------------------------------------------- the loop
     t_start = time.time()
@@ -317,36 +428,8 @@ def run(args: Args, ddp: Dist) -> dict:
         bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps, dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
-        # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling, soft overlong punishment) ----
-        drawn = torch.zeros(6)  # local sums: reward, correct, samples, length, truncated, zero-std groups
-        timing = {"time/sample_s": 0.0, "time/reward_s": 0.0}
-
-        def draw(rnd: int, drawn=drawn, timing=timing) -> Rollout:  # called within this step only
-            t_draw = time.time()
-            block = args.prompts_per_step // ddp.world
-            first = state["data_pos"] + rnd * args.prompts_per_step + ddp.rank * block
-            mine = data.prompt_rows(train_rows, args.seed, first, block)
-            with amp():
-                roll = sample_groups(model, [encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
-                                     eos, pad, args.temperature, args.top_p,
-                                     generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
-            t_reward = time.time()
-            timing["time/sample_s"] += t_reward - t_draw
-            answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
-            texts = [decode(roll, i) for i in range(len(answers))]
-            correct = torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, answers)])              # [N]
-            rewards = correct.clone()                                                                     # [N]
-            if args.format_weight:
-                rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
-            if args.overlong_penalty:
-                rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
-            roll.extra = {"rewards": rewards}
-            timing["time/reward_s"] += time.time() - t_reward
-            zero_std = grpo.constant_groups(rewards.view(-1, args.group_size)).sum()
-            drawn.add_(torch.tensor([rewards.sum(), correct.sum(), len(answers), roll.lengths.sum().item(),
-                                     roll.truncated.sum().item(), zero_std.item()], dtype=torch.float))
-            return roll
-
+        # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling on correctness, soft overlong punishment) ----
+        rounds.clear()
         if args.dynamic_sampling:
             roll, sstats = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather, ddp.rank)
         else:
@@ -364,23 +447,33 @@ def run(args: Args, ddp: Dist) -> dict:
             advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
             mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
 
-        # ---- Step 4: the clipped surrogate ----
+        # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         t_update = time.time()
-        sums, grad_norm, timing["time/logprob_s"] = update_policy(policy, model, ref, roll, advantages, mask, args, ddp,
-                                                                   opt, sched, amp)
-        timing["time/update_s"] = time.time() - t_update - timing["time/logprob_s"]
+        first, rest, mismatch_max, t_logprob = update_policy(policy, model, ref, roll, advantages, mask, args, ddp, opt, amp)
+        sched.step()                                 # the learning-rate schedule counts rollout steps
+        t_update = time.time() - t_update - t_logprob
 
-        # ---- metrics, reduced over ranks ----
-        d = ddp.sum(drawn).tolist()
-        u = ddp.sum(sums).tolist()
-        state["samples"] += int(d[2])
-        tok = max(u[6], 1.0)
-        row = {"step": step + 1, "loss": u[0] / args.mu, "reward/mean": d[0] / d[2], "reward/correct": d[1] / d[2],
-               "reward/frac_zero_std": d[5] / (d[2] / args.group_size), "kl": u[1] / tok,
-               "entropy": u[2] / max(u[7], 1.0), "clip/low_frac": u[3] / tok, "clip/high_frac": u[4] / tok,
-               "ratio/mean": u[5] / tok, "len/mean": d[3] / d[2], "len/truncated_frac": d[4] / d[2],
-               "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "samples": state["samples"],
-               **sstats, **timing, "time/step_s": time.time() - t0}
+        # ---- metrics, summed over ranks ----
+        d = reduce_sums(ddp, drawn_sums([r for r, _ in rounds]))
+        u = {k: first[k] + rest[k] for k in UPDATE_SUMS}
+        off = rest if rest["tokens"] > 0 else first  # clip and ratio metrics of the off-policy updates, once there are any
+        state["samples"] += int(d["samples"])
+        row = {"step": step + 1, "loss": u["loss"] / max(u["updates"], 1.0),
+               "reward/mean": d["reward"] / d["samples"], "reward/correct": d["correct"] / d["samples"],
+               "reward/frac_zero_std": d["groups_zero_std"] / d["groups"],
+               "groups/all_correct": d["groups_all_correct"] / d["groups"], "groups/all_wrong": d["groups_all_wrong"] / d["groups"],
+               "kl": u["kl"] / max(u["tokens"], 1.0), "entropy": u["entropy"] / max(u["entropy_tokens"], 1.0),
+               "mismatch/logp_abs_mean": u["mismatch/abs"] / max(u["mismatch/tokens"], 1.0),
+               "mismatch/logp_abs_max": mismatch_max, "mismatch/kl": u["mismatch/kl"] / max(u["mismatch/tokens"], 1.0),
+               **{k: off[k] / off["tokens"] for k in ("clip/low_frac", "clip/high_frac", "ratio/mean")
+                  + (("clip/dual_frac",) if args.clip_c else ()) if off["tokens"] > 0},  # absent: nothing trained
+               "len/mean": d["length"] / d["samples"], "len/truncated_frac": d["truncated"] / d["samples"],
+               "tokens/in_loss": u["tokens"] / args.mu, "grad_norm": u["grad_norm"] / max(u["updates"], 1.0),
+               "updates": u["updates"],
+               "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
+               "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
+               "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
+        row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
         log(row)
         if completions_file:  # a few of rank 0's completions of the batch trained on, to read what the policy writes
             completions_file.writelines(json.dumps({"step": step + 1, **c}) + "\n"
@@ -390,8 +483,11 @@ def run(args: Args, ddp: Dist) -> dict:
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
             state["acc_after"] = evaluate_at(state["step"])
-        if args.save_every and (state["step"] % args.save_every == 0 or done) and ddp.master:
-            checkpoint.save(ckpt_path, model, opt, sched, state)
+        if args.save_every and (state["step"] % args.save_every == 0 or done):
+            if args.fsdp:   # every rank writes its shards
+                checkpoint.save_sharded(ckpt_path, model, opt, sched, state, ddp)
+            elif ddp.master:
+                checkpoint.save(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
                             **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}))
@@ -400,10 +496,11 @@ def run(args: Args, ddp: Dist) -> dict:
 
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
+    weights = parallel.full_state_dict(model)  # gathered on rank 0 under --fsdp (every rank takes part)
     if ddp.master:
         final = os.path.join(args.out, "final")
         tmp = f"{final}.tmp{os.getpid()}"
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         if os.path.isdir(final):
             import shutil
@@ -417,8 +514,8 @@ def run(args: Args, ddp: Dist) -> dict:
                if eval_rows and state["acc_before"] is not None else "")
         print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
         if args.plot:
-            import ablate
-            if ablate.plot_runs({args.algo: [ablate.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
+            import curves
+            if curves.plot_runs({args.algo: [curves.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
                 print(f"curves: {os.path.join(args.out, 'curves.png')}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 
