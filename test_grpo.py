@@ -88,6 +88,14 @@ def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     assert abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5
 
 
+def test_entropy_is_finite_with_masked_logits():
+    # a -inf logit (a masked vocabulary entry) has p = 0 and p log p = 0, not 0 * -inf = NaN
+    logits = torch.tensor([[[0.0, 0.0, -math.inf]]], requires_grad=True)
+    h = logprobs.token_entropy(logits)
+    h.sum().backward()
+    assert abs(h.item() - math.log(2)) < 1e-6 and torch.isfinite(logits.grad).all()
+
+
 def test_kl_k3_hand_value_zero_at_equality_and_nonnegative():
     # logp = log 0.5, ref = log 0.25: delta = log 0.5, k3 = 0.5 - log 0.5 - 1 = 0.19315
     assert abs(grpo.kl_k3(torch.tensor(math.log(0.5)), torch.tensor(math.log(0.25))).item() - 0.193147) < 1e-5
