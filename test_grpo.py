@@ -821,6 +821,7 @@ METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zer
                "mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl"}
 
 
+@pytest.mark.slow
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
     res = _run_train(d, tmp_path / "run", "--algo", "dapo")
@@ -843,6 +844,7 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
     assert config["eps_high"] == 0.28 and config["reduction"] == "token" and config["beta"] == 0.0
 
 
+@pytest.mark.slow
 def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_path):
     # 3 new tokens: most responses are truncated. The same samples with the filter on and off (the filter
     # changes only the loss mask): on, only the untruncated responses' tokens are in the loss.
@@ -863,6 +865,7 @@ def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_
     assert [r["lr"] for r in rows["off"]] == pytest.approx([1e-2 * 2 / 4, 1e-2 * 3 / 4])
 
 
+@pytest.mark.slow
 def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
     # --mu 2 takes the old-policy pass and beta 0.04 the reference pass: both paths are compared too
@@ -946,6 +949,7 @@ def _thread_counting_driver(tmp_path):
     # the objectives of variants.py: GSPO off-policy, the KL term with k2, the entropy bonus, truncated IS
     ("batch", ["--loss", "gspo", "--mu", "2", "--beta", "0.04", "--kl", "k2", "--entropy-coef", "0.01", "--tis-cap", "2"]),
 ])
+@pytest.mark.slow
 def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, extra):
     """1 rank and 2 ranks (gloo) with the same seed and global batch draw the same responses and rewards
     at every step, compute the same gradients and end with the same weights, up to floating-point
@@ -990,6 +994,7 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
 # Real-model path: data formats, chat template, pluggable reward, checkpoints, clear errors
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_gives_the_same_weights_as_an_unbroken_run(tiny_run_inputs, tmp_path):
     _run_train(tiny_run_inputs, tmp_path / "full", "--steps", "6", "--save-every", "3")
     _run_train(tiny_run_inputs, tmp_path / "part", "--steps", "3", "--save-every", "3")
@@ -1002,6 +1007,7 @@ def test_resume_gives_the_same_weights_as_an_unbroken_run(tiny_run_inputs, tmp_p
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
     import signal
     d, out = tiny_run_inputs, tmp_path / "killed"
@@ -1023,6 +1029,7 @@ def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
     assert steps == list(range(1, target + 1))
 
 
+@pytest.mark.slow
 def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU run in float32
     for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
@@ -1036,6 +1043,7 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "bf16" / "final").values())  # weights stay float32
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, tmp_path):
     # hub models are mostly saved in bfloat16; transformers 5 keeps a checkpoint's dtype unless told otherwise,
     # and AdamW updates of ~lr 1e-6 on bf16 weights mostly round away: load float32 master weights always
@@ -1053,6 +1061,7 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
     assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1")
@@ -1149,7 +1158,7 @@ def test_ablation_table_and_curves_from_metrics():
 
 
 # ---------------------------------------------------------------------------------------------
-# --- issue 3: sampler speed and lean log-probs ---
+# logprobs.py token kernel and sampler.py inverse-CDF sampling: exact against the naive forms, lean in memory
 # ---------------------------------------------------------------------------------------------
 
 def _naive_logprobs(logits, ids, temperature=1.0):
@@ -1314,7 +1323,7 @@ def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
 
 
 # ---------------------------------------------------------------------------------------------
-# --- issue 16: the shared-prefix training forward (logprobs.rollout_logprobs) ---
+# logprobs.py: the shared-prefix training forward (rollout_logprobs) against the per-response one
 # ---------------------------------------------------------------------------------------------
 
 def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
@@ -1702,6 +1711,7 @@ def _one_step(d, out, *extra):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][-1]
 
 
+@pytest.mark.slow
 def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     # The same samples each time (same seed); each flag must change the update as its math says.
     d = tiny_run_inputs
@@ -1748,6 +1758,7 @@ def _train_rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
@@ -1774,6 +1785,7 @@ def test_gpu_sampler_greedy_equals_generate():
             assert roll.response_ids[r, :L].tolist() == ref[:L]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path):
@@ -1787,6 +1799,7 @@ def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path)
     assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_two_gpus
 def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
@@ -1803,7 +1816,7 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# --- issue 13: evaluation (evaluate.py): pass@k, maj@n, mean@n over ranks, the command ---
+# evaluate.py: pass@k, maj@n, mean@n over ranks, the command
 # ---------------------------------------------------------------------------------------------
 
 def test_pass_at_k_equals_enumerating_every_k_subset():
@@ -1943,6 +1956,7 @@ def test_eval_flags_are_shared_and_checked(capsys):
             assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs, tmp_path, capsys):
     import evaluate
     model, out = str(tiny_run_inputs / "model"), tmp_path / "per-problem.jsonl"
