@@ -20,13 +20,13 @@ The clip-higher row passes --eps-high 0.28 on the command line, so a variant row
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
 
 import dapo
 import train
+from curves import curve, plot_runs, read_metrics
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
     ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
@@ -36,8 +36,7 @@ ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the ro
     ("+ token-level loss", ["--reduction", "token"], 42),
     ("+ dynamic sampling (= DAPO)", ["--dynamic-sampling"], 50),
 ]
-CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
-          ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
+
 
 
 def row_flags(i: int, rows: list[tuple] = ROWS) -> list[str]:
@@ -52,49 +51,6 @@ def variant_row(spec: str) -> tuple[str, list[str], None]:
     if not sep or not name.strip():
         raise SystemExit(f"error: --variant needs NAME=FLAGS, got {spec!r}")
     return name.strip(), shlex.split(flags), None
-
-
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(samples drawn so far, value) points of `key`; eval lines take the sample count of their step."""
-    samples_at = {0: 0, **{r["step"]: r["samples"] for r in rows if "samples" in r}}
-    return [(samples_at[r["step"]], r[key]) for r in rows if key in r]
-
-
-def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
-    """Seeds averaged point by point (runs of one row log at the same steps, so points line up)."""
-    curves = [curve(r, key) for r in runs]
-    n = min(len(c) for c in curves)
-    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
-
-
-def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
-    """Four panels (CURVES) against samples drawn, one line per run name; False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return False
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax, (key, title) in zip(axes.flat, CURVES):
-        for name, seeds in runs.items():
-            pts = mean_curve(seeds, key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="o" if key.startswith("eval") else None,
-                    markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("responses sampled")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def samples_to_reach(rows: list[dict], target: float) -> float | None:

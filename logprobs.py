@@ -123,6 +123,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
 
 
+LOGP_FLOOR = torch.finfo(torch.float32).min  # log p of a masked (-inf) logit, so that p log p = 0 there
+
+
 class _TokenEntropy(torch.autograd.Function):
     """-sum_v p_v log p_v of p = softmax(x * s), block by block, with a block-by-block backward."""
 
@@ -131,7 +134,8 @@ class _TokenEntropy(torch.autograd.Function):
         out, p = logits.new_empty(logits.shape[:-1], dtype=torch.float32).view(-1), None  # [N*T]
         for rows, logp in _softmax_blocks(logits, s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
-            out[rows] = -torch.exp(logp, out=p[: logp.shape[0]]).mul_(logp).sum(-1)
+            e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
+            out[rows] = -e.mul_(logp.clamp_min_(LOGP_FLOOR)).sum(-1)          # a -inf logit: 0 * floor, not 0 * -inf = NaN
         ctx.save_for_backward(logits, out)
         ctx.s = s
         return out.view(logits.shape[:-1])
@@ -147,7 +151,7 @@ class _TokenEntropy(torch.autograd.Function):
         for rows, logp in _softmax_blocks(logits, ctx.s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
             e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
-            flat[rows] = logp.add_(h[rows]).mul_(e).mul_(-gs[rows])            # the yielded block is ours to overwrite
+            flat[rows] = logp.clamp_min_(LOGP_FLOOR).add_(h[rows]).mul_(e).mul_(-gs[rows])  # the block is ours to overwrite
         return grad, None
 
 

@@ -88,6 +88,14 @@ def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     assert abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5
 
 
+def test_entropy_is_finite_with_masked_logits():
+    # a -inf logit (a masked vocabulary entry) has p = 0 and p log p = 0, not 0 * -inf = NaN
+    logits = torch.tensor([[[0.0, 0.0, -math.inf]]], requires_grad=True)
+    h = logprobs.token_entropy(logits)
+    h.sum().backward()
+    assert abs(h.item() - math.log(2)) < 1e-6 and torch.isfinite(logits.grad).all()
+
+
 def test_kl_k3_hand_value_zero_at_equality_and_nonnegative():
     # logp = log 0.5, ref = log 0.25: delta = log 0.5, k3 = 0.5 - log 0.5 - 1 = 0.19315
     assert abs(grpo.kl_k3(torch.tensor(math.log(0.5)), torch.tensor(math.log(0.25))).item() - 0.193147) < 1e-5
@@ -813,6 +821,7 @@ METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zer
                "mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl"}
 
 
+@pytest.mark.slow
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
     res = _run_train(d, tmp_path / "run", "--algo", "dapo")
@@ -835,6 +844,7 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
     assert config["eps_high"] == 0.28 and config["reduction"] == "token" and config["beta"] == 0.0
 
 
+@pytest.mark.slow
 def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_path):
     # 3 new tokens: most responses are truncated. The same samples with the filter on and off (the filter
     # changes only the loss mask): on, only the untruncated responses' tokens are in the loss.
@@ -855,13 +865,14 @@ def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_
     assert [r["lr"] for r in rows["off"]] == pytest.approx([1e-2 * 2 / 4, 1e-2 * 3 / 4])
 
 
+@pytest.mark.slow
 def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
     # --mu 2 takes the old-policy pass and beta 0.04 the reference pass: both paths are compared too
     _run_train(d, tmp_path / "grpo", "--algo", "grpo", "--mu", "2", "--reward", "tinyreward:has_x")
     _run_train(d, tmp_path / "dapo", "--algo", "dapo", "--eps-high", "0.2", "--reduction", "sequence", "--beta", "0.04",
                "--wrong-reward", "0", "--no-dynamic-sampling", "--no-overlong-filter", "--no-overlong-penalty", "--mu", "2",
-               "--reward", "tinyreward:has_x")
+               "--reward", "tinyreward:has_x", "--log-completions", "0")
     a, b = _weights(tmp_path / "grpo" / "final"), _weights(tmp_path / "dapo" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
     start = _weights(d / "model")
@@ -872,6 +883,13 @@ def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
     assert all(r["kl"] > 0 for r in rows)               # the second update has moved away from the reference
     assert any(r["ratio/mean"] != 1.0 for r in rows)    # and from the sampling policy
+    # --log-completions 2 (the default): two completions per step, one from each of the first two groups
+    comps = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in comps] == [1, 1, 2, 2] and comps[0]["prompt"] != comps[1]["prompt"]
+    prompts = {r["prompt"] for r in data.load_rows(str(d / "train.jsonl"), "train")}
+    for c in comps:
+        assert c["prompt"] in prompts and c["reward"] == float("x" in c["response"]) and 1 <= c["length"] <= 12
+    assert not (tmp_path / "dapo" / "completions.jsonl").exists()  # --log-completions 0
 
 
 @pytest.mark.slow
@@ -931,6 +949,7 @@ def _thread_counting_driver(tmp_path):
     # the objectives of variants.py: GSPO off-policy, the KL term with k2, the entropy bonus, truncated IS
     ("batch", ["--loss", "gspo", "--mu", "2", "--beta", "0.04", "--kl", "k2", "--entropy-coef", "0.01", "--tis-cap", "2"]),
 ])
+@pytest.mark.slow
 def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, extra):
     """1 rank and 2 ranks (gloo) with the same seed and global batch draw the same responses and rewards
     at every step, compute the same gradients and end with the same weights, up to floating-point
@@ -939,18 +958,24 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
     gradient norms are compared directly.
 
     And after train.main returns, each rank's process group is gone with its gloo threads: a process group
-    that outlives destroy_process_group keeps them running into interpreter exit, where a rank can abort."""
+    that outlives destroy_process_group keeps them running into interpreter exit, where a rank can abort.
+    Evaluation with 2 samples per problem, split over the ranks, logs the same numbers."""
     d = tiny_run_inputs
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"w{n}"
         _torchrun(n, _thread_counting_driver(tmp_path) if n == 2 else os.path.join(HERE, "train.py"), *_tiny_flags(d, out),
                   "--steps", "3", "--overlong-cache", "12", "--micro-batch-size", "3", "--eval-every", "3", "--algo", "dapo",
-                  "--adv-scale", adv_scale, "--grad-clip", "0", *extra)
+                  "--adv-scale", adv_scale, "--grad-clip", "0", "--eval-samples", "2", *extra)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"))
-    (m1, w1), (m2, w2) = runs[1], runs[2]
+        runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"), [r for r in rows if "eval/mean@2" in r])
+    (m1, w1, e1), (m2, w2, e2) = runs[1], runs[2]
     assert len(m1) == len(m2) == 3
+    assert [e["step"] for e in e1] == [e["step"] for e in e2] == [0, 3]
+    for a, b in zip(e1, e2):  # the eval lines: mean@2 and its std, pass@1, pass@2, maj@2, truncation, length
+        assert {"eval/mean@2_std", "eval/pass@2", "eval/maj@2", "eval/len_mean"} <= set(a) and "eval/accuracy" not in a
+        assert a == pytest.approx(b, abs=1e-9)
+    assert e1[0]["eval/len_mean"] != e1[1]["eval/len_mean"]  # the trained model samples other responses
     for a, b in zip(m1, m2):
         for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept", "updates", "tokens/in_loss"):
             assert a[k] == pytest.approx(b[k], abs=1e-6), k  # float32 sums in another order
@@ -969,6 +994,7 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
 # Real-model path: data formats, chat template, pluggable reward, checkpoints, clear errors
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_gives_the_same_weights_as_an_unbroken_run(tiny_run_inputs, tmp_path):
     _run_train(tiny_run_inputs, tmp_path / "full", "--steps", "6", "--save-every", "3")
     _run_train(tiny_run_inputs, tmp_path / "part", "--steps", "3", "--save-every", "3")
@@ -981,6 +1007,7 @@ def test_resume_gives_the_same_weights_as_an_unbroken_run(tiny_run_inputs, tmp_p
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
     import signal
     d, out = tiny_run_inputs, tmp_path / "killed"
@@ -1002,6 +1029,7 @@ def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
     assert steps == list(range(1, target + 1))
 
 
+@pytest.mark.slow
 def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU run in float32
     for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
@@ -1015,6 +1043,7 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "bf16" / "final").values())  # weights stay float32
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, tmp_path):
     # hub models are mostly saved in bfloat16; transformers 5 keeps a checkpoint's dtype unless told otherwise,
     # and AdamW updates of ~lr 1e-6 on bf16 weights mostly round away: load float32 master weights always
@@ -1032,6 +1061,7 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
     assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1")
@@ -1128,7 +1158,7 @@ def test_ablation_table_and_curves_from_metrics():
 
 
 # ---------------------------------------------------------------------------------------------
-# --- issue 3: sampler speed and lean log-probs ---
+# logprobs.py token kernel and sampler.py inverse-CDF sampling: exact against the naive forms, lean in memory
 # ---------------------------------------------------------------------------------------------
 
 def _naive_logprobs(logits, ids, temperature=1.0):
@@ -1293,7 +1323,7 @@ def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
 
 
 # ---------------------------------------------------------------------------------------------
-# --- issue 16: the shared-prefix training forward (logprobs.rollout_logprobs) ---
+# logprobs.py: the shared-prefix training forward (rollout_logprobs) against the per-response one
 # ---------------------------------------------------------------------------------------------
 
 def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
@@ -1681,6 +1711,7 @@ def _one_step(d, out, *extra):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][-1]
 
 
+@pytest.mark.slow
 def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     # The same samples each time (same seed); each flag must change the update as its math says.
     d = tiny_run_inputs
@@ -1727,6 +1758,7 @@ def _train_rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
@@ -1753,6 +1785,7 @@ def test_gpu_sampler_greedy_equals_generate():
             assert roll.response_ids[r, :L].tolist() == ref[:L]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path):
@@ -1766,6 +1799,7 @@ def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path)
     assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_two_gpus
 def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
@@ -1779,3 +1813,164 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
         state[mode] = rows[-1]["memory/state_bytes"]
     print(f"per-rank state bytes on 2 GPUs: DDP {state['ddp']}, FSDP {state['fsdp']}")
     assert state["fsdp"] <= 0.55 * state["ddp"]
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate.py: pass@k, maj@n, mean@n over ranks, the command
+# ---------------------------------------------------------------------------------------------
+
+def test_pass_at_k_equals_enumerating_every_k_subset():
+    import itertools
+
+    import evaluate
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):  # samples 0..c-1 are the correct ones; the share of k-subsets holding one
+                subsets = list(itertools.combinations(range(n), k))
+                want = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+                assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_large_n_and_bad_input():
+    import evaluate
+    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)   # one correct of 1000, half drawn
+    assert evaluate.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)  # pass@1 = c / n
+    assert evaluate.pass_at_k(1000, 0, 1000) == 0.0 and evaluate.pass_at_k(1000, 1, 1000) == 1.0
+    assert evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4] and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32]
+    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
+        with pytest.raises(ValueError):
+            evaluate.pass_at_k(n, c, k)
+
+
+@pytest.mark.parametrize("answers,want", [
+    (["4", "5", "4"], "4"),
+    (["5", "4", "4", "5"], "5"),               # a tie: the answer that appeared first wins
+    (["4", None, "5", None, None, "5"], "5"),   # None is the commonest but never wins over an answer
+    ([None, "3", None], "3"),
+    ([None, None], None), ([], None),           # no answer at all
+    (["7"], "7"),
+])
+def test_majority_vote_by_hand(answers, want):
+    import evaluate
+    assert evaluate.majority_vote(answers) == want
+
+
+def _record(i, responses, scores, lengths=None, truncated=None):
+    import evaluate
+    n = len(responses)
+    return evaluate.problem_record(i, {"prompt": f"p{i}", "answer": "4"}, responses, scores,
+                                   lengths or [3] * n, truncated or [False] * n)
+
+
+def test_eval_metrics_by_hand():
+    import evaluate
+    # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
+    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does: maj wrong
+    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0], [2, 4, 4, 2], [False] * 4)
+    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
+    assert a["majority"] == evaluate.canonical_answer("Answer: 4") and a["majority_score"] == 1.0 and a["correct"] == 2
+    assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
+    ks = evaluate.pass_ks(4)
+    m = evaluate.metrics(evaluate.totals([a, b], ks), 4, ks)
+    assert m == pytest.approx({
+        "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
+        "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,      # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
+        "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
+    g = evaluate.metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
+    assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
+
+
+class _Rank:
+    """Dist for one rank of `world` without a process group: sum returns this rank's share."""
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def sum(self, x):
+        return x.detach().double().clone()
+
+
+def _eval_setup(d, *flags):
+    """train.py's Args, the tiny model with large random weights (the fixture's answers '\n' to every prompt
+    greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
+    import train
+    args = train.parse_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *flags])
+    _, tok, model = data.load_model(args.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return args, tok, model, builtin.sample_problems(12, 2, True)
+
+
+def _has_9(response, answer):  # the random model is never right: this scores some of its responses 1
+    return float("9" in response)
+
+
+def test_greedy_evaluation_equals_the_old_train_closure(tiny_run_inputs):
+    import evaluate
+    args, tok, model, rows = _eval_setup(tiny_run_inputs)
+    reward = _has_9
+    m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
+    # train.py's evaluation before evaluate.py: one greedy answer per problem, sums of reward, truncation, length
+    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id, temperature=0.0)
+    texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True) for i in range(len(rows))]
+    correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
+    assert 0 < correct < len(rows) and 0 < roll.truncated.sum() < len(rows)
+    assert m == {"eval/accuracy": correct / len(rows), "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
+                 "eval/len_mean": roll.lengths.sum().item() / len(rows)}
+    assert [s["response"] for r in records for s in r["samples"]] == texts
+    assert evaluate.headline(1) == "eval/accuracy" and evaluate.headline(8) == "eval/mean@8"
+
+
+def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkeypatch):
+    import evaluate
+    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)  # 2 problems per batch: each rank batches other problems together
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
+    reward = _has_9
+    m1, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
+    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1] for k in range(3)]
+    assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1  # same samples, scores, votes
+    ks = evaluate.pass_ks(4)
+    assert evaluate.metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
+    scores = [[s["score"] for s in r["samples"]] for r in r1]
+    assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
+    assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
+    assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12  # samples differ between problems
+    assert len({s["response"] for s in r1[0]["samples"]}) > 1                   # and within one
+
+
+def test_eval_flags_are_shared_and_checked(capsys):
+    import dataclasses as dc
+
+    import evaluate
+    import train
+    mine = {f.name: f for f in dc.fields(train.Args)}
+    for f in dc.fields(evaluate.EvalArgs):  # one definition: same type, default and help in train.py
+        assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
+    for parse in (train.parse_args, evaluate.main):
+        for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"], ["--max-new-tokens", "0"]):
+            with pytest.raises(SystemExit) as e:
+                parse(bad)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs, tmp_path, capsys):
+    import evaluate
+    model, out = str(tiny_run_inputs / "model"), tmp_path / "per-problem.jsonl"
+    res = evaluate.main(["--model", model, model, "--data", "builtin", "--eval-size", "5", "--eval-samples", "2",
+                         "--max-new-tokens", "6", "--device", "cpu", "--out", str(out)])
+    table = capsys.readouterr().out
+    assert "| model | mean@2 | mean@2_std | pass@1 | pass@2 | maj@2 | truncated_frac | len_mean |" in table
+    assert table.count(f"| {model} |") == 2 and [r[0] for r in res] == [model, model] and res[0][1] == res[1][1]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["index"] for x in lines] == [0, 1, 2, 3, 4] * 2 and {x["model"] for x in lines} == {model}
+    heldout = builtin.sample_problems(5, 2, True)
+    for x in lines:
+        assert (x["prompt"], x["reference"]) == (heldout[x["index"]]["prompt"], heldout[x["index"]]["answer"])
+        assert len(x["samples"]) == 2 and set(x["samples"][0]) == {"response", "answer", "score", "length", "truncated"}
+        assert all(s["score"] == verify(s["response"], x["reference"]) for s in x["samples"])
+        assert all(s["answer"] == evaluate.canonical_answer(s["response"]) for s in x["samples"])
+    assert lines[:5] == lines[5:]  # the same model evaluated twice draws the same samples

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,45 +34,47 @@ import builtin
 import checkpoint
 import dapo
 import data
+import evaluate
 import grpo
 import parallel
 import variants
 import verifier
+from evaluate import flag as _f
+from evaluate import shared
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 
 
-def _f(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
 @dataclass
-class Args:
+class Args:  # the flags evaluation shares with evaluate.py (same names and meanings) are defined there: shared(name)
     # -- what to train on
     algo: str = _f("dapo", "sets the papers' defaults for every field left at None below", ["grpo", "dapo"])
-    model: str = _f("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub id or a local folder")
+    model: str = shared("model")
     data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file with a prompt and an answer per row")
-    eval_data: str = _f(None, "held-out JSONL for greedy evaluation (default: the built-in held-out split with "
+    eval_data: str = _f(None, "held-out JSONL for evaluation (default: the built-in held-out split with "
                               "--data builtin, else no evaluation)")
-    prompt_field: str = _f("prompt", "JSONL field holding the prompt (GSM8K: question)")
-    answer_field: str = _f("answer", "JSONL field holding the reference answer (GSM8K's '... #### 72' works as is)")
-    prompt_template: str = _f("{prompt}", "text sent as the user turn; {prompt} is replaced by the row's prompt")
-    system_prompt: str = _f(None, "system message for chat models (prepended as a line without a chat template)")
-    chat_template: bool = _f(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
-    reward: str = _f("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
+    prompt_field: str = shared("prompt_field")
+    answer_field: str = shared("answer_field")
+    prompt_template: str = shared("prompt_template")
+    system_prompt: str = shared("system_prompt")
+    chat_template: bool = shared("chat_template")
+    reward: str = shared("reward")
     wrong_reward: float = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
                                    "(grpo: 0, the article; dapo: -1, the paper's +-1)")
     format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
-    trust_remote_code: bool = _f(False, "let transformers run code shipped with the model (only for models you trust)")
+    trust_remote_code: bool = shared("trust_remote_code")
     # -- how much
     steps: int = _f(None, "training steps, in all (default: 40 builtin, 500 otherwise)")
     prompts_per_step: int = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
     group_size: int = _f(8, "G, responses sampled per prompt")
-    max_new_tokens: int = _f(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
-    temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation is greedy)")
+    max_new_tokens: int = shared("max_new_tokens")
+    temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, --eval-temperature)")
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
     eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
-    eval_size: int = _f(256, "held-out problems evaluated (the first eval_size rows of --eval-data)")
+    eval_size: int = shared("eval_size")
+    eval_samples: int = shared("eval_samples")
+    eval_temperature: float = shared("eval_temperature")
+    eval_top_p: float = shared("eval_top_p")
     max_samples: int = _f(0, "also stop once this many responses were sampled (0: no limit); equal-budget comparisons")
     # -- optimisation
     lr: float = _f(None, "AdamW learning rate (default: 2e-4 builtin, 1e-6 otherwise, as in the papers)")
@@ -82,7 +84,7 @@ class Args:
     mini_batches: int = _f(1, "optimizer updates per rollout step, each on 1/K of the step's groups (DAPO paper: 16)")
     mu: int = _f(1, "passes over the step's mini-batches; old log-probs are the sampling policy's")
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
-    bf16: bool = _f(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
+    bf16: bool = shared("bf16")
     fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
@@ -105,12 +107,14 @@ class Args:
     overlong_penalty: bool = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
     overlong_cache: int = _f(None, "L_cache of Eq. 13: the penalty ramps over the last L_cache tokens (default: L_max // 5)")
     # -- the run
-    seed: int = _f(0, "seeds the data order, the sampling and the model's initialisation")
+    seed: int = shared("seed")
     out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt (--fsdp: checkpoint/), final/")
     save_every: int = _f(0, "write OUT/checkpoint.pt (--fsdp: OUT/checkpoint/) every this many steps (0: only the final model)")
     resume: bool = _f(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; --steps is the total)")
-    device: str = _f(None, "cpu or cuda (default: cuda if available)")
+    device: str = shared("device")
     plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
+    log_completions: int = _f(2, "append this many sampled completions per step (prompt, response, reward) to "
+                                 "OUT/completions.jsonl (0: off)")
 
 
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
@@ -127,25 +131,13 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
     "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
 }
 KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
-BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, max_new_tokens=40, lr=2e-4)
-MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, max_new_tokens=1024, lr=1e-6)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, like every other bad input
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
+MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
 
 
 def parse_args(argv=None) -> Args:
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Args):
-        flag, help_ = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, type=kind, default=f.default, help=help_, choices=f.metadata["choices"])
+    p = evaluate.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    evaluate.add_flags(p, Args)
     ns = p.parse_args(argv)
     # --- derived settings: resolved once, here, and written to config.json ---
     fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
@@ -153,16 +145,13 @@ def parse_args(argv=None) -> Args:
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
+    evaluate.resolve(ns, p.error, builtin=ns.model == "builtin")  # the settings shared with evaluate.py, and their checks
     if ns.overlong_cache is None:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
-    if ns.device is None:
-        ns.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if ns.bf16 is None:
-        ns.bf16 = ns.device.startswith("cuda")
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
-              (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.steps >= 0, "--steps must be >= 0"),
+              (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
               (ns.mini_batches >= 1, "--mini-batches must be >= 1"), (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
               (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
@@ -172,8 +161,7 @@ def parse_args(argv=None) -> Args:
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
               (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"), (ns.save_every >= 0, "--save-every must be >= 0"),
-              (ns.max_samples >= 0, "--max-samples must be >= 0"),
-              (ns.eval_size >= 1, "--eval-size must be >= 1"), ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}")]
+              (ns.max_samples >= 0, "--max-samples must be >= 0"), (ns.log_completions >= 0, "--log-completions must be >= 0")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -368,7 +356,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
     ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    metrics_path, completions_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "completions.jsonl")
     if args.resume and not (checkpoint.latest(ckpt_path) if args.fsdp else os.path.exists(ckpt_path)):
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
     if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once, the others wait
@@ -402,31 +390,24 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             json.dump({**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}, fh, indent=1)
         if args.resume:
             checkpoint.trim_metrics(metrics_path, state["step"])
+            checkpoint.trim_metrics(completions_path, state["step"])
     metrics_file = open(metrics_path, "a" if args.resume else "w") if ddp.master else None
+    completions_file = open(completions_path, "a" if args.resume else "w") \
+        if ddp.master and args.log_completions else None
 
     def log(row: dict) -> None:
         if metrics_file:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
 
-    @torch.no_grad()
-    def evaluate(step: int) -> float | None:
-        """Greedy accuracy on the held-out rows; each rank takes every world-th row."""
+    def evaluate_at(step: int) -> float | None:
+        """Held-out metrics (evaluate.py; split over ranks) logged; returns greedy accuracy, or mean@n."""
         if not eval_rows:
             return None
-        mine = eval_rows[ddp.rank::ddp.world]
-        correct = trunc = length = 0.0
-        for k in range(0, len(mine), 128):
-            chunk = mine[k:k + 128]
-            with amp(), parallel.unsharded(model):
-                roll = sample_groups(model, [encode(r["prompt"]) for r in chunk], 1, args.max_new_tokens, eos, pad, temperature=0.0)
-            correct += sum(reward_fn(decode(roll, i), r["answer"]) for i, r in enumerate(chunk))
-            trunc += roll.truncated.sum().item()
-            length += roll.lengths.sum().item()
-        c, t, L = ddp.sum(torch.tensor([correct, trunc, length])).tolist()
-        n = len(eval_rows)
-        log({"step": step, "eval/accuracy": c / n, "eval/truncated_frac": t / n, "eval/len_mean": L / n})
-        return c / n
+        with parallel.unsharded(model):  # under --fsdp: the whole model gathered once for all its forwards
+            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn)
+        log({"step": step, **m})
+        return m[evaluate.headline(args.eval_samples)]
 
     task = Task(train_rows, encode, decode, reward_fn, eos, pad)
     rounds: list[tuple[Rollout, dict]] = []  # this step's sampling rounds (kept or not), for its metrics
@@ -439,7 +420,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- the loop
     t_start = time.time()
     if not args.resume:
-        state["acc_before"] = state["acc_after"] = evaluate(0)
+        state["acc_before"] = state["acc_after"] = evaluate_at(0)
     steps = range(state["step"], args.steps)
     bar = steps
     if ddp.master and len(steps):
@@ -494,10 +475,14 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
         row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
         log(row)
+        if completions_file:  # a few of rank 0's completions of the batch trained on, to read what the policy writes
+            completions_file.writelines(json.dumps({"step": step + 1, **c}) + "\n"
+                                        for c in evaluate.sampled_completions(roll, tokenizer, args.log_completions))
+            completions_file.flush()
         state["step"] = step + 1
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
-            state["acc_after"] = evaluate(state["step"])
+            state["acc_after"] = evaluate_at(state["step"])
         if args.save_every and (state["step"] % args.save_every == 0 or done):
             if args.fsdp:   # every rank writes its shards
                 checkpoint.save_sharded(ckpt_path, model, opt, sched, state, ddp)
@@ -522,12 +507,15 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             shutil.rmtree(final)
         os.replace(tmp, final)
         metrics_file.close()
-        acc = (f"held-out greedy accuracy {state['acc_before']:.3f} -> {state['acc_after']:.3f} ({len(eval_rows)} problems); "
+        if completions_file:
+            completions_file.close()
+        what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
+        acc = (f"held-out {what} {state['acc_before']:.3f} -> {state['acc_after']:.3f} ({len(eval_rows)} problems); "
                if eval_rows and state["acc_before"] is not None else "")
         print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
         if args.plot:
-            import ablate
-            if ablate.plot_runs({args.algo: [ablate.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
+            import curves
+            if curves.plot_runs({args.algo: [curves.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
                 print(f"curves: {os.path.join(args.out, 'curves.png')}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 

@@ -1,0 +1,55 @@
+"""Reading a run's metrics and drawing its curves (OUT/metrics.jsonl -> PNG), for train.py --plot and ablate.py.
+
+Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length and
+truncation against the number of responses sampled).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
+          ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(samples drawn so far, value) points of `key`; eval lines take the sample count of their step."""
+    samples_at = {0: 0, **{r["step"]: r["samples"] for r in rows if "samples" in r}}
+    return [(samples_at[r["step"]], r[key]) for r in rows if key in r]
+
+
+def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
+    """Seeds averaged point by point (runs of one row log at the same steps, so points line up)."""
+    curves = [curve(r, key) for r in runs]
+    n = min(len(c) for c in curves)
+    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
+
+
+def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
+    """Four panels (CURVES) against samples drawn, one line per run name; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (key, title) in zip(axes.flat, CURVES):
+        for name, seeds in runs.items():
+            pts = mean_curve(seeds, key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="o" if key.startswith("eval") else None,
+                    markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("responses sampled")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

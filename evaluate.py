@@ -1,0 +1,292 @@
+"""Evaluation of the trained policy: greedy accuracy, or avg@n, unbiased pass@k and maj@n over n samples.
+
+Article context: the evaluation of the trained policy, the number the article's results are quoted in
+(DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per problem
+at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's command
+scores any saved model without training, with the same flags:
+
+    python evaluate.py --model builtin --data builtin                                 # greedy accuracy
+    python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 --out per-problem.jsonl
+    python evaluate.py --model Qwen/Qwen2.5-Math-7B --data aime24.jsonl --eval-samples 32 \\
+        --eval-temperature 1.0 --eval-top-p 0.7 --max-new-tokens 20480                 # DAPO's avg@32
+
+With n = --eval-samples samples of problem i, c_i of them correct (score > 0):
+    mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over problems
+    pass@k   = mean_i [1 - C(n - c_i, k) / C(n, k)]   (Chen et al. 2021, unbiased; k = 1, 2, 4, ... <= n)
+    maj@n    = mean_i [the answer most samples give is right]  (majority over canonical final answers)
+n = 1 is greedy decoding (temperature 0), as train.py always did: eval/accuracy. Problem i's samples come
+from a generator seeded by (seed, i) alone, so 1 rank and N ranks draw the same, and every evaluation of a
+run draws with the same randomness (before/after comparisons are paired).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+import data
+import verifier
+from sampler import sample_groups
+
+EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimators: pure functions
+# ---------------------------------------------------------------------------------------------
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, Eq. 1).
+
+    As a product, C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i), so no huge binomial is formed.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n samples: 1, 2, 4, ... <= n."""
+    return [2 ** j for j in range(n.bit_length()) if 2 ** j <= n]
+
+
+def majority_vote(answers: list[str | None]) -> str | None:
+    """The answer given most often; None (no final answer) never wins unless every answer is None.
+    Ties go to the answer that appears first in `answers` (the first-drawn sample's answer, if it is tied)."""
+    counts: dict[str, int] = {}
+    for a in answers:
+        if a is not None:
+            counts[a] = counts.get(a, 0) + 1
+    return max(counts, key=counts.get) if counts else None  # max keeps the first of equal counts: insertion order
+
+
+canonical_answer = verifier.canonical_answer  # majority voting compares these canonical final answers
+
+
+def problem_record(index: int, row: dict, responses: list[str], scores: list[float], lengths: list[int],
+                   truncated: list[bool]) -> dict:
+    """One problem's line of the per-problem file: its n samples, their scores and answers, and the vote."""
+    answers = [canonical_answer(r) for r in responses]
+    vote = majority_vote(answers)
+    return {"index": index, "prompt": row["prompt"], "reference": row["answer"],
+            "samples": [{"response": r, "answer": a, "score": s, "length": n, "truncated": t}
+                        for r, a, s, n, t in zip(responses, answers, scores, lengths, truncated)],
+            "correct": sum(s > 0 for s in scores), "majority": vote,
+            "majority_score": next((s for a, s in zip(answers, scores) if a == vote), 0.0) if vote is not None else 0.0}
+
+
+def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
+    """Sums over `records` that metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
+    each k, sum maj, samples, truncated, tokens] (float64, so ranks' sums all-reduce exactly)."""
+    t = torch.zeros(7 + len(ks), dtype=torch.float64)
+    for r in records:
+        s = r["samples"]
+        acc = sum(x["score"] for x in s) / len(s)
+        t += torch.tensor([1.0, acc, acc * acc, *(pass_at_k(len(s), r["correct"], k) for k in ks), r["majority_score"],
+                           len(s), sum(x["truncated"] for x in s), sum(x["length"] for x in s)], dtype=torch.float64)
+    return t
+
+
+def metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
+    """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1, sampled ones for n > 1."""
+    P, s1, s2, *rest = t.tolist()
+    passes, (maj, samples, trunc, tokens) = rest[:len(ks)], rest[len(ks):]
+    common = {"eval/truncated_frac": trunc / samples, "eval/len_mean": tokens / samples}
+    if n == 1:
+        return {"eval/accuracy": s1 / P, **common}
+    return {f"eval/mean@{n}": s1 / P, f"eval/mean@{n}_std": math.sqrt(max(s2 / P - (s1 / P) ** 2, 0.0)),
+            **{f"eval/pass@{k}": p / P for k, p in zip(ks, passes)}, f"eval/maj@{n}": maj / P, **common}
+
+
+def headline(n: int) -> str:
+    """The metric that stands for accuracy: greedy accuracy, or mean@n with n samples."""
+    return "eval/accuracy" if n == 1 else f"eval/mean@{n}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluating a model on rows, split over ranks
+# ---------------------------------------------------------------------------------------------
+
+def eval_generator(seed: int, index: int) -> torch.Generator:
+    """Sampling randomness of held-out problem `index`: a function of (seed, index) alone, never of the rank."""
+    return torch.Generator().manual_seed(zlib.crc32(f"eval:{seed}:{index}".encode()))
+
+
+class OneProcess:
+    """The Dist interface evaluate_model needs (rank, world, sum) for a single process."""
+    rank, world = 0, 1
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(torch.float64).clone()
+
+
+@torch.no_grad()
+def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None) -> tuple[dict, list[dict]]:
+    """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
+
+    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn(response, answer)`
+    scores a response (default: the one --reward names)."""
+    n, ks = args.eval_samples, pass_ks(args.eval_samples)
+    greedy = n == 1
+    reward_fn = reward_fn or data.load_reward(args.reward)
+    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
+    eos = data.end_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    device = next(model.parameters()).device
+    mine = list(range(ddp.rank, len(rows), ddp.world))
+    per = max(1, EVAL_BATCH // n)
+    records = []
+    for start in range(0, len(mine), per):
+        idx = mine[start:start + per]
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
+            roll = sample_groups(model, [encode(rows[i]["prompt"]) for i in idx], n, args.max_new_tokens, eos, pad,
+                                 0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
+                                 generator=None if greedy else [eval_generator(args.seed, i) for i in idx])
+        lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
+        for b, i in enumerate(idx):
+            rs = range(b * n, (b + 1) * n)                                         # problem i's rows
+            texts = [tokenizer.decode(roll.response_ids[j, : lengths[j]], skip_special_tokens=True) for j in rs]
+            scores = [float(reward_fn(t, rows[i]["answer"])) for t in texts]
+            records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs], [truncated[j] for j in rs]))
+    return metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
+
+
+def sampled_completions(roll, tokenizer, k: int) -> list[dict]:
+    """Up to k of a training batch's completions (prompt, response, reward), one per group first."""
+    if roll is None or k <= 0:
+        return []
+    N, G = roll.response_ids.shape[0], roll.G
+    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]        # first sample of each group, then the rest
+    rewards = roll.extra["rewards"]
+    return [{"prompt": tokenizer.decode(roll.prompts[i // G], skip_special_tokens=True),
+             "response": tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True),
+             "reward": float(rewards[i]), "length": int(roll.lengths[i]), "truncated": bool(roll.truncated[i])}
+            for i in order[:k]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags shared with train.py: defined once here (train.Args declares them with shared(name))
+# ---------------------------------------------------------------------------------------------
+
+def flag(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EvalArgs:
+    model: str = flag("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub id or a local folder")
+    prompt_field: str = flag("prompt", "JSONL field holding the prompt (GSM8K: question)")
+    answer_field: str = flag("answer", "JSONL field holding the reference answer (GSM8K's '... #### 72' works as is)")
+    prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by the row's prompt")
+    system_prompt: str = flag(None, "system message for chat models (prepended as a line without a chat template)")
+    chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
+    reward: str = flag("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
+    trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only for models you trust)")
+    max_new_tokens: int = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
+    eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
+    eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy (eval/accuracy); n > 1 logs "
+                                "mean@n, pass@k, maj@n")
+    eval_temperature: float = flag(1.0, "sampling temperature of evaluation when --eval-samples > 1 (DAPO: 1.0)")
+    eval_top_p: float = flag(1.0, "nucleus sampling of evaluation when --eval-samples > 1 (DAPO: 0.7)")
+    seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation (evaluation: with the problem index)")
+    device: str = flag(None, "cpu or cuda (default: cuda if available)")
+    bf16: bool = flag(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
+
+
+_SHARED = {f.name: f for f in dataclasses.fields(EvalArgs)}
+
+
+def shared(name: str):
+    """A fresh dataclass field with EvalArgs' default and help for `name` (train.Args declares the shared flags so)."""
+    return field(default=_SHARED[name].default, metadata=_SHARED[name].metadata)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, like every other bad input
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
+    """One --flag per field of the dataclass `cls` (bools as --x/--no-x); overrides: extra add_argument kwargs."""
+    for f in dataclasses.fields(cls):
+        flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            kw["choices"] = f.metadata["choices"]
+        p.add_argument(flag_, **{**kw, **overrides.get(f.name, {})})
+
+
+def resolve(ns, error, builtin: bool) -> None:
+    """The shared derived settings, filled in place, and their checks (`error(message)` exits)."""
+    if ns.max_new_tokens is None:
+        ns.max_new_tokens = 40 if builtin else 1024
+    if ns.device is None:
+        ns.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if ns.bf16 is None:
+        ns.bf16 = ns.device.startswith("cuda")
+    checks = [(ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.eval_size >= 1, "--eval-size must be >= 1"),
+              ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
+              (ns.eval_samples >= 1, "--eval-samples must be >= 1"), (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
+              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]")]
+    for ok, msg in checks:
+        if not ok:
+            error(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Cli(EvalArgs):
+    data: str = flag("builtin", "'builtin' (the built-in held-out split) or a JSONL file with a prompt and an answer per row")
+    out: str = flag(None, "write one JSON line per model and problem here (prompt, reference, samples with score and answer)")
+
+
+def main(argv=None) -> list[tuple[str, dict]]:
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_flags(p, Cli, model={"nargs": "+", "default": ["builtin"],
+                             "help": "one or more models ('builtin', a HF hub id or a local folder), side by side"})
+    args = p.parse_args(argv)
+    resolve(args, p.error, builtin=args.data == "builtin" or all(m == "builtin" for m in args.model))
+    try:
+        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size)
+        reward_fn = data.load_reward(args.reward)
+        results, lines = [], []  # (model, metrics) in --model order
+        for spec in args.model:
+            _, tokenizer, model = data.load_model(spec, args.trust_remote_code)
+            m, records = evaluate_model(model.to(args.device), tokenizer, rows, args, OneProcess(), reward_fn)
+            results.append((spec, m))
+            lines += [json.dumps({"model": spec, **r}) for r in records]
+            del model
+    except data.InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    keys = list(results[0][1])
+    print(f"{len(rows)} problems of {args.data}, " + ("greedy" if args.eval_samples == 1 else
+          f"{args.eval_samples} samples each at temperature {args.eval_temperature}, top-p {args.eval_top_p}") +
+          f", at most {args.max_new_tokens} new tokens")
+    print("| model | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |")
+    print("| --- " * (len(keys) + 1) + "|")
+    for spec, m in results:
+        print(f"| {spec} | " + " | ".join(f"{m[k]:.3f}" if k != "eval/len_mean" else f"{m[k]:.1f}" for k in keys) + " |")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in lines))
+        print(f"per-problem records: {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
