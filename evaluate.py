@@ -186,19 +186,19 @@ class EvalArgs:
     prompt_field: str = flag("prompt", "JSONL field holding the prompt (GSM8K: question)")
     answer_field: str = flag("answer", "JSONL field holding the reference answer (GSM8K's '... #### 72' works as is)")
     prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by the row's prompt")
-    system_prompt: str = flag(None, "system message for chat models (prepended as a line without a chat template)")
+    system_prompt: str | None = flag(None, "system message for chat models (prepended as a line without a chat template)")
     chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
     reward: str = flag("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
     trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only for models you trust)")
-    max_new_tokens: int = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
+    max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
     eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy (eval/accuracy); n > 1 logs "
                                 "mean@n, pass@k, maj@n")
     eval_temperature: float = flag(1.0, "sampling temperature of evaluation when --eval-samples > 1 (DAPO: 1.0)")
     eval_top_p: float = flag(1.0, "nucleus sampling of evaluation when --eval-samples > 1 (DAPO: 0.7)")
     seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation (evaluation: with the problem index)")
-    device: str = flag(None, "cpu or cuda (default: cuda if available)")
-    bf16: bool = flag(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
+    device: str | None = flag(None, "cpu or cuda (default: cuda if available)")
+    bf16: bool | None = flag(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
 
 
 _SHARED = {f.name: f for f in dataclasses.fields(EvalArgs)}
@@ -219,10 +219,11 @@ def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
     """One --flag per field of the dataclass `cls` (bools as --x/--no-x); overrides: extra add_argument kwargs."""
     for f in dataclasses.fields(cls):
         flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
-        if f.type in ("bool", bool):
+        kind = (f.type if isinstance(f.type, str) else f.type.__name__).removesuffix(" | None")  # None: resolved later
+        if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            kw["type"] = {"int": int, "float": float, "str": str}[kind]
             kw["choices"] = f.metadata["choices"]
         p.add_argument(flag_, **{**kw, **overrides.get(f.name, {})})
 
@@ -251,7 +252,7 @@ def resolve(ns, error, builtin: bool) -> None:
 @dataclass
 class Cli(EvalArgs):
     data: str = flag("builtin", "'builtin' (the built-in held-out split) or a JSONL file with a prompt and an answer per row")
-    out: str = flag(None, "write one JSON line per model and problem here (prompt, reference, samples with score and answer)")
+    out: str | None = flag(None, "write one JSON line per model and problem here (prompt, reference, samples with score and answer)")
 
 
 def main(argv=None) -> list[tuple[str, dict]]:

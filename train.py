@@ -51,23 +51,23 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     algo: str = _f("dapo", "sets the papers' defaults for every field left at None below", ["grpo", "dapo"])
     model: str = shared("model")
     data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file with a prompt and an answer per row")
-    eval_data: str = _f(None, "held-out JSONL for evaluation (default: the built-in held-out split with "
+    eval_data: str | None = _f(None, "held-out JSONL for evaluation (default: the built-in held-out split with "
                               "--data builtin, else no evaluation)")
     prompt_field: str = shared("prompt_field")
     answer_field: str = shared("answer_field")
     prompt_template: str = shared("prompt_template")
-    system_prompt: str = shared("system_prompt")
+    system_prompt: str | None = shared("system_prompt")
     chat_template: bool = shared("chat_template")
     reward: str = shared("reward")
-    wrong_reward: float = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
+    wrong_reward: float | None = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
                                    "(grpo: 0, the article; dapo: -1, the paper's +-1)")
     format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
     trust_remote_code: bool = shared("trust_remote_code")
     # -- how much
-    steps: int = _f(None, "training steps, in all (default: 40 builtin, 500 otherwise)")
-    prompts_per_step: int = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
+    steps: int | None = _f(None, "training steps, in all (default: 40 builtin, 500 otherwise)")
+    prompts_per_step: int | None = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
     group_size: int = _f(8, "G, responses sampled per prompt")
-    max_new_tokens: int = shared("max_new_tokens")
+    max_new_tokens: int | None = shared("max_new_tokens")
     temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, --eval-temperature)")
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
     eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
@@ -77,20 +77,20 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     eval_top_p: float = shared("eval_top_p")
     max_samples: int = _f(0, "also stop once this many responses were sampled (0: no limit); equal-budget comparisons")
     # -- optimisation
-    lr: float = _f(None, "AdamW learning rate (default: 2e-4 builtin, 1e-6 otherwise, as in the papers)")
+    lr: float | None = _f(None, "AdamW learning rate (default: 2e-4 builtin, 1e-6 otherwise, as in the papers)")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps (DAPO: 20)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     mini_batches: int = _f(1, "optimizer updates per rollout step, each on 1/K of the step's groups (DAPO paper: 16)")
     mu: int = _f(1, "passes over the step's mini-batches; old log-probs are the sampling policy's")
     micro_batch_size: int = _f(64, "responses per forward pass in the update and the no-grad log-prob passes")
-    bf16: bool = shared("bf16")
+    bf16: bool | None = shared("bf16")
     fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
-    beta: float = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
-    eps_low: float = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
-    eps_high: float = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher; "
+    beta: float | None = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
+    eps_low: float | None = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
+    eps_high: float | None = _f(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: 0.28 = clip-higher; "
                                 "gspo: 4e-4, cispo: 4)")
     clip_c: float = _f(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: off; verl 3, DAPO recipe 10)")
     loss: str = _f("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, gspo-token, cispo (variants.py)",
@@ -99,19 +99,19 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     entropy_coef: float = _f(0.0, "subtract this times the mean token entropy from the loss (0: off)")
     tis_cap: float = _f(0.0, "truncated importance sampling: each token's loss times min(pi_old / pi_sampler, C) (0: off)")
     adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
-    reduction: str = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
+    reduction: str | None = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
                         ["sequence", "token", "constant"])
-    dynamic_sampling: bool = _f(None, "keep only groups with 0 < #correct < G (Eq. 11), resampling to fill the step (dapo: on)")
+    dynamic_sampling: bool | None = _f(None, "keep only groups with 0 < #correct < G (Eq. 11), resampling to fill the step (dapo: on)")
     max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step before training on what it has")
-    overlong_filter: bool = _f(None, "mask truncated responses out of the loss (dapo: on)")
-    overlong_penalty: bool = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
-    overlong_cache: int = _f(None, "L_cache of Eq. 13: the penalty ramps over the last L_cache tokens (default: L_max // 5)")
+    overlong_filter: bool | None = _f(None, "mask truncated responses out of the loss (dapo: on)")
+    overlong_penalty: bool | None = _f(None, "soft overlong punishment, DAPO Eq. 13, added to the reward (dapo: on)")
+    overlong_cache: int | None = _f(None, "L_cache of Eq. 13: the penalty ramps over the last L_cache tokens (default: L_max // 5)")
     # -- the run
     seed: int = shared("seed")
     out: str = _f("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt (--fsdp: checkpoint/), final/")
     save_every: int = _f(0, "write OUT/checkpoint.pt (--fsdp: OUT/checkpoint/) every this many steps (0: only the final model)")
     resume: bool = _f(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; --steps is the total)")
-    device: str = shared("device")
+    device: str | None = shared("device")
     plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
     log_completions: int = _f(2, "append this many sampled completions per step (prompt, response, reward) to "
                                  "OUT/completions.jsonl (0: off)")
