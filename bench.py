@@ -4,7 +4,7 @@ and one update on long responses with and without gradient checkpointing.
 Article sections it measures: "Step 1: Rollout 采样" (generation is most of an RL step's time) and the
 log-prob passes of "Step 4: PPO Loss 计算" (vocabulary-sized logits dominate memory).
 
-    python bench.py               # about 4 minutes on CPU (one torch thread); uses CUDA if available
+    python bench.py               # every section: roughly 9 minutes on 2 CPU cores (one torch thread); CUDA if available
     python bench.py --threads 0   # torch's default thread count
 
 Every time is the median of --repeats repeats, interleaved (A, B, A, B, ...) so that load from other

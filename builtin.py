@@ -14,7 +14,8 @@ The warm-start data imitates a sloppy solver, the way pretraining data mixes goo
 - a shortcut that ignores the constant and divides ("x=13/3 / Answer: 4"), usually wrong.
 It solves one-sided equations carefully 80% of the time but two-sided ones only 35% of the time, so the
 base model's greedy answer to a two-sided equation is usually the shortcut: held-out greedy accuracy
-starts near 50%, and a verifier's reward has a clear lesson to teach (work every equation out).
+starts near 59% (0.586 with the verifier of this version), and a verifier's reward has a clear lesson to teach
+(work every equation out).
 Every DAPO fix has something to act on: groups all right or all wrong (dynamic sampling), truncated
 verbose answers (overlong filtering and punishment), long and short responses (token-level loss).
 

@@ -16,6 +16,7 @@ so a checkpoint is never gathered on one rank.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,13 +27,24 @@ import torch
 from data import InputError
 
 
+@contextlib.contextmanager
+def atomic(path: str):
+    """Yields a temporary name beside `path` to write a file or folder to; once written, it replaces `path`
+    in one os.replace (an old folder is removed first), so a crash mid-write never leaves a half-written
+    `path` and keeps the previous one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    yield tmp
+    if os.path.isdir(tmp) and os.path.isdir(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
 def save(path: str, model, opt, sched, state: dict) -> None:
     """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
             "rng": _rng_states(), **state}
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        torch.save(ckpt, tmp)
 
 
 def load(path: str, model, opt, sched) -> dict:
@@ -120,9 +132,8 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
         if os.path.isdir(target):                        # a same-step save that never became `latest`
             shutil.rmtree(target)
         os.rename(tmp, target)
-        with open(os.path.join(folder, "latest.tmp"), "w") as fh:
+        with atomic(os.path.join(folder, "latest")) as tmp_latest, open(tmp_latest, "w") as fh:
             fh.write(name)
-        os.replace(os.path.join(folder, "latest.tmp"), os.path.join(folder, "latest"))
         if previous and os.path.abspath(previous) != os.path.abspath(target):
             shutil.rmtree(previous, ignore_errors=True)
     ddp.barrier()

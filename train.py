@@ -499,13 +499,9 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     weights = parallel.full_state_dict(model)  # gathered on rank 0 under --fsdp (every rank takes part)
     if ddp.master:
         final = os.path.join(args.out, "final")
-        tmp = f"{final}.tmp{os.getpid()}"
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        if os.path.isdir(final):
-            import shutil
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with checkpoint.atomic(final) as tmp:
+            model.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
         metrics_file.close()
         if completions_file:
             completions_file.close()
