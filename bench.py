@@ -18,6 +18,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,8 @@ import time
 import torch
 
 import grpo
-from sampler import Rollout, rollout_logprobs, sample_groups
+import logprobs
+from sampler import Rollout, sample_groups
 
 V_QWEN = 151_936  # Qwen2's vocabulary
 LOGIT_SHAPE = (8, 64)  # 512 rows of logits for the log-prob comparison
@@ -165,7 +167,7 @@ def _naive(logits, ids):
 
 
 def _variant(name):
-    return _naive if name == "naive" else grpo.token_logprobs
+    return _naive if name == "naive" else logprobs.token_logprobs
 
 
 def _inputs(dtype, device, grad):
@@ -220,7 +222,7 @@ def bench_logprobs(device: str, repeats: int) -> None:
     print(f"\n## token_logprobs vs log_softmax(logits).gather(...): {rows} rows x V = {V_QWEN:,}, {device}")
     logits, ids = _inputs(torch.float32, device, True)
     with torch.no_grad():
-        err = (grpo.token_logprobs(logits, ids) - _naive(logits, ids)).abs().max().item()
+        err = (logprobs.token_logprobs(logits, ids) - _naive(logits, ids)).abs().max().item()
     print(f"float32 logits {logits.numel() * 4 / 2**20:.0f} MB; max |difference| of the values {err:.1e}")
     print(f"{'extra peak memory above the inputs':36s}{'naive':>10s}{'token_logprobs':>16s}{'ratio':>8s}")
     cases = (("float32", False), ("bfloat16", False), ("float32", True))
@@ -274,7 +276,177 @@ def bench_step(device: str, steps: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Gradient checkpointing (--gradient-checkpointing): one update on long responses
+# 4. The training forward: each group's prompt once (logprobs.rollout_logprobs) vs once per response
+# ---------------------------------------------------------------------------------------------
+
+def forward_positions(roll, slices) -> dict:
+    """Token positions of a pass over `slices`, computed and real (not padding), for both forms.
+    Per response: every row is its prompt left-padded to the slice's longest + the rollout's width; shared: each
+    group's prompt but its last token once, left-padded to the slice's longest, then every row as [last prompt
+    token, response] right-padded to the longest of its length bucket (logprobs._length_buckets)."""
+    n = {"per-response": [0, 0], "shared": [0, 0]}                              # [computed, real]
+    for s in slices:
+        rows = range(s.start, s.stop)
+        plen = {i // roll.G: len(roll.prompts[i // roll.G]) for i in rows}       # group -> prompt length
+        lengths = roll.lengths[s].tolist()
+        n["per-response"][0] += len(rows) * (max(plen.values()) + roll.response_ids.shape[1])
+        n["per-response"][1] += sum(plen[i // roll.G] for i in rows) + sum(lengths)
+        n["shared"][0] += len(plen) * (max(plen.values()) - 1) + sum(
+            len(r) * max(lengths[i] for i in r.tolist()) for r in logprobs._length_buckets(roll.lengths[s]))
+        n["shared"][1] += sum(p - 1 for p in plen.values()) + sum(lengths)
+    return n
+
+
+def _passes(fn, model, roll, mb: int, temperature: float, device: str) -> dict:
+    """Seconds of a no-grad log-prob pass and of an update (forward, GRPO loss, backward) over micro-batches."""
+    N = roll.response_ids.shape[0]
+    slices = [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def logprob_pass():
+        with torch.no_grad():
+            for s in slices:
+                fn(model, roll, s, temperature)
+
+    def update():
+        model.zero_grad(set_to_none=True)
+        for s in slices:
+            logp, ent, mask = fn(model, roll, s, temperature, with_entropy=True)
+            grpo.policy_loss(logp, logp.detach(), adv[s], mask, num_seqs=N)[0].backward()
+
+    return {"log-prob pass": _timed(logprob_pass, device)[0], "update": _timed(update, device)[0]}
+
+
+def bench_forward(device: str, repeats: int) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import builtin
+    import data
+    print("\n## The training forward: each group's prompt once (shared prefix) vs once per response, seconds")
+    cases = []
+    # the built-in task: the base model's own rollouts of the default step (32 prompts x 8, 40 new tokens)
+    _, tok, model = data.load_model("builtin")
+    encode = data.PromptFormatter(tok, "{prompt}", None, True)
+    prompts = [encode(r["prompt"]) for r in builtin.sample_problems(32, 0, False, distinct=False)]
+    roll = sample_groups(model.to(device), prompts, 8, 40, data.end_ids(tok, model), tok.pad_token_id,
+                         generator=[torch.Generator().manual_seed(i) for i in range(32)])
+    cases.append(("built-in task, 32 prompts x G=8, micro-batch 64", model, roll, 64))
+    # a 38.9M-parameter Qwen2 (the rollout section's), one 256-token prompt, G random 64-token responses
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=None,
+                      eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(cfg).to(device)
+    for G in (8, 16):
+        g = torch.Generator().manual_seed(G)
+        resp = torch.randint(2, cfg.vocab_size, (G, 64), generator=g)
+        roll = Rollout(prompts=torch.randint(2, cfg.vocab_size, (1, 256), generator=g).tolist(), G=G, pad_token_id=0,
+                       response_ids=resp, mask=torch.ones(G, 64), lengths=torch.full((G,), 64), truncated=torch.ones(G, dtype=torch.bool),
+                       logprobs=torch.zeros(G, 64))
+        cases.append((f"Qwen2 38.9M, 256-token prompt, G={G} x 64 tokens, micro-batch {G}", qwen, roll, G))
+    forms = (("shared", logprobs.rollout_logprobs), ("per-response", logprobs.per_response_logprobs))
+    for label, model, roll, mb in cases:
+        N = roll.response_ids.shape[0]
+        pos = forward_positions(roll, [slice(k, min(k + mb, N)) for k in range(0, N, mb)])
+        print(f"{label}\n  token positions a pass computes: " + ", ".join(
+            f"{k} {c} ({1 - r / c:.0%} of them padding)" for k, (c, r) in pos.items())
+            + f"; shared / per-response {pos['shared'][0] / pos['per-response'][0]:.2f}")
+        _passes(logprobs.rollout_logprobs, model, roll, mb, 1.0, device)                 # warm-up
+        times = {}
+        for _ in range(repeats):
+            for name, fn in forms:
+                for k, v in _passes(fn, model, roll, mb, 1.0, device).items():
+                    times.setdefault((k, name), []).append(v)
+        for kind in ("log-prob pass", "update"):
+            a, b = (statistics.median(times[(kind, n)]) for n, _ in forms)
+            print(f"  {kind:16s} shared {a:7.3f}   per-response {b:7.3f}   ratio {b / a:5.2f}x")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A GRPO step of train.py vs TRL's GRPOTrainer (run with a Python that has trl installed)
+# ---------------------------------------------------------------------------------------------
+
+VS_TRL = dict(prompts=16, G=8, new_tokens=4, beta=0.04)  # the short-answer configuration of issue 16
+
+
+def trl_child(folder: str, steps: int) -> None:
+    """In a fresh process: `steps` GRPOTrainer steps on folder/model and folder/train.jsonl; prints seconds per step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import verifier
+    rows = [json.loads(line) for line in open(os.path.join(folder, "train.jsonl"))]
+    tok = AutoTokenizer.from_pretrained(os.path.join(folder, "model"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "model"), dtype=torch.float32)
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    def reward(completions, answer, **_):
+        return [verifier.verify(c, a) for c, a in zip(completions, answer)]
+
+    n = VS_TRL["prompts"] * VS_TRL["G"]
+    cfg = GRPOConfig(output_dir=os.path.join(folder, "trl"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
+                     num_generations=VS_TRL["G"], max_completion_length=VS_TRL["new_tokens"], beta=VS_TRL["beta"],
+                     loss_type="grpo", scale_rewards="group", temperature=1.0, learning_rate=1e-6, max_steps=steps,
+                     use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+                     dataloader_num_workers=0, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                          train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+    trainer.train()
+    print(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])]}))
+
+
+def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
+    """Both trainers on the built-in base model (init="random": the same architecture, randomly initialised, so
+    nothing is built first) and the same 512 training prompts, each in its own process with one thread,
+    interleaved; seconds per step, the first step of each run left out (warm-up)."""
+    import builtin
+    flags = ["--algo", "grpo", "--beta", str(VS_TRL["beta"]), "--prompts-per-step", str(VS_TRL["prompts"]),
+             "--group-size", str(VS_TRL["G"]), "--max-new-tokens", str(VS_TRL["new_tokens"]),
+             "--micro-batch-size", str(VS_TRL["prompts"] * VS_TRL["G"]), "--lr", "1e-6", "--steps", str(steps), "--device", "cpu"]
+    print(f"\n## A GRPO step, train.py vs TRL's GRPOTrainer: {VS_TRL['prompts']} prompts x {VS_TRL['G']} samples, "
+          f"{VS_TRL['new_tokens']} new tokens, beta {VS_TRL['beta']}, the built-in {'base' if init == 'base' else 'random-init'} "
+          f"model, CPU, one thread")
+    here, env = os.path.dirname(os.path.abspath(__file__)), {**os.environ, "OMP_NUM_THREADS": "1"}
+    times = {"train.py": [], "TRL GRPOTrainer": []}
+    with tempfile.TemporaryDirectory() as d:
+        if init == "base":
+            shutil.copytree(builtin.base_model(), os.path.join(d, "model"))
+        else:
+            tok = builtin.make_tokenizer()
+            torch.manual_seed(0)
+            builtin.make_model(builtin.BaseModelConfig(), len(tok)).save_pretrained(os.path.join(d, "model"))
+            tok.save_pretrained(os.path.join(d, "model"))
+        with open(os.path.join(d, "train.jsonl"), "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in builtin.sample_problems(512, 0, False))
+        for r in range(repeats):
+            out = os.path.join(d, f"ours{r}")
+            subprocess.run([sys.executable, os.path.join(here, "train.py"), "--model", os.path.join(d, "model"),
+                            "--data", os.path.join(d, "train.jsonl"), "--out", out, *flags],
+                           check=True, capture_output=True, cwd=here, env=env)
+            with open(os.path.join(out, "metrics.jsonl")) as fh:
+                times["train.py"] += [r["time/step_s"] for r in map(json.loads, fh) if "time/step_s" in r][1:]
+            res = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-child", d, str(steps)],
+                                 capture_output=True, text=True, cwd=here, env=env)
+            if res.returncode:
+                raise RuntimeError(f"the TRL run failed (is trl installed for {sys.executable}?):\n{res.stderr[-2000:]}")
+            line = next(x for x in reversed(res.stdout.splitlines()) if x.startswith('{"step_s"'))
+            times["TRL GRPOTrainer"] += json.loads(line)["step_s"][1:]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"  {k:18s} {v:7.3f} s / step (median of {len(times[k])} steps)")
+    print(f"  train.py / TRL: {med['train.py'] / med['TRL GRPOTrainer']:.2f} (target <= 0.5)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Gradient checkpointing (--gradient-checkpointing): one update on long responses
 # ---------------------------------------------------------------------------------------------
 
 GC_SHAPE = dict(rows=4, prompt=32, response=512)   # 4 responses of 512 tokens after 32-token prompts
@@ -304,7 +476,7 @@ def _gc_setup(device: str, checkpointing: bool, response: int = GC_SHAPE["respon
 
 def _gc_update(model, roll) -> None:
     """One micro-batch of train.update_policy: log-probs of the responses, the clipped surrogate, backward."""
-    logp, _, valid = rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)   # [n, T]
+    logp, _, valid = logprobs.rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)   # [n, T]
     advantages = torch.linspace(-1, 1, logp.shape[0], device=logp.device)                      # [n]
     loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, valid, reduction="token")
     loss.backward()
@@ -377,13 +549,22 @@ def main(argv=None) -> None:
                    help="torch intra-op threads on CPU, 0 = torch's default. 1 by default: on cores shared with other "
                         "jobs, threads spin-waiting for a busy core make times vary tenfold")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "checkpointing"], default=None, help="run one section")
+    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward", "checkpointing"], default=None,
+                   help="run one section")
+    p.add_argument("--vs-trl", action="store_true",
+                   help="only the GRPO step of train.py vs TRL's GRPOTrainer (needs trl installed for this Python)")
+    p.add_argument("--vs-trl-init", choices=["base", "random"], default="base",
+                   help="--vs-trl on the built-in base model, or on the same architecture randomly initialised (no build)")
+    p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--gc-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mem_child:
         variant, dtype_name, backward = args.mem_child
         return mem_child(variant, dtype_name, backward == "1")
+    if args.trl_child:
+        return trl_child(args.trl_child[0], int(args.trl_child[1]))
     if args.gc_child:
         torch.set_num_threads(1)
         return gc_child(args.gc_child == "1")
@@ -397,10 +578,15 @@ def main(argv=None) -> None:
              f", {os.cpu_count()} cores ({cpu}), {torch.get_num_threads()} torch threads")
           + f", load average {os.getloadavg()[0]:.1f}; medians of {args.repeats} interleaved repeats")
     t0 = time.perf_counter()
+    if args.vs_trl:
+        bench_vs_trl(max(args.steps, 4), args.repeats, args.vs_trl_init)
+        return print(f"\n({time.perf_counter() - t0:.0f} s in all)")
     if args.only in (None, "rollouts"):
         bench_rollouts(device, args.repeats)
     if args.only in (None, "logprobs"):
         bench_logprobs(device, args.repeats)
+    if args.only in (None, "forward"):
+        bench_forward(device, args.repeats)
     if args.only in (None, "step"):
         bench_step(device, args.steps)
     if args.only in (None, "checkpointing"):

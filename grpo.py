@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
 LOG_RATIO_CLAMP = 20.0   # |logp - old_logp| is clamped to this before exp (as verl does): no inf, no NaN gradient
 
 
@@ -51,89 +50,6 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
 def constant_groups(rewards: torch.Tensor) -> torch.Tensor:
     """bool [B]: groups of rewards [B, G] whose G rewards are all equal, hence all-zero advantages."""
     return (rewards == rewards[:, :1]).all(dim=1)                             # [B]
-
-
-def _row_blocks(x: torch.Tensor, rows: int):
-    """Views [c, V] (c <= rows) tiling x [..., V] row by row in row-major order, never a copy.
-
-    A contiguous x is split as one [rows, V] matrix; a sliced one (such as `.logits[:, :-1]`) is walked
-    along its leading dimension, whose entries are contiguous.
-    """
-    if x.dim() <= 2 or x.is_contiguous():
-        yield from x.reshape(-1, x.shape[-1]).split(rows)
-    else:
-        for sub in x.unbind(0):
-            yield from _row_blocks(sub, rows)
-
-
-def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
-    """(rows, fn(block * s)) over row blocks of logits [..., V] of at most LOGPROB_CHUNK elements.
-
-    rows is a slice of the flattened row index; the [c, V] float32 result lives in a workspace allocated
-    once and overwritten by the next block, so a pass allocates nothing vocabulary-sized per block (on CPU
-    a fresh block each time costs page faults and fragments the heap). fn: torch.log_softmax or softmax.
-    """
-    V = logits.shape[-1]
-    n = min(max(1, LOGPROB_CHUNK // max(V, 1)), logits.numel() // max(V, 1))
-    work = logits.new_empty(n, V, dtype=torch.float32)                        # [n, V]
-    x = logits.new_empty(n, V, dtype=torch.float32) if s != 1.0 or logits.dtype != torch.float32 else None
-    i = 0
-    for b in _row_blocks(logits, max(n, 1)):                                  # b [c, V]
-        c = b.shape[0]
-        if x is not None:                                                     # float32 block * s, in place
-            b = x[:c].copy_(b) if s == 1.0 else x[:c].copy_(b).mul_(s)
-        yield slice(i, i + c), fn(b, -1, out=work[:c])
-        i += c
-
-
-class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(x * s)[id], block by block; autograd's own backward would build [N, T, V] three times."""
-
-    @staticmethod
-    def forward(ctx, logits, ids, s):
-        out, flat_ids = logits.new_empty(ids.numel(), 1, dtype=torch.float32), ids.reshape(-1, 1)  # [N*T, 1] each
-        for rows, logp in _softmax_blocks(logits, s):
-            torch.gather(logp, -1, flat_ids[rows], out=out[rows])
-        ctx.save_for_backward(logits, ids)
-        ctx.s = s
-        return out.view(ids.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        # d/dx_v log softmax(s x)_id = s (1[v = id] - softmax(s x)_v), written block by block into the one
-        # gradient tensor: the only [N, T, V] this pass allocates.
-        logits, ids = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
-        flat, gs, flat_ids = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), ids.reshape(-1, 1)
-        for rows, p in _softmax_blocks(logits, ctx.s, torch.softmax):
-            torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows], gs[rows].to(flat.dtype))
-        return grad, None, None
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32, without a second [N, T, V].
-
-    log_softmax then gather, over row blocks of LOGPROB_CHUNK elements in a float32 workspace (also for
-    bf16 logits), so the extra memory is one block whatever N and T are; the logits may be a slice such as
-    `.logits[:, :-1]` (no copy). The backward writes the gradient block by block: one [N, T, V] tensor,
-    where autograd through log_softmax + gather makes three. Passing the temperature here rather than
-    dividing the logits first saves another vocabulary-sized copy.
-    """
-    return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the full next-token distribution softmax(logits / t), -sum_v p_v log p_v: [N, T, V] -> [N, T].
-
-    This is the policy's real entropy, not the NLL of the sampled tokens (whose mean only estimates it).
-    """
-    out, p = logits.new_empty(logits.shape[:-1], dtype=torch.float32).view(-1), None  # [N*T]
-    for rows, logp in _softmax_blocks(logits, 1.0 / temperature):
-        p = torch.empty_like(logp) if p is None else p                        # [c, V] workspace
-        out[rows] = -torch.exp(logp, out=p[: logp.shape[0]]).mul_(logp).sum(-1)
-    return out.view(logits.shape[:-1])
 
 
 def reduce_loss(

@@ -24,8 +24,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import grpo
-
 
 @dataclass
 class Rollout:
@@ -115,7 +113,7 @@ def _make_cache(model, capacity: int) -> DynamicCache:
 
 def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
     """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the lengths.
-    sample_groups and rollout_logprobs both use it, so sampling and training see the same positions."""
+    sample_groups and the training forward (logprobs.py) both use it, so sampling and training see the same positions."""
     P = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # [n, P]
     mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)       # [n, P]
@@ -258,26 +256,3 @@ def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) ->
     mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # [N, T]
     return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id, response_ids=response[:, :T], mask=mask,
                    lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
-
-
-def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False,
-                     entropy=grpo.token_entropy):
-    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T]
-    (entropy(logits, temperature): grpo.token_entropy, no gradient, or variants.token_entropy).
-
-    The training side of the sampler: the same tempered distribution the tokens were drawn from. One
-    forward over left-padded prompt + right-padded response; only the last T + 1 positions' logits are
-    materialised (logits_to_keep), and of those the T that predict the response.
-    """
-    prompts = [roll.prompts[i // roll.G] for i in range(rows.start, rows.stop)]
-    resp, rmask = roll.response_ids[rows], roll.mask[rows]                   # [n, T]
-    n, T = resp.shape
-    pids, pmask = _left_padded(prompts, roll.pad_token_id)                   # [n, P] each
-    dev = next(model.parameters()).device
-    ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
-    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]; pads after EOS are masked by loss
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-    logp = grpo.token_logprobs(logits, resp.to(dev), temperature)             # [n, T], of softmax(logits / temperature)
-    ent = entropy(logits, temperature) if with_entropy else None             # [n, T]
-    return logp, ent, rmask.to(dev)

@@ -19,9 +19,11 @@ import builtin
 import dapo
 import data
 import grpo
+import logprobs
 import variants
 import verifier
-from sampler import Rollout, rollout_logprobs, sample_groups
+from logprobs import rollout_logprobs
+from sampler import Rollout, sample_groups
 from verifier import canonical, canonical_answer, extract_answer, format_reward, parse_number, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,12 +66,12 @@ def test_token_logprobs_matches_log_softmax_and_has_gradients():
     logits = torch.randn(3, 5, 11, requires_grad=True)
     ids = torch.randint(0, 11, (3, 5))
     ref = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
-    old = grpo.LOGPROB_CHUNK
+    old = logprobs.LOGPROB_CHUNK
     try:
-        grpo.LOGPROB_CHUNK = 4  # several chunks
-        got = grpo.token_logprobs(logits, ids)
+        logprobs.LOGPROB_CHUNK = 4  # several chunks
+        got = logprobs.token_logprobs(logits, ids)
     finally:
-        grpo.LOGPROB_CHUNK = old
+        logprobs.LOGPROB_CHUNK = old
     assert torch.allclose(got, ref, atol=1e-6)
     got.sum().backward()
     g_ref = torch.autograd.grad(ref.sum(), logits)[0]
@@ -79,11 +81,11 @@ def test_token_logprobs_matches_log_softmax_and_has_gradients():
 def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     V = 8
     uniform = torch.zeros(1, 1, V)
-    assert torch.allclose(grpo.token_entropy(uniform), torch.tensor([[math.log(V)]]))
+    assert torch.allclose(logprobs.token_entropy(uniform), torch.tensor([[math.log(V)]]))
     # two equally likely tokens, the rest ~0: entropy log 2, while the NLL of a sampled token is log 2 too,
     # but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is 0.105 or 2.303.
     logits = torch.log(torch.tensor([[[0.9, 0.1]]]))
-    assert abs(grpo.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5
+    assert abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5
 
 
 def test_kl_k3_hand_value_zero_at_equality_and_nonnegative():
@@ -328,7 +330,7 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]]
 def _full_forward_logprobs(model, prompt, response, temperature=1.0):
     ids = torch.tensor([prompt + response])
     logits = model(ids).logits[:, len(prompt) - 1:-1] / temperature
-    return grpo.token_logprobs(logits, ids[:, len(prompt):])[0]
+    return logprobs.token_logprobs(logits, ids[:, len(prompt):])[0]
 
 
 def test_sampler_greedy_equals_generate(tiny_model):
@@ -736,21 +738,23 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
                                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1))
     roll = sample_groups(model, PROMPTS, 2, 10, eos_token_id=1, pad_token_id=0,
                          generator=[torch.Generator().manual_seed(s) for s in range(3)])
-    calls = []
+    calls, forwards = [], []
     model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # runs first in the layer
+    model.model.register_forward_hook(lambda *_: forwards.append(1))  # the shared-prefix forward calls the model twice
 
     def grads():
         model.train()
         model.zero_grad()
         calls.clear()
+        forwards.clear()
         logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0)
         (-(logp * valid).sum() / valid.sum()).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls), len(forwards)
 
-    plain, n_plain = grads()
+    plain, n_plain, f_plain = grads()
     parallel.checkpoint_activations(model)
-    ckpt, n_ckpt = grads()
-    assert (n_plain, n_ckpt) == (1, 2)                       # the layer ran again in backward: it was checkpointed
+    ckpt, n_ckpt, f_ckpt = grads()
+    assert n_plain == f_plain and n_ckpt == 2 * f_ckpt         # the layer ran again in backward: it was checkpointed
     assert max((plain[k] - ckpt[k]).abs().max().item() for k in plain) <= 1e-5
     assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)
 
@@ -1150,16 +1154,16 @@ def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
     # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax + gather's.
     torch.manual_seed(0)
     V = 50_000
-    monkeypatch.setattr(grpo, "LOGPROB_CHUNK", 3 * V)
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
     full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
     logits, ids = full[:, :-1], torch.randint(0, V, (2, 5))
     for t in (1.0, 0.7):
-        got, want = grpo.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
+        got, want = logprobs.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
         assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4)
         (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(), full)
         assert g_got.dtype == dtype
         assert torch.allclose(g_got.float(), g_want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
-    ent = grpo.token_entropy(logits, temperature=0.7)
+    ent = logprobs.token_entropy(logits, temperature=0.7)
     logp = torch.log_softmax(logits.float() / 0.7, -1)
     assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
 
@@ -1170,7 +1174,7 @@ def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dt
     # never [N, T, V]; in the backward the only vocabulary-sized one is the gradient itself.
     from torch.utils._python_dispatch import TorchDispatchMode
     V = 1000
-    monkeypatch.setattr(grpo, "LOGPROB_CHUNK", 2 * V)
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 2 * V)
     logits = torch.randn(3, 4, V).to(dtype).requires_grad_(True)
     ids = torch.randint(0, V, (3, 4))
 
@@ -1188,7 +1192,7 @@ def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dt
 
     block = 2 * V * 4
     with Storages() as fwd:
-        out = grpo.token_logprobs(logits, ids)
+        out = logprobs.token_logprobs(logits, ids)
     assert max(fwd.bytes.values()) <= block
     with Storages() as bwd:
         out.sum().backward()
@@ -1302,6 +1306,107 @@ def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
 
 
 # ---------------------------------------------------------------------------------------------
+# --- issue 16: the shared-prefix training forward (logprobs.rollout_logprobs) ---
+# ---------------------------------------------------------------------------------------------
+
+def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
+    # blocks of 3 rows over a non-contiguous slice, temperature 0.7: the custom backward
+    # dH/dx_v = -s p_v (log p_v + H) equals autograd through log_softmax, exp, sum.
+    torch.manual_seed(0)
+    V = 300
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
+    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
+        logits, w = full[:, :-1], torch.randn(2, 5)                   # w: an arbitrary upstream gradient
+        got = logprobs.token_entropy(logits, temperature=0.7)
+        logp = torch.log_softmax(logits.float() / 0.7, -1)
+        want = -(logp.exp() * logp).sum(-1)
+        assert torch.allclose(got, want, atol=1e-4)
+        (g_got,), (g_want,) = torch.autograd.grad((got * w).sum(), full), torch.autograd.grad((want * w).sum(), full)
+        assert g_got.dtype == dtype and torch.allclose(g_got.float(), g_want.float(), atol=atol)
+        with torch.no_grad():                                         # and without autograd, as the no-grad passes call it
+            assert torch.allclose(logprobs.token_entropy(logits, 0.7), want, atol=1e-4)
+
+
+def _mixed_rollout(model, temperature, G=4, T=20):
+    """PROMPTS (3, 6 and 1 tokens) x G samples, some ending in EOS and some truncated."""
+    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
+                         generator=torch.Generator().manual_seed(3))
+    assert len(set(roll.lengths.tolist())) > 2 and roll.truncated.any() and (~roll.truncated).any()
+    return roll
+
+
+def _micro_batches(N, mb):
+    return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
+
+
+@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0)])
+def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
+    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
+    # is split into two length buckets (0.8, the default, keeps these slices whole)
+    from logprobs import per_response_logprobs, rollout_logprobs
+    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
+    model = tiny_model if kind == "llama" else _tiny("mistral", torch.float32)
+    t, G = 0.7, 4
+    roll = _mixed_rollout(model, t, G)
+    N, T_all = roll.response_ids.shape
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(N, generator=g)
+    old = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)   # ratio != 1, so clipping acts on some tokens
+    ref = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)
+    params = list(model.parameters())
+    # micro-batches of 5 and 3 responses cut groups of 4; N = 12 whole; values, entropies, mask
+    for mb in (5, 3, N):
+        for s in _micro_batches(N, mb):
+            with torch.no_grad():
+                (a, ea, ma), (b, eb, mb_) = (f(model, roll, s, t, with_entropy=True)
+                                             for f in (rollout_logprobs, per_response_logprobs))
+            assert a.shape == b.shape == (s.stop - s.start, T_all) and torch.equal(ma, mb_)
+            assert (a * ma).sub(b * ma).abs().max() <= 1e-4 and (ea * ma).sub(eb * ma).abs().max() <= 1e-4
+    # gradients of the loss summed over micro-batches of 5, for every reduction, with an entropy bonus
+    for reduction in ("sequence", "token", "constant"):
+        grads = []
+        for f in (rollout_logprobs, per_response_logprobs):
+            model.zero_grad(set_to_none=True)
+            for s in _micro_batches(N, 5):
+                logp, ent, mask = f(model, roll, s, t, with_entropy=True)
+                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, 0.2, 0.28, ref_logp=ref[s], beta=0.04,
+                                           reduction=reduction, num_tokens=roll.mask.sum(), max_len=T_all, num_seqs=N)
+                (loss - 0.01 * (ent * mask).sum() / roll.mask.sum()).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in params]))
+        assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[1].abs().max(), reduction
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("temperature,keep", [(1.0, 0.8), (0.7, 0.8), (0.7, 1.0)])
+def test_training_logprobs_equal_the_samplers(tiny_model, temperature, keep, monkeypatch):
+    # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
+    # off-by-one position, position ids that ignore the left padding, or a dropped temperature all break this
+    from logprobs import rollout_logprobs
+    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
+    roll = _mixed_rollout(tiny_model, temperature)
+    N = roll.response_ids.shape[0]
+    for mb in (N, 5):
+        with torch.no_grad():
+            logp = torch.cat([rollout_logprobs(tiny_model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
+        assert ((logp - roll.logprobs) * roll.mask).abs().max() <= 1e-4
+
+
+def test_length_buckets_split_only_when_it_pays():
+    # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20} and long rows
+    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37: one batch.
+    short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
+    assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
+    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))] == [[0, 1, 2, 3]]
+    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
+
+
+def test_rollout_logprobs_rejects_bad_slices(tiny_model):
+    from logprobs import rollout_logprobs
+    roll = _mixed_rollout(tiny_model, 1.0)
+    for bad in (slice(3, 3), slice(0, 12, 2)):
+        with pytest.raises(ValueError, match="slice"):
+            rollout_logprobs(tiny_model, roll, bad, 1.0)
 # variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
 #
 # The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on

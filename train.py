@@ -41,7 +41,8 @@ import variants
 import verifier
 from evaluate import flag as _f
 from evaluate import shared
-from sampler import Rollout, rollout_logprobs, sample_groups
+from logprobs import rollout_logprobs
+from sampler import Rollout, sample_groups
 
 
 @dataclass
@@ -234,8 +235,7 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
                     if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
                         (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
                         continue
-                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus,
-                                                        entropy=variants.token_entropy if bonus else grpo.token_entropy)
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus)
                     key, dev = (s.start, s.stop), logp.device
                     old, m_s = old_logp[key] if old_logp is not None else logp.detach(), mask[s].to(dev)  # [n, T] each
                     sampler_logp = roll.logprobs[s].to(dev)                    # [n, T], what the tokens were drawn with

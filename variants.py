@@ -14,7 +14,7 @@ plainly as `grpo.policy_loss`, with the same inputs, the same reductions and the
   its gradient (only its weight is bounded): `cispo_loss`.
 - KL to the reference with any estimator of grpo.py (k1, k2, k3) as a separate term: `kl_term`.
 - Entropy bonus: the mean entropy of the policy's next-token distribution, to subtract with a
-  coefficient: `token_entropy` (differentiable, block by block) and `entropy_bonus`.
+  coefficient: `token_entropy` (logprobs.token_entropy: differentiable, block by block) and `entropy_bonus`.
 - Rollout/train mismatch (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL Systems"):
   truncated importance sampling weights min(pi_old / pi_sampler, C) (`tis_weights`) and the mismatch
   metrics (`mismatch_metrics`).
@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 import grpo
+from logprobs import token_entropy  # noqa: F401  (differentiable, block by block: the bonus's entropy)
 
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # GSPO paper, Sec. 5.1
 CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0  # no lower bound (MiniMax-M1); ratio capped at 5 (ScaleRL, arXiv 2510.13786)
@@ -181,39 +182,6 @@ def kl_term(
         k3 = grpo.kl_k3(logp, ref_logp)                                       # [N, T]
         metrics = {"kl": float((k3 * m).sum() / m.sum().clamp_min(1.0))}
     return loss, metrics
-
-
-class _TokenEntropy(torch.autograd.Function):
-    """-sum_v p_v log p_v of softmax(x * s), block by block, with a backward that writes one [N, T, V]."""
-
-    @staticmethod
-    def forward(ctx, logits, s):
-        out = grpo.token_entropy(logits, 1.0 / s)                             # [N, T] float32
-        ctx.save_for_backward(logits, out)
-        ctx.s = s
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        # H = -sum_v p_v log p_v with p = softmax(s x): dH/dx_v = -s p_v (log p_v + H).
-        logits, H = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
-        flat = grad.view(-1, logits.shape[-1])
-        h, gs = H.reshape(-1, 1), (g.float() * -ctx.s).reshape(-1, 1)        # [N*T, 1] each
-        for rows, logp in grpo._softmax_blocks(logits, ctx.s):               # logp [c, V] float32 workspace
-            p = torch.exp(logp)                                               # [c, V]
-            flat[rows] = logp.add_(h[rows]).mul_(p).mul_(gs[rows])
-        return grad, None
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Differentiable entropy of softmax(logits / temperature): [N, T, V] -> [N, T] float32.
-
-    The same value as grpo.token_entropy (which runs under no_grad, for the metric), with a gradient
-    computed block by block instead of autograd's three vocabulary-sized temporaries.
-    """
-    return _TokenEntropy.apply(logits, 1.0 / temperature)
 
 
 def entropy_bonus(

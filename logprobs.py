@@ -1,0 +1,266 @@
+"""The training forward: log-probs and entropies of rollout responses under a model, each group's prompt run once.
+
+Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), log pi_old and log pi_ref of every
+response token; train.update_policy gets all three from `rollout_logprobs`.
+
+Two layers:
+- `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of LOGPROB_CHUNK
+  elements, with their own backward. The reference they equal, in one line each, is
+      logp = torch.log_softmax(logits / t, -1).gather(-1, ids[..., None]).squeeze(-1)
+      entropy = -(logp_all.exp() * logp_all).sum(-1),  logp_all = torch.log_softmax(logits / t, -1)
+  which autograd would run through three vocabulary-sized tensors; here the extra memory is one block.
+- `rollout_logprobs`: the forward itself, a shared-prefix forward ("Prefix Grouper", arXiv 2506.05433). All G
+  responses of a group continue the same prompt, so the prompt's keys and values are computed once per group
+  and attended by its G responses. `per_response_logprobs` is the plain form it replaces (every response with
+  its own copy of the prompt), kept as the reference for tests and bench.py.
+
+How the shared-prefix forward is laid out (a cache, not packing: it runs on every attention kernel and every
+transformers release this code supports, where a packed sequence needs a block mask the kernels may not take):
+  1. every prompt of the slice but its last token, left-padded to the slice's longest and run once per group
+     into a DynamicCache (left padding keeps the prompt next to its response, as in sampling, so a sliding
+     window counts the same distance, and position ids count from each prompt's first real token);
+  2. the cache rows gathered to one per response, `cache.batch_select_indices(group of each row)`: an index,
+     so it is differentiable and the prompt's activations get the gradient of all its responses;
+  3. the responses, each fed as [last prompt token, its tokens but the last], run against that cache: T
+     positions whose logits predict exactly the T response tokens (the last prompt token costs G times one
+     token; this keeps the logits one contiguous [n, T, V] tensor).
+A slice may cut a group (`--micro-batch-size` counts responses): its partial group's prompt is still run
+once. Responses are trimmed to the slice's own longest response, not the rollout's. The gradient equals the
+per-response one: the prompt's activations are the same function of the parameters, reached by G paths.
+Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with long prompts and short
+answers, and little with long reasoning traces (T >> P).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from sampler import Rollout, _cache_kwarg, _left_padded
+
+LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
+BUCKET_KEEP = 0.8  # split a slice's responses in two length buckets when that leaves <= 80% of the positions
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel: log softmax(logits / t)[ids] and the entropy, block by block
+# ---------------------------------------------------------------------------------------------
+
+def _row_blocks(x: torch.Tensor, rows: int):
+    """Views [c, V] (c <= rows) tiling x [..., V] row by row in row-major order, never a copy.
+
+    A contiguous x is split as one [rows, V] matrix; a sliced one (such as `.logits[:, :-1]`) is walked
+    along its leading dimension, whose entries are contiguous.
+    """
+    if x.dim() <= 2 or x.is_contiguous():
+        yield from x.reshape(-1, x.shape[-1]).split(rows)
+    else:
+        for sub in x.unbind(0):
+            yield from _row_blocks(sub, rows)
+
+
+def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
+    """(rows, fn(block * s)) over row blocks of logits [..., V] of at most LOGPROB_CHUNK elements.
+
+    rows is a slice of the flattened row index; the [c, V] float32 result lives in a workspace allocated
+    once and overwritten by the next block (a consumer may modify it in place), so a pass allocates nothing
+    vocabulary-sized per block (on CPU a fresh block each time costs page faults and fragments the heap).
+    fn: torch.log_softmax or softmax.
+    """
+    V = logits.shape[-1]
+    n = min(max(1, LOGPROB_CHUNK // max(V, 1)), logits.numel() // max(V, 1))
+    work = logits.new_empty(n, V, dtype=torch.float32)                        # [n, V]
+    x = logits.new_empty(n, V, dtype=torch.float32) if s != 1.0 or logits.dtype != torch.float32 else None
+    i = 0
+    for b in _row_blocks(logits, max(n, 1)):                                  # b [c, V]
+        c = b.shape[0]
+        if x is not None:                                                     # float32 block * s, in place
+            b = x[:c].copy_(b) if s == 1.0 else x[:c].copy_(b).mul_(s)
+        yield slice(i, i + c), fn(b, -1, out=work[:c])
+        i += c
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(x * s)[id], block by block; autograd's own backward would build [N, T, V] three times."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, s):
+        out, flat_ids = logits.new_empty(ids.numel(), 1, dtype=torch.float32), ids.reshape(-1, 1)  # [N*T, 1] each
+        for rows, logp in _softmax_blocks(logits, s):
+            torch.gather(logp, -1, flat_ids[rows], out=out[rows])
+        ctx.save_for_backward(logits, ids)
+        ctx.s = s
+        return out.view(ids.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        # d/dx_v log softmax(s x)_id = s (1[v = id] - softmax(s x)_v), written block by block into the one
+        # gradient tensor: the only [N, T, V] this pass allocates.
+        logits, ids = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
+        flat, gs, flat_ids = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), ids.reshape(-1, 1)
+        for rows, p in _softmax_blocks(logits, ctx.s, torch.softmax):
+            torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows], gs[rows].to(flat.dtype))
+        return grad, None, None
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32, without a second [N, T, V].
+
+    log_softmax then gather, over row blocks of LOGPROB_CHUNK elements in a float32 workspace (also for
+    bf16 logits), so the extra memory is one block whatever N and T are; the logits may be a slice such as
+    `.logits[:, :-1]` (no copy). The backward writes the gradient block by block: one [N, T, V] tensor,
+    where autograd through log_softmax + gather makes three. Passing the temperature here rather than
+    dividing the logits first saves another vocabulary-sized copy.
+    """
+    return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """-sum_v p_v log p_v of p = softmax(x * s), block by block, with a block-by-block backward."""
+
+    @staticmethod
+    def forward(ctx, logits, s):
+        out, p = logits.new_empty(logits.shape[:-1], dtype=torch.float32).view(-1), None  # [N*T]
+        for rows, logp in _softmax_blocks(logits, s):
+            p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
+            out[rows] = -torch.exp(logp, out=p[: logp.shape[0]]).mul_(logp).sum(-1)
+        ctx.save_for_backward(logits, out)
+        ctx.s = s
+        return out.view(logits.shape[:-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        # H = -sum_v p_v log p_v, p = softmax(z), z = s x: dH/dz_v = -p_v (log p_v + H), so
+        # dH/dx_v = -s p_v (log p_v + H); one [N, T, V] gradient, the rest in the block workspace.
+        logits, H = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
+        flat, gs, h, p = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), H.reshape(-1, 1), None
+        for rows, logp in _softmax_blocks(logits, ctx.s):
+            p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
+            e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
+            flat[rows] = logp.add_(h[rows]).mul_(e).mul_(-gs[rows])            # the yielded block is ours to overwrite
+        return grad, None
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the full next-token distribution softmax(logits / t), -sum_v p_v log p_v: [N, T, V] -> [N, T].
+
+    The policy's real entropy, not the NLL of the sampled tokens (whose mean only estimates it).
+    Differentiable (an entropy bonus in the loss gets its gradient) with one [N, T, V] tensor in the backward.
+    """
+    return _TokenEntropy.apply(logits, 1.0 / temperature)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward: each group's prompt once, its responses against the prompt's cache
+# ---------------------------------------------------------------------------------------------
+
+def _rows(roll: Rollout, rows: slice) -> tuple[int, int]:
+    a, b, step = rows.indices(roll.response_ids.shape[0])
+    if step != 1 or b <= a:
+        raise ValueError(f"rows must be a non-empty contiguous slice of the {roll.response_ids.shape[0]} responses, got {rows}")
+    return a, b
+
+
+def _new_cache(model) -> DynamicCache:
+    """An empty DynamicCache with the model's layer types (sliding-window layers too, transformers >= 4.56)."""
+    cfg = model.config
+    return DynamicCache(config=cfg) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+
+
+def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Rows [n] split in two by length (short ones, long ones) when padding each part to its own longest
+    computes at most BUCKET_KEEP of the positions one batch padded to the longest would; else one part."""
+    L, order = lengths.sort(stable=True)                                      # [n] ascending
+    n = L.shape[0]
+    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1] positions if split after k
+    if n < 2 or float(cost.min()) > BUCKET_KEEP * n * float(L[-1]):
+        return [torch.arange(n)]
+    k = int(cost.argmin()) + 1
+    return [order[:k], order[k:]]
+
+
+def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
+    """A cache holding rows `index` of `cache`, which is left as it was (layers rebind, never write, their tensors)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    out.batch_select_indices(index)                                           # an index: differentiable
+    return out
+
+
+def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
+    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T], and
+    the mask [n, T]; T is the rollout's width, values past a bucket's longest response are 0.
+
+    The shared-prefix forward of the module docstring: each group's prompt once, its responses against it, in
+    one or two length buckets. Same values and gradients as `per_response_logprobs`
+    (test_shared_prefix_forward_equals_per_response).
+    """
+    a, b = _rows(roll, rows)
+    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
+    if torch.is_grad_enabled() and inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()):
+        # transformers drops the cache in checkpointed layers (a recompute would append to it twice), so with
+        # --gradient-checkpointing the update runs the per-response forward; the no-grad passes keep the cache
+        return per_response_logprobs(model, roll, rows, temperature, with_entropy)
+    G, dev = roll.G, next(model.parameters()).device
+    T_all = roll.response_ids.shape[1]
+    g0 = a // G
+    prompts = roll.prompts[g0:(b - 1) // G + 1]                               # each group met by the slice, once
+    group = torch.arange(a, b) // G - g0                                      # [n] row -> its prompt in `prompts`
+    plen = torch.tensor([len(p) for p in prompts])                            # [g]
+    last = torch.tensor([p[-1] for p in prompts])                             # [g] each prompt's last token
+    cache, name = None, _cache_kwarg(inner)
+    if int(plen.max()) > 1:                                                   # 1. the prompts, once per group
+        head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1] each
+        head_pos = (head_mask.cumsum(-1) - 1).clamp_min(0)                    # [g, P-1] from the first real token
+        cache = _new_cache(inner)
+        # run outside DDP's forward: DDP broadcasts buffers in each forward, so a second DDP forward per
+        # micro-batch would hang ranks that run a zero-weight pass; the prompt's gradient still reaches the
+        # parameters' DDP hooks, which fire once per backward with both paths summed
+        inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
+              use_cache=True, logits_to_keep=1, **{name: cache})
+    out, order = [], []
+    for r in _length_buckets(roll.lengths[a:b].cpu()):                        # rows r [m] of the slice
+        T = int(roll.lengths[a:b][r].max())                                   # this bucket's longest response
+        resp = roll.response_ids[a:b][r, :T].cpu()                            # [m, T]
+        ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)           # [m, T] the rows' inputs
+        pos = plen[group[r], None] - 1 + torch.arange(T)                      # [m, T] positions go on from the prompt
+        kw, attn = {}, torch.ones(ids.shape, dtype=torch.long)                # [m, T]
+        if cache is not None:                                                 # 2. one cache row per response
+            kw = {name: _cache_rows(cache, group[r].to(dev)), "use_cache": True}
+            attn = torch.cat([head_mask[group[r]], attn], 1)                  # [m, P-1 + T]
+        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), **kw).logits  # 3. [m, T, V]
+        pad = lambda x, T=T: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  [m, T] -> [m, T_all]
+        out.append((pad(token_logprobs(logits, resp.to(dev), temperature)),
+                    pad(token_entropy(logits, temperature)) if with_entropy else None))
+        order.append(r)
+    back = torch.cat(order).argsort().to(dev)                                 # [n] bucket order -> row order
+    logp = torch.cat([lp for lp, _ in out])[back]                             # [n, T_all]
+    ent = torch.cat([e for _, e in out])[back] if with_entropy else None      # [n, T_all]
+    return logp, ent, roll.mask[a:b].to(dev)
+
+
+def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
+    """The reference form of `rollout_logprobs` (same arguments and results): every response with its own copy
+    of the prompt, left-padded prompt + response right-padded to the rollout's longest, in one forward.
+    Only the last T + 1 positions' logits are materialised (logits_to_keep), of those the T that predict the
+    response. Kept for tests and bench.py; the trainer uses `rollout_logprobs`.
+    """
+    a, b = _rows(roll, rows)
+    prompts = [roll.prompts[i // roll.G] for i in range(a, b)]
+    resp, rmask = roll.response_ids[a:b], roll.mask[a:b]                     # [n, T]
+    n, T = resp.shape
+    pids, pmask = _left_padded(prompts, roll.pad_token_id)                   # [n, P] each
+    dev = next(model.parameters()).device
+    ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
+    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]; pads after EOS are masked by loss
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
+    logp = token_logprobs(logits, resp.to(dev), temperature)                  # [n, T], of softmax(logits / temperature)
+    ent = token_entropy(logits, temperature) if with_entropy else None        # [n, T]
+    return logp, ent, rmask.to(dev)
