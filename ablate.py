@@ -8,7 +8,7 @@ gets the same budget of sampled responses (`--max-samples`): dynamic sampling's 
 against it, so that row takes fewer optimizer steps. All rows use beta = 0 and +-1 rewards, as DAPO does, so
 that only the four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the curves; needs matplotlib).
 
-    python ablate.py                          # 6 rows x 3 seeds on 2 CPU cores, about 30 minutes
+    python ablate.py                          # 6 rows x 3 seeds: 18 runs of a few minutes each on 2 CPU cores
     python ablate.py --seeds 0 --budget 2560  # a quick look
     python ablate.py --train-flags "--mu 4" --out runs/ablation-mu4  # each batch reused for 4 updates
     python ablate.py --train-flags "--mini-batches 4" --variant "+ GSPO=--loss gspo --eps-high 4e-4" \
