@@ -62,8 +62,8 @@ def reduce_loss(
 ) -> torch.Tensor:
     """Per-token losses [N, T] -> scalar, counting only valid tokens (mask [N, T], 1.0 on valid ones).
 
-    The three reductions of `policy_loss`, with the same global denominators, for the losses in
-    variants.py: "sequence" = sum over responses of each one's token mean / num_seqs (default: the rows
+    The three reductions of `policy_loss` (and of the losses in variants.py), with global denominators:
+    "sequence" = sum over responses of each one's token mean / num_seqs (default: the rows
     with at least one valid token, as policy_loss);
     "token" = sum over valid tokens / num_tokens (default mask.sum()); "constant" = sum / (num_seqs *
     max_len), max_len defaulting to T. Passing the step's global counts makes micro-batches and ranks
@@ -165,16 +165,7 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logp")
         per_token = per_token + beta * kl                                     # [N, T]
 
-    n = (mask.sum(-1) > 0).to(mask.dtype).sum() if num_seqs is None else num_seqs
-    n = n.clamp_min(1.0) if torch.is_tensor(n) else max(n, 1.0)
-    if reduction == "sequence":
-        seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
-        loss = seq_mean.sum() / n
-    elif reduction == "token":
-        denom = mask.sum() if num_tokens is None else num_tokens
-        loss = (per_token * mask).sum() / (denom.clamp_min(1.0) if torch.is_tensor(denom) else max(denom, 1.0))
-    else:
-        loss = (per_token * mask).sum() / (n * (logp.shape[1] if max_len is None else max_len))
+    loss = reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
 
     with torch.no_grad():
         valid = mask.sum().clamp_min(1.0)
