@@ -145,8 +145,6 @@ def policy_loss(
     weights [N, T] (optional, detached): multiply each token's surrogate (not the KL), e.g. variants.tis_weights.
     Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens.
     """
-    if reduction not in ("sequence", "token", "constant"):
-        raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
     mask = mask.to(logp.dtype)                                                # [N, T]
     adv = advantages.to(logp.dtype)[:, None]                                  # [N, 1]
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, T]

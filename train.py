@@ -249,15 +249,15 @@ def update_policy(policy, model, ref, roll: Rollout | None, advantages, mask, ar
                     if bonus:                                                  # - entropy_coef * mean token entropy
                         loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, **den)[0]
                     (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
-                tok = float(mask[s].sum())
+                tok = float(m_s.sum())
                 sums["loss"] += loss.item()
                 sums["tokens"] += tok
                 for key in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
                     sums[key] += m.get(key, 0.0) * tok
                 if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
-                    sums["entropy"] += float((ent.detach() * valid).sum())
-                    sums["entropy_tokens"] += float(valid.sum())
                     mm, n_valid = variants.mismatch_metrics(old, sampler_logp, valid), float(valid.sum())
+                    sums["entropy"] += float((ent.detach() * valid).sum())
+                    sums["entropy_tokens"] += n_valid
                     sums["mismatch/abs"] += mm["mismatch/logp_abs_mean"] * n_valid
                     sums["mismatch/kl"] += mm["mismatch/kl"] * n_valid
                     sums["mismatch/tokens"] += n_valid

@@ -50,6 +50,11 @@ def _apply_weights(per_token: torch.Tensor, weights: torch.Tensor | None) -> tor
     return per_token if weights is None else per_token * weights.detach().to(per_token.dtype)
 
 
+def _seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's log s_i: the mean over a response's valid tokens of logp - old_logp, [N, T] -> [N, 1]."""
+    return ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)
+
+
 def _clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Fractions of valid tokens clipped from below / above and the mean ratio, all [N, T] or broadcastable."""
     valid = mask.sum().clamp_min(1.0)
@@ -82,7 +87,7 @@ def gspo_loss(
     """
     adv = _check_adv(advantages, mask, per_token_ok=False).to(logp.dtype)    # [N, 1]
     mask = mask.to(logp.dtype)                                                # [N, T]
-    log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)  # [N, 1]
+    log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     s = torch.exp(log_s.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))   # [N, 1]
     clipped = s.clamp(1.0 - eps_low, 1.0 + eps_high)                          # [N, 1]
     per_seq = -torch.minimum(s * adv, clipped * adv)                          # [N, 1]
@@ -114,7 +119,7 @@ def gspo_token_loss(
     """
     adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
-    log_s = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)  # [N, 1]
+    log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     log_s_t = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP) + logp - logp.detach()  # [N, T], value log s_i
     s_t = torch.exp(log_s_t)                                                  # [N, T]
     clipped = s_t.clamp(1.0 - eps_low, 1.0 + eps_high)                        # [N, T]
