@@ -475,7 +475,7 @@ def _gc_setup(device: str, checkpointing: bool, response: int = GC_SHAPE["respon
 
 
 def _gc_update(model, roll) -> None:
-    """One micro-batch of train.update_policy: log-probs of the responses, the clipped surrogate, backward."""
+    """One micro-batch of update.update_policy: log-probs of the responses, the clipped surrogate, backward."""
     logp, _, valid = logprobs.rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)   # [n, T]
     advantages = torch.linspace(-1, 1, logp.shape[0], device=logp.device)                      # [n]
     loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, valid, reduction="token")

@@ -24,7 +24,9 @@ import shutil
 
 import torch
 
-from data import InputError
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing or cannot be read: train.py prints the message in one line."""
 
 
 @contextlib.contextmanager
@@ -55,7 +57,7 @@ def load(path: str, model, opt, sched) -> dict:
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
     except (OSError, RuntimeError, KeyError, ValueError) as e:
-        raise InputError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(ckpt["rng"])
     return ckpt
 
@@ -146,7 +148,7 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     path = latest(folder)
     if path is None:
-        raise InputError(f"{folder}: no sharded checkpoint (no 'latest' file)")
+        raise CheckpointError(f"{folder}: no sharded checkpoint (no 'latest' file)")
     try:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
         if meta["world_size"] != ddp.world:
@@ -159,7 +161,7 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
         set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
         sched.load_state_dict(meta["scheduler"])
     except (OSError, RuntimeError, KeyError, ValueError) as e:
-        raise InputError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(rng)
     return meta
 

@@ -1,7 +1,7 @@
 """The training forward: log-probs and entropies of rollout responses under a model, each group's prompt run once.
 
 Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), log pi_old and log pi_ref of every
-response token; train.update_policy gets all three from `rollout_logprobs`.
+response token; update.update_policy gets all three from `rollout_logprobs`.
 
 Two layers:
 - `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of LOGPROB_CHUNK

@@ -40,12 +40,14 @@ import torch.distributed as dist
 # would also make `torch` a local name there: pyflakes F823.)
 import torch.distributed.nn  # noqa: F401
 
-from data import InputError
-
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP2's public home since torch 2.6
 except ImportError:  # an older torch still runs DDP; `shard` says why --fsdp cannot
     FSDPModule = MixedPrecisionPolicy = fully_shard = None
+
+
+class ShardingError(ValueError):
+    """--fsdp cannot shard this model with this torch: train.py prints the message in one line."""
 
 
 class Dist:
@@ -71,6 +73,11 @@ class Dist:
         if self.world > 1:
             dist.all_reduce(x)
         return x
+
+    def sum_named(self, sums: dict[str, float]) -> dict[str, float]:
+        """Named local sums, summed over ranks in one all-reduce (every rank has the same keys)."""
+        keys = sorted(sums)
+        return dict(zip(keys, self.sum(torch.tensor([float(sums[k]) for k in keys])).tolist()))
 
     def max(self, n: int) -> int:
         """All-reduced maximum of an integer."""
@@ -106,7 +113,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise InputError(f"--fsdp: no decoder layers found in {type(model).__name__} (its _no_split_modules: {sorted(names)})")
+        raise ShardingError(f"--fsdp: no decoder layers found in {type(model).__name__} (its _no_split_modules: {sorted(names)})")
     return layers
 
 
@@ -125,7 +132,7 @@ def shard(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """
     from torch.distributed.device_mesh import init_device_mesh
     if fully_shard is None:
-        raise InputError(f"--fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}")
+        raise ShardingError(f"--fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}")
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     policy = mixed_precision(device)
     for layer in decoder_layers(model):

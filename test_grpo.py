@@ -20,6 +20,7 @@ import dapo
 import data
 import grpo
 import logprobs
+import update
 import variants
 import verifier
 from logprobs import rollout_logprobs
@@ -280,7 +281,6 @@ class _StubRanks:
 
 
 def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
-    import train
     G = 2
 
     def groups(idx, K):  # the global prompt indices in each mini-batch, gathered over all ranks
@@ -289,7 +289,7 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
             roll = _fake_rollout([[1, 0]] * len(mine)) if mine else None
             if roll is not None:
                 roll.extra["index"] = torch.tensor(mine).repeat_interleave(G)
-            for k, rows in enumerate(train.minibatch_rows(roll, K, _StubRanks(idx, rank))):
+            for k, rows in enumerate(update.minibatch_rows(roll, K, _StubRanks(idx, rank))):
                 out.setdefault(k, []).extend(roll.extra["index"][rows][::G].tolist() if rows.stop > rows.start else [])
         return [sorted(v) for _, v in sorted(out.items())]
 
@@ -300,7 +300,7 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
     assert groups([[0, 2, 9], [4, 5, 12]], 1) == [[0, 2, 4, 5, 9, 12]]
     assert groups([[0], [4]], 4) == [[0], [4]]          # fewer groups than mini-batches: no empty updates
     assert groups([[], [4, 5]], 2) == [[4], [5]]        # a rank that kept nothing still takes part
-    assert train.minibatch_rows(None, 2, _StubRanks([[], []], 0)) == []
+    assert update.minibatch_rows(None, 2, _StubRanks([[], []], 0)) == []
 
 
 def test_dapo_with_fixes_off_is_grpo():
@@ -664,7 +664,7 @@ def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
         assert all(kw["mesh"] == "mesh" and kw["mp_policy"].param_dtype == param_dtype
                    and kw["mp_policy"].reduce_dtype == reduce_dtype for _, kw in calls)
     assert meshes == [("cuda", (4,)), ("cpu", (4,))]
-    with pytest.raises(data.InputError, match="no decoder layers"):
+    with pytest.raises(parallel.ShardingError, match="no decoder layers"):
         parallel.shard(torch.nn.Linear(2, 2), "cpu")
     assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model          # one process, no --fsdp: as is
 
@@ -1685,7 +1685,7 @@ def test_mismatch_metrics_by_hand():
 
 def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
     import train
-    assert set(train.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(train.KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    assert set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"}
     a = train.parse_args(["--loss", "gspo"])
     assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
     a = train.parse_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins

@@ -1,0 +1,137 @@
+"""Step 4 as it runs: the policy update of one rollout step, in mini-batches and micro-batches.
+
+Article section: "Step 4：计算损失并更新" (the clipped surrogate and the KL term, then a gradient step);
+the per-token math is grpo.py (or a --loss variant of variants.py), the training forward logprobs.py.
+This module only schedules it: which responses share an optimizer update (--mini-batches, the DAPO
+paper's 16 updates per step), how many passes (--mu), which forwards run without gradients (old and
+reference log-probs), and the denominators that make the summed micro-batch gradients equal to one
+update on the whole mini-batch, on any number of ranks.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import grpo
+import parallel
+import variants
+from logprobs import rollout_logprobs
+from sampler import Rollout
+
+LOSSES = {"ppo": grpo.policy_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
+          "cispo": variants.cispo_loss}  # --loss: same inputs, reductions and denominators, (loss, metrics)
+KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
+UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac", "clip/high_frac",
+               "clip/dual_frac", "ratio/mean", "grad_norm", "updates", "mismatch/abs", "mismatch/kl", "mismatch/tokens")
+
+
+@dataclass
+class Learner:
+    """What an update changes or reads besides the batch: the policy, its reference, the optimizer."""
+    policy: torch.nn.Module             # the model as backward runs it: DDP-wrapped, or the model itself
+    model: torch.nn.Module              # the model itself (its parameters, FSDP2's unsharded gathers)
+    ref: torch.nn.Module | None         # the frozen reference of the beta * KL term (None when beta = 0)
+    opt: torch.optim.Optimizer
+    amp: Callable                       # () -> the autocast context of --bf16 (off: a no-op context)
+
+
+def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
+    """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
+
+    Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
+    index over all ranks), so the same groups share an update on any number of ranks. A rank's groups are
+    in prompt order, so its share of each mini-batch is one contiguous block of rows.
+    """
+    G = roll.G if roll is not None else 1
+    idx = roll.extra["index"][::G].contiguous() if roll is not None else torch.zeros(0, dtype=torch.long)  # [b] prompt index
+    b_max = ddp.max(idx.numel())
+    everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    everyone = everyone[everyone >= 0].sort().values                                             # [B]
+    B = everyone.numel()
+    if B == 0:
+        return []
+    mb = torch.searchsorted(everyone, idx) * K // B                                              # [b] mini-batch of each group
+    return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
+
+
+def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args, ddp: parallel.Dist):
+    """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
+    --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap) on this
+    rank's rows of `roll` (advantages [N], loss mask [N, T]); returns (sums of the first update, sums of
+    the others, max |sampler - old log-prob|, seconds of the no-grad log-prob passes). `args` is train.Args.
+
+    Old log-probs are computed once, before the first update (with one update they equal the current ones).
+    Each update's denominators are its mini-batch's global token and response counts (all ranks), so the
+    summed micro-batch gradients equal the mini-batch gradient on any number of ranks. Every rank runs the
+    same number of backward passes per update (a zero-weight one where it has run out), because DDP
+    synchronises in each. The sums (over ranks) hold the clip and ratio metrics of the off-policy updates
+    only (all but the first), once there are any: in the first update the ratio is exactly 1. The entropy
+    and the sampler/trainer mismatch (Rollout.logprobs against the old log-probs) are summed once per row.
+    """
+    policy, model, ref, amp = learner.policy, learner.model, learner.ref, learner.amp
+    mb = args.micro_batch_size
+    minibatches = []                                                     # per update: (its micro slices, tokens, seqs)
+    for rows in minibatch_rows(roll, args.mini_batches, ddp):
+        n = rows.stop - rows.start
+        micro = [slice(rows.start + i * mb, min(rows.start + (i + 1) * mb, rows.stop)) for i in range(ddp.max(math.ceil(n / mb)))]
+        m = mask[rows] if n else torch.zeros(0, 1)
+        minibatches.append((micro, ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()))
+    passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
+    t0 = time.time()
+    several = args.mu * len(minibatches) > 1
+    with torch.no_grad(), amp(), parallel.unsharded(model if several else None), parallel.unsharded(ref):
+        # old policy only when it differs from the current one, reference only when beta > 0
+        old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
+        ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
+    t_logprob = time.time() - t0
+    first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
+    abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
+    for epoch in range(args.mu):
+        for k, (micro, num_tokens, num_seqs) in enumerate(minibatches):
+            sums = first if epoch == 0 and k == 0 else rest
+            learner.opt.zero_grad(set_to_none=True)
+            for i, s in enumerate(micro):
+                last = i == len(micro) - 1
+                with parallel.grad_sync(policy, last), amp():
+                    if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
+                        (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
+                        continue
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus)
+                    key, dev = (s.start, s.stop), logp.device
+                    old, m_s = old_logp[key] if old_logp is not None else logp.detach(), mask[s].to(dev)  # [n, T] each
+                    sampler_logp = roll.logprobs[s].to(dev)                    # [n, T], what the tokens were drawn with
+                    den = dict(reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
+                    loss, m = LOSSES[args.loss](
+                        logp, old, advantages[s].to(dev), m_s, args.eps_low, args.eps_high, **den, **dual,
+                        weights=variants.tis_weights(old, sampler_logp, m_s, args.tis_cap) if args.tis_cap else None)
+                    if ref_logp is not None:                                   # + beta * KL(pi_theta || pi_ref), --kl estimator
+                        kl, mk = variants.kl_term(logp, ref_logp[key], m_s, KL_ESTIMATORS[args.kl], **den)
+                        loss, m = loss + args.beta * kl, {**m, **mk}
+                    if bonus:                                                  # - entropy_coef * mean token entropy
+                        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, **den)[0]
+                    (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
+                tok = float(m_s.sum())
+                sums["loss"] += loss.item()
+                sums["tokens"] += tok
+                for key in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
+                    sums[key] += m.get(key, 0.0) * tok
+                if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
+                    mm, n_valid = variants.mismatch_metrics(old, sampler_logp, valid), float(valid.sum())
+                    sums["entropy"] += float((ent.detach() * valid).sum())
+                    sums["entropy_tokens"] += n_valid
+                    sums["mismatch/abs"] += mm["mismatch/logp_abs_mean"] * n_valid
+                    sums["mismatch/kl"] += mm["mismatch/kl"] * n_valid
+                    sums["mismatch/tokens"] += n_valid
+                    abs_max = max(abs_max, mm["mismatch/logp_abs_max"])
+            # the norm is logged with clipping off too (max_norm inf clips nothing)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
+            if ddp.master:  # every rank holds the same all-reduced gradient: count its norm once
+                sums["grad_norm"] += float(grad_norm)
+                sums["updates"] += 1
+            learner.opt.step()
+    abs_max = float(torch.cat(ddp.gather(torch.tensor([abs_max], dtype=torch.float64))).max())  # over ranks
+    return ddp.sum_named(first), ddp.sum_named(rest), abs_max, t_logprob
