@@ -206,6 +206,452 @@ def test_kl_metric_counts_valid_tokens_only():
 
 
 # ---------------------------------------------------------------------------------------------
+# logprobs.py token kernel and sampler.py inverse-CDF sampling: exact against the naive forms, lean in memory
+# ---------------------------------------------------------------------------------------------
+
+def _naive_logprobs(logits, ids, temperature=1.0):
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
+    # V = 50,000 in blocks of 3 rows; the logits are a slice like `.logits[:, :-1]` (not contiguous), so each
+    # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax + gather's.
+    torch.manual_seed(0)
+    V = 50_000
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
+    full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
+    logits, ids = full[:, :-1], torch.randint(0, V, (2, 5))
+    for t in (1.0, 0.7):
+        got, want = logprobs.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
+        assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4)
+        (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(), full)
+        assert g_got.dtype == dtype
+        assert torch.allclose(g_got.float(), g_want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    ent = logprobs.token_entropy(logits, temperature=0.7)
+    logp = torch.log_softmax(logits.float() / 0.7, -1)
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dtype, monkeypatch):
+    # Every storage an aten op returns is recorded: the forward's largest is one float32 block (2 rows x V),
+    # never [N, T, V]; in the backward the only vocabulary-sized one is the gradient itself.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    V = 1000
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 2 * V)
+    logits = torch.randn(3, 4, V).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, V, (3, 4))
+
+    class Storages(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = {}  # data pointer -> bytes, for every storage an op returns other than the logits'
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+                    self.bytes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return out
+
+    block = 2 * V * 4
+    with Storages() as fwd:
+        out = logprobs.token_logprobs(logits, ids)
+    assert max(fwd.bytes.values()) <= block
+    with Storages() as bwd:
+        out.sum().backward()
+    sizes = sorted(bwd.bytes.values())
+    assert sizes[-1] == logits.numel() * logits.element_size() and sizes[-2] <= block
+    assert torch.allclose(logits.grad.float(), torch.autograd.grad(_naive_logprobs(logits, ids).sum(), logits)[0].float(),
+                          atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_sample_token_inverse_cdf_by_hand():
+    from sampler import sample_token
+    # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose running
+    # mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1. top_p 0.6 keeps
+    # {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the top token only.
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    cases = [(0.0, 1.0, 0), (0.49, 1.0, 0), (0.51, 1.0, 1), (0.81, 1.0, 2), (1 - 2 ** -24, 1.0, 2),
+             (0.4, 0.6, 0), (0.7, 0.6, 1), (0.99, 0.6, 1), (0.99, 1e-9, 0)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for u, top_p, want in cases:
+            tok, lp = sample_token(p.log().to(dtype)[None].clone(), torch.tensor([u]), 1.0, top_p)
+            assert tok.item() == want, (dtype, u, top_p)
+            assert abs(lp.exp().item() - p[want].item()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # temperature 0.5 squares the probabilities: [0.25, 0.09, 0.04] / 0.38, and the log-prob is the tempered one
+    tok, lp = sample_token(p.log()[None].clone(), torch.tensor([0.7]), 0.5, 1.0)
+    assert tok.item() == 1 and abs(lp.exp().item() - 0.09 / 0.38) < 1e-6
+
+
+@pytest.mark.parametrize("block", [4, 7, 64])
+def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
+    import sampler
+    monkeypatch.setattr(sampler, "SAMPLE_BLOCK", block)
+    g = torch.Generator().manual_seed(0)
+    n, V = 400, 50                                                  # 50 is no multiple of 4, 7 or 64
+    logits = 3 * torch.randn(n, V, generator=g)
+    logits[:, 8:16] = float("-inf")                                 # whole blocks without mass
+    logits[:, -3:] = float("-inf")                                  # and a tail without mass
+    u = torch.rand(n, generator=g)
+    u[:8] = torch.tensor([0.0, 1 - 2 ** -24, 0.5, 0.25, 0.75, 1e-9, 0.999999, 0.1])
+    p = torch.softmax(logits.double() / 0.7, -1)                    # [n, V] the tempered distribution
+    want = torch.searchsorted(p.cumsum(-1), u.double()[:, None] * p.sum(-1, keepdim=True), side="right").squeeze(-1)
+    want = want.clamp_max(V - 4)                                    # u -> 1 ends on the last token with mass
+    work = sampler.sample_workspace(n, V)
+    assert work.shape == (n, -(-V // block) * block)
+    tok, lp = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
+    assert torch.equal(tok, want)
+    assert torch.allclose(lp.double(), p.gather(-1, tok[:, None]).squeeze(-1).log(), atol=1e-5)
+    assert work[:, V:].abs().sum() == 0                             # the padding stays zero for the next step
+    tok2, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)     # without a work buffer: the same draws
+    assert torch.equal(tok2, tok)
+
+
+def _tiny(kind, dtype):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(1)
+    common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    if kind == "qwen2":  # GQA, q/k/v biases, tied embeddings: the preallocated cache
+        return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).eval().to(dtype)
+    return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval().to(dtype)  # sliding-window layers
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen2", torch.float32), ("qwen2", torch.bfloat16), ("mistral", torch.float32)])
+def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype):
+    import sampler
+    model, G, T = _tiny(kind, dtype), 3, 24
+    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8).layers}
+    assert layers == ({"_BufferedLayer"} if kind == "qwen2" else {"DynamicSlidingWindowLayer"})
+    # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
+    free = sample_groups(model, PROMPTS[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
+    eos = int(free.response_ids[0, 3])
+    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=eos, pad_token_id=0, temperature=0.0)
+    assert roll.lengths[0] <= 4 and roll.lengths.max() > roll.lengths[0]
+    for i, p in enumerate(PROMPTS):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)[0, len(p):].tolist()
+        for r in range(i * G, (i + 1) * G):
+            L = int(roll.lengths[r])
+            assert roll.response_ids[r, :L].tolist() == ref[:L]
+            assert L == len(ref) or ref[L:] == [0] * (len(ref) - L)
+
+
+def test_sampler_stops_on_any_of_several_end_ids_like_generate():
+    from types import SimpleNamespace
+    model, T = _tiny("qwen2", torch.float32), 24
+    free = sample_groups(model, PROMPTS, 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
+    ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]  # each prompt meets a different one first
+    roll = sample_groups(model, PROMPTS, 2, T, eos_token_id=ends, pad_token_id=0, temperature=0.0)
+    assert roll.lengths[0] <= 4 and not roll.truncated[0]
+    for i, p in enumerate(PROMPTS):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=ends,
+                             pad_token_id=0)[0, len(p):].tolist()
+        for r in (2 * i, 2 * i + 1):
+            L = int(roll.lengths[r])
+            assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
+    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (data.end_ids)
+    tok = SimpleNamespace(eos_token_id=5)
+    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
+    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
+    model, G = _tiny("qwen2", dtype), 4
+    roll = sample_groups(model, PROMPTS, G, 16, 1, 0, temperature=0.8, top_p=0.9,
+                         generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    for i in range(len(PROMPTS) * G):
+        L = int(roll.lengths[i])
+        with torch.no_grad():
+            want = _full_forward_logprobs(model, PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.8)
+        assert torch.allclose(roll.logprobs[i, :L], want, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------------
+# variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
+#
+# The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
+# PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
+# verl cannot be imported here (it pulls ray, omegaconf, ...); the same inputs were also checked once
+# against the real functions (see the README section "Other objectives").
+# ---------------------------------------------------------------------------------------------
+
+def _verl_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None):
+    """verl agg_loss: "token-mean" = masked sum / global tokens; "seq-mean-token-mean" = the mean over
+    non-empty responses of each one's token mean (token count + 1e-8), summed and / global responses."""
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
+    per_row = mask.sum(-1)
+    row_mean = (loss_mat * mask).sum(-1) / (per_row + 1e-8)
+    return (row_mean * (per_row > 0)).sum() / ((per_row > 0).sum() if num_seqs is None else num_seqs)
+
+
+def _verl_gspo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
+    """verl compute_policy_loss_gspo: token ratio with value s_i = exp(masked mean of logp - old) and the
+    gradient of logp (log-space: sg(log s_i) + logp - sg(logp), capped at 10), PPO's max of the two losses."""
+    log_s = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    log_tok = torch.clamp(log_s.detach()[:, None] + logp - logp.detach(), max=10.0)
+    s = log_tok.exp()
+    loss_mat = torch.maximum(-adv_tok * s, -adv_tok * s.clamp(1 - clip_low, 1 + clip_high))
+    return _verl_agg(loss_mat * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
+
+
+def _verl_cispo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
+    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 + high)) * A * logp;
+    rollout_is_weights (verl's rollout correction, e.g. truncated IS) multiply each token's loss."""
+    w = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(1 - clip_low, 1 + clip_high).detach()
+    return _verl_agg(-w * adv_tok * logp * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
+
+
+def _verl_kl(logp, ref_logp, name):
+    """verl kl_penalty for "k1", "mse" (k2) and "low_var_kl" (k3) without its two clamps."""
+    if name == "k1":
+        return logp - ref_logp
+    if name == "mse":
+        return (logp - ref_logp).square() / 2
+    r = torch.exp(ref_logp - logp)  # pi_ref / pi_theta
+    return r - torch.log(r) - 1
+
+
+def _random_policy_batch(seed, spread, N=6, T=7):
+    """logp [N, T] (requires grad), old logp, advantages [N], mask from lengths 1..T (no empty row)."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(N, T, generator=g, dtype=torch.float64) - 2.0
+    logp = (old + spread * torch.randn(N, T, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([1, T, 3, 5, 2, T][:N])
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    return logp, old, adv, mask
+
+
+def _value_and_grad(fn, logp):
+    logp.grad = None
+    loss = fn()
+    loss.backward()
+    return loss.detach(), logp.grad.clone()
+
+
+@pytest.mark.parametrize("name,mine", [("k1", grpo.kl_k1), ("mse", grpo.kl_k2), ("low_var_kl", grpo.kl_k3)])
+def test_kl_estimators_equal_verl_kl_penalty(name, mine):
+    logp, _, _, _ = _random_policy_batch(0, 1.0)
+    ref = torch.randn_like(logp) - 2.0
+    got, g_got = _value_and_grad(lambda: mine(logp, ref).sum(), logp)
+    want, g_want = _value_and_grad(lambda: _verl_kl(logp, ref, name).sum(), logp)
+    assert torch.allclose(got, want, atol=1e-12) and torch.allclose(g_got, g_want, atol=1e-12)
+    # by hand: pi = 0.5, pi_ref = 0.25: k1 = log 2, k2 = (log 2)^2 / 2, k3 = 0.5 - log 0.5 - 1 = log 2 - 0.5
+    a, b = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    hand = {"k1": math.log(2), "mse": math.log(2) ** 2 / 2, "low_var_kl": math.log(2) - 0.5}[name]
+    assert abs(mine(a, b).item() - hand) < 1e-6
+
+
+def test_kl_estimators_expected_gradients_on_policy():
+    # Exact expectations over a 5-token vocabulary: E_{x ~ pi}[grad k(x)] with pi's weights detached.
+    # k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's is the gradient
+    # of the reverse KL(ref || pi), hence biased for KL(pi || ref).
+    theta, ref = torch.randn(5, dtype=torch.float64, requires_grad=True), torch.log_softmax(torch.randn(5).double(), 0)
+
+    def grad(f):
+        theta.grad = None
+        f().backward()
+        return theta.grad.clone()
+
+    logp = lambda: torch.log_softmax(theta, 0)  # noqa: E731
+    exp_grad = lambda k: grad(lambda: (logp().exp().detach() * k(logp(), ref)).sum())  # noqa: E731
+    forward_kl = grad(lambda: (logp().exp() * (logp() - ref)).sum())
+    reverse_kl = grad(lambda: (ref.exp() * (ref - logp())).sum())
+    assert torch.allclose(exp_grad(grpo.kl_k2), forward_kl, atol=1e-12)
+    assert torch.allclose(exp_grad(grpo.kl_k1), torch.zeros(5, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(exp_grad(grpo.kl_k3), reverse_kl, atol=1e-12)
+    assert not torch.allclose(exp_grad(grpo.kl_k3), forward_kl, atol=1e-3)
+
+
+def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
+    logp, old, adv, mask = _random_policy_batch(seed, 0.1)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
+                                                      mode), logp)
+    for fn in (variants.gspo_loss, variants.gspo_token_loss):
+        got, g_got = _value_and_grad(lambda: fn(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)  # noqa: B023
+        assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    # per-token advantages: only the token form takes them
+    adv_tok = torch.randn_like(mask)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
+                                                                 reduction)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    with pytest.raises(ValueError):
+        variants.gspo_loss(logp, old, adv_tok, mask)
+    # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
+    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
+                                                                 reduction, weights=w)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
+    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high, reduction, weights=w)[0], want)
+    m = variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
+    return m["clip/low_frac"] + m["clip/high_frac"]
+
+
+@pytest.mark.parametrize("reduction,mode", [("sequence", "seq-mean-token-mean"), ("token", "token-mean")])
+def test_gspo_equals_verl_gspo_values_and_gradients(reduction, mode):
+    # bounds wider than the paper's 3e-4 / 4e-4 so that these batches have clipped and unclipped rows
+    clipped = [_check_gspo_against_verl(seed, reduction, mode, 0.02, 0.03) for seed in range(4)]
+    assert 0 < sum(clipped) < len(clipped)  # both kinds of rows were exercised
+    _check_gspo_against_verl(0, reduction, mode, variants.GSPO_EPS_LOW, variants.GSPO_EPS_HIGH)
+
+
+def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradient():
+    # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The gradient of
+    # each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token with A_i on each token.
+    logp, _, adv, mask = _random_policy_batch(3, 0.0)
+    old = logp.detach().clone()
+    loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask)[0], logp)
+    _, g_tok = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask)[0], logp)
+    assert torch.allclose(g_seq, g_tok, atol=1e-12)
+    want = -adv[:, None] / mask.sum(-1, keepdim=True) / mask.shape[0] * mask
+    assert torch.allclose(g_seq, want, atol=1e-12) and abs(loss.item() + adv.mean().item()) < 1e-12
+
+
+def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
+    logp, old, adv, mask = _random_policy_batch(seed, 0.4)
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
+                                                       mode), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
+                                                       mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction,
+                                                             weights=w)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    m = variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
+    return m["clip/low_frac"] + m["clip/high_frac"]
+
+
+@pytest.mark.parametrize("reduction,mode", [("token", "token-mean"), ("sequence", "seq-mean-token-mean")])
+def test_cispo_equals_verl_cispo_values_and_gradients(reduction, mode):
+    clipped = [_check_cispo_against_verl(seed, reduction, mode, 0.2, 0.28) for seed in range(3)]
+    assert 0 < sum(clipped) < len(clipped)
+    _check_cispo_against_verl(3, reduction, mode, variants.CISPO_EPS_LOW, variants.CISPO_EPS_HIGH)
+    # a clipped token keeps its gradient: ratio e^1 > 1.28, gradient -1.28 * A (here A = 1, one token)
+    one = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
+    loss, m = variants.cispo_loss(one, torch.full((1, 1), -1.0, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+                                  torch.ones(1, 1), 0.2, 0.28)
+    loss.backward()
+    assert abs(one.grad.item() + 1.28) < 1e-12 and m["clip/high_frac"] == 1.0
+
+
+def test_policy_loss_is_reduce_loss_of_its_tokens_and_kl_term_splits_off():
+    # reduce_loss is policy_loss's reduction; beta * kl_term(k3) added to a beta = 0 loss is policy_loss(beta)
+    logp, old, adv, mask = _random_policy_batch(4, 0.3)
+    ref = torch.randn_like(old) - 2.0
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None])
+    for reduction in ("sequence", "token", "constant"):
+        kw = dict(reduction=reduction, num_tokens=torch.tensor(30.0), max_len=9, num_seqs=8)
+        base, _ = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, **kw)
+        assert torch.allclose(base, grpo.reduce_loss(per_token, mask, **kw), atol=1e-12)
+        with_kl, m = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, ref_logp=ref, beta=0.04, **kw)
+        kl, mk = variants.kl_term(logp, ref, mask, grpo.kl_k3, **kw)
+        assert torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12) and abs(m["kl"] - mk["kl"]) < 1e-9
+        k2, mk2 = variants.kl_term(logp, ref, mask, grpo.kl_k2, **kw)  # another estimator: same "kl" metric (k3)
+        assert torch.allclose(k2, grpo.reduce_loss(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
+    with pytest.raises(ValueError):
+        grpo.reduce_loss(per_token, mask, "mean")
+
+
+def _entropy_loss(logits, mask, **kw):
+    return variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, **kw)[0]
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("gspo", lambda lp, old, adv, mask, **kw: variants.gspo_loss(lp, old, adv, mask, 0.02, 0.03, **kw)[0]),
+    ("gspo-token", lambda lp, old, adv, mask, **kw: variants.gspo_token_loss(lp, old, adv, mask, 0.02, 0.03, **kw)[0]),
+    ("cispo", lambda lp, old, adv, mask, **kw: variants.cispo_loss(lp, old, adv, mask, 0.2, 0.28, **kw)[0]),
+    ("kl-k2", lambda lp, old, adv, mask, **kw: variants.kl_term(lp, old, mask, grpo.kl_k2, **kw)[0]),
+    ("tis", lambda lp, old, adv, mask, **kw: variants.cispo_loss(
+        lp, old, adv, mask, weights=variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask, 1.2), **kw)[0]),
+])
+@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
+def test_variant_losses_add_up_over_micro_batches(name, fn, reduction):
+    # two micro-batches with the step's global denominators give the full batch's loss and gradient
+    logp, old, adv, mask = _random_policy_batch(5, 0.05)
+    kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=9, num_seqs=6)
+    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, **kw), logp)
+    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s], **kw)
+                                                 for s in (slice(0, 2), slice(2, 6))), logp)
+    assert torch.allclose(full, parts, atol=1e-12) and torch.allclose(g_full, g_parts, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
+def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 5, 11)).requires_grad_(True)  # token_entropy works in float32
+    mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 4])[:, None]).float()
+    kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=6, num_seqs=4)
+    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, **kw)[0]
+    (g_got,) = torch.autograd.grad(got, logits)
+    x = logits / 0.7
+    naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # [N, T]
+    want = grpo.reduce_loss(naive, mask, **kw)
+    (g_want,) = torch.autograd.grad(want, logits)
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(g_got, g_want, atol=1e-6)
+    # micro-batches with global denominators add up, as the losses do
+    parts = sum(variants.entropy_bonus(variants.token_entropy(logits[s], 0.7), mask[s], **kw)[0]
+                for s in (slice(0, 1), slice(1, 4)))
+    assert torch.allclose(parts, want, atol=1e-5)
+
+
+def test_tis_weights_are_one_when_sampler_agrees_and_capped():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.equal(variants.tis_weights(old, old.detach(), mask, 2.0), torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    # pi_old / pi_sampler = 10 -> capped at 2; 1.5 -> kept; 0.25 -> kept (truncation is from above only)
+    sampler = old.detach() - torch.tensor([[math.log(10.0), math.log(1.5), math.log(0.25), 5.0]])
+    w = variants.tis_weights(old, sampler, mask, 2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.5, 0.25, 0.0]])) and not w.requires_grad
+    with pytest.raises(ValueError):
+        variants.tis_weights(old, sampler, mask, 0.0)
+
+
+def test_mismatch_metrics_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.0, -2.5, -2.0], [-1.2, float("-inf"), 0.0]])  # padding may hold anything
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    m = variants.mismatch_metrics(old, sampler, mask)
+    # |delta| = 0, 0.5, 1.0, 0.2 over 4 valid tokens; k3(sampler, old) = e^d - d - 1 with d = old - sampler
+    k3 = sum(math.exp(d) - d - 1 for d in (0.0, 0.5, -1.0, 0.2)) / 4
+    assert abs(m["mismatch/logp_abs_mean"] - 1.7 / 4) < 1e-6 and abs(m["mismatch/logp_abs_max"] - 1.0) < 1e-6
+    assert abs(m["mismatch/kl"] - k3) < 1e-6
+    assert variants.mismatch_metrics(old, old, mask) == {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0,
+                                                          "mismatch/kl": 0.0}
+
+
+def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
+    import train
+    assert set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    a = train.parse_args(["--loss", "gspo"])
+    assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
+    a = train.parse_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
+    assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
+    a = train.parse_args(["--algo", "dapo"])
+    assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
+
+
+def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
+    logp, old, adv, mask = _random_policy_batch(6, 0.3)
+    ref, w = torch.randn_like(old) - 2.0, torch.rand_like(old)
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
+    got, _ = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, reduction="token", weights=w)
+    want = grpo.reduce_loss(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
 # dapo.py
 # ---------------------------------------------------------------------------------------------
 
@@ -399,6 +845,110 @@ def test_rollout_select_and_cat():
     c = Rollout.cat([r, long])
     assert c.mask.shape == (8, 5) and c.mask[:6, 2:].sum() == 0 and c.logprobs[:6, 2:].abs().sum() == 0
     assert (c.response_ids[:6, 2:] == r.pad_token_id).all() and c.mask[6:].sum() == 10
+
+
+# ---------------------------------------------------------------------------------------------
+# logprobs.py: the shared-prefix training forward (rollout_logprobs) against the per-response one
+# ---------------------------------------------------------------------------------------------
+
+def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
+    # blocks of 3 rows over a non-contiguous slice, temperature 0.7: the custom backward
+    # dH/dx_v = -s p_v (log p_v + H) equals autograd through log_softmax, exp, sum.
+    torch.manual_seed(0)
+    V = 300
+    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
+    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
+        logits, w = full[:, :-1], torch.randn(2, 5)                   # w: an arbitrary upstream gradient
+        got = logprobs.token_entropy(logits, temperature=0.7)
+        logp = torch.log_softmax(logits.float() / 0.7, -1)
+        want = -(logp.exp() * logp).sum(-1)
+        assert torch.allclose(got, want, atol=1e-4)
+        (g_got,), (g_want,) = torch.autograd.grad((got * w).sum(), full), torch.autograd.grad((want * w).sum(), full)
+        assert g_got.dtype == dtype and torch.allclose(g_got.float(), g_want.float(), atol=atol)
+        with torch.no_grad():                                         # and without autograd, as the no-grad passes call it
+            assert torch.allclose(logprobs.token_entropy(logits, 0.7), want, atol=1e-4)
+
+
+def _mixed_rollout(model, temperature, G=4, T=20):
+    """PROMPTS (3, 6 and 1 tokens) x G samples, some ending in EOS and some truncated."""
+    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
+                         generator=torch.Generator().manual_seed(3))
+    assert len(set(roll.lengths.tolist())) > 2 and roll.truncated.any() and (~roll.truncated).any()
+    return roll
+
+
+def _micro_batches(N, mb):
+    return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
+
+
+@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0)])
+def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
+    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
+    # is split into two length buckets (0.8, the default, keeps these slices whole)
+    from logprobs import per_response_logprobs, rollout_logprobs
+    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
+    model = tiny_model if kind == "llama" else _tiny("mistral", torch.float32)
+    t, G = 0.7, 4
+    roll = _mixed_rollout(model, t, G)
+    N, T_all = roll.response_ids.shape
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(N, generator=g)
+    old = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)   # ratio != 1, so clipping acts on some tokens
+    ref = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)
+    params = list(model.parameters())
+    # micro-batches of 5 and 3 responses cut groups of 4; N = 12 whole; values, entropies, mask
+    for mb in (5, 3, N):
+        for s in _micro_batches(N, mb):
+            with torch.no_grad():
+                (a, ea, ma), (b, eb, mb_) = (f(model, roll, s, t, with_entropy=True)
+                                             for f in (rollout_logprobs, per_response_logprobs))
+            assert a.shape == b.shape == (s.stop - s.start, T_all) and torch.equal(ma, mb_)
+            assert (a * ma).sub(b * ma).abs().max() <= 1e-4 and (ea * ma).sub(eb * ma).abs().max() <= 1e-4
+    # gradients of the loss summed over micro-batches of 5, for every reduction, with an entropy bonus
+    for reduction in ("sequence", "token", "constant"):
+        grads = []
+        for f in (rollout_logprobs, per_response_logprobs):
+            model.zero_grad(set_to_none=True)
+            for s in _micro_batches(N, 5):
+                logp, ent, mask = f(model, roll, s, t, with_entropy=True)
+                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, 0.2, 0.28, ref_logp=ref[s], beta=0.04,
+                                           reduction=reduction, num_tokens=roll.mask.sum(), max_len=T_all, num_seqs=N)
+                (loss - 0.01 * (ent * mask).sum() / roll.mask.sum()).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in params]))
+        assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[1].abs().max(), reduction
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("temperature,keep", [(1.0, 0.8), (0.7, 0.8), (0.7, 1.0)])
+def test_training_logprobs_equal_the_samplers(tiny_model, temperature, keep, monkeypatch):
+    # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
+    # off-by-one position, position ids that ignore the left padding, or a dropped temperature all break this
+    from logprobs import rollout_logprobs
+    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
+    roll = _mixed_rollout(tiny_model, temperature)
+    N = roll.response_ids.shape[0]
+    for mb in (N, 5):
+        with torch.no_grad():
+            logp = torch.cat([rollout_logprobs(tiny_model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
+        assert ((logp - roll.logprobs) * roll.mask).abs().max() <= 1e-4
+
+
+def test_length_buckets_split_only_when_it_pays():
+    # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20} and long rows
+    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37: one batch.
+    short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
+    assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
+    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))] == [[0, 1, 2, 3]]
+    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
+
+
+def test_rollout_logprobs_rejects_bad_slices(tiny_model):
+    from logprobs import rollout_logprobs
+    roll = _mixed_rollout(tiny_model, 1.0)
+    for bad in (slice(3, 3), slice(0, 12, 2)):
+        with pytest.raises(ValueError, match="slice"):
+            rollout_logprobs(tiny_model, roll, bad, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,6 +1156,147 @@ def test_builtin_tokenizer_round_trips_through_save_pretrained(tmp_path):
     assert back(text)["input_ids"] == tok(text)["input_ids"] and len(back(text)["input_ids"]) == len(text)
     assert back.decode(back(text)["input_ids"]) == text  # spaces survive (a qwen2 config would drop them)
     assert back.eos_token_id == 1 and back.pad_token_id == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate.py: pass@k, maj@n, mean@n over ranks, the command
+# ---------------------------------------------------------------------------------------------
+
+def test_pass_at_k_equals_enumerating_every_k_subset():
+    import itertools
+
+    import evaluate
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):  # samples 0..c-1 are the correct ones; the share of k-subsets holding one
+                subsets = list(itertools.combinations(range(n), k))
+                want = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+                assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_large_n_and_bad_input():
+    import evaluate
+    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)   # one correct of 1000, half drawn
+    assert evaluate.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)  # pass@1 = c / n
+    assert evaluate.pass_at_k(1000, 0, 1000) == 0.0 and evaluate.pass_at_k(1000, 1, 1000) == 1.0
+    assert evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4] and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32]
+    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
+        with pytest.raises(ValueError):
+            evaluate.pass_at_k(n, c, k)
+
+
+@pytest.mark.parametrize("answers,want", [
+    (["4", "5", "4"], "4"),
+    (["5", "4", "4", "5"], "5"),               # a tie: the answer that appeared first wins
+    (["4", None, "5", None, None, "5"], "5"),   # None is the commonest but never wins over an answer
+    ([None, "3", None], "3"),
+    ([None, None], None), ([], None),           # no answer at all
+    (["7"], "7"),
+])
+def test_majority_vote_by_hand(answers, want):
+    import evaluate
+    assert evaluate.majority_vote(answers) == want
+
+
+def _record(i, responses, scores, lengths=None, truncated=None):
+    import evaluate
+    n = len(responses)
+    return evaluate.problem_record(i, {"prompt": f"p{i}", "answer": "4"}, responses, scores,
+                                   lengths or [3] * n, truncated or [False] * n)
+
+
+def test_eval_metrics_by_hand():
+    import evaluate
+    # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
+    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does: maj wrong
+    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0], [2, 4, 4, 2], [False] * 4)
+    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
+    assert a["majority"] == evaluate.canonical_answer("Answer: 4") and a["majority_score"] == 1.0 and a["correct"] == 2
+    assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
+    ks = evaluate.pass_ks(4)
+    m = evaluate.metrics(evaluate.totals([a, b], ks), 4, ks)
+    assert m == pytest.approx({
+        "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
+        "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,      # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
+        "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
+    g = evaluate.metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
+    assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
+
+
+class _Rank:
+    """Dist for one rank of `world` without a process group: sum returns this rank's share."""
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def sum(self, x):
+        return x.detach().double().clone()
+
+
+def _eval_setup(d, *flags):
+    """train.py's Args, the tiny model with large random weights (the fixture's answers '\n' to every prompt
+    greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
+    import train
+    args = train.parse_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *flags])
+    _, tok, model = data.load_model(args.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return args, tok, model, builtin.sample_problems(12, 2, True)
+
+
+def _has_9(response, answer):  # the random model is never right: this scores some of its responses 1
+    return float("9" in response)
+
+
+def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs):
+    import evaluate
+    args, tok, model, rows = _eval_setup(tiny_run_inputs)
+    reward = _has_9
+    m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
+    # one greedy answer per problem, scored here: sums of reward, truncation, length
+    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id, temperature=0.0)
+    texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True) for i in range(len(rows))]
+    correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
+    assert 0 < correct < len(rows) and 0 < roll.truncated.sum() < len(rows)
+    assert m == {"eval/accuracy": correct / len(rows), "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
+                 "eval/len_mean": roll.lengths.sum().item() / len(rows)}
+    assert [s["response"] for r in records for s in r["samples"]] == texts
+    assert evaluate.headline(1) == "eval/accuracy" and evaluate.headline(8) == "eval/mean@8"
+
+
+def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkeypatch):
+    import evaluate
+    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)  # 2 problems per batch: each rank batches other problems together
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
+    reward = _has_9
+    m1, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
+    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1] for k in range(3)]
+    assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1  # same samples, scores, votes
+    ks = evaluate.pass_ks(4)
+    assert evaluate.metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
+    scores = [[s["score"] for s in r["samples"]] for r in r1]
+    assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
+    assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
+    assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12  # samples differ between problems
+    assert len({s["response"] for s in r1[0]["samples"]}) > 1                   # and within one
+
+
+def test_eval_flags_are_shared_and_checked(capsys):
+    import dataclasses as dc
+
+    import evaluate
+    import train
+    mine = {f.name: f for f in dc.fields(train.Args)}
+    for f in dc.fields(evaluate.EvalArgs):  # one definition: same type, default and help in train.py
+        assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
+    for parse in (train.parse_args, evaluate.main):
+        for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"], ["--max-new-tokens", "0"]):
+            with pytest.raises(SystemExit) as e:
+                parse(bad)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -989,7 +1680,6 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Real-model path: data formats, chat template, pluggable reward, checkpoints, clear errors
 # ---------------------------------------------------------------------------------------------
@@ -1114,7 +1804,6 @@ def test_bad_input_gets_one_clear_line(tmp_path, capsys, content, flags, message
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
-
 # ---------------------------------------------------------------------------------------------
 # ablate.py: the rows, and the table built from metrics
 # ---------------------------------------------------------------------------------------------
@@ -1158,551 +1847,8 @@ def test_ablation_table_and_curves_from_metrics():
 
 
 # ---------------------------------------------------------------------------------------------
-# logprobs.py token kernel and sampler.py inverse-CDF sampling: exact against the naive forms, lean in memory
+# Runs through train.main and evaluate.main: the loss flags reach the update, the evaluate command
 # ---------------------------------------------------------------------------------------------
-
-def _naive_logprobs(logits, ids, temperature=1.0):
-    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
-    # V = 50,000 in blocks of 3 rows; the logits are a slice like `.logits[:, :-1]` (not contiguous), so each
-    # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax + gather's.
-    torch.manual_seed(0)
-    V = 50_000
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
-    full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
-    logits, ids = full[:, :-1], torch.randint(0, V, (2, 5))
-    for t in (1.0, 0.7):
-        got, want = logprobs.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
-        assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4)
-        (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(), full)
-        assert g_got.dtype == dtype
-        assert torch.allclose(g_got.float(), g_want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
-    ent = logprobs.token_entropy(logits, temperature=0.7)
-    logp = torch.log_softmax(logits.float() / 0.7, -1)
-    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dtype, monkeypatch):
-    # Every storage an aten op returns is recorded: the forward's largest is one float32 block (2 rows x V),
-    # never [N, T, V]; in the backward the only vocabulary-sized one is the gradient itself.
-    from torch.utils._python_dispatch import TorchDispatchMode
-    V = 1000
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 2 * V)
-    logits = torch.randn(3, 4, V).to(dtype).requires_grad_(True)
-    ids = torch.randint(0, V, (3, 4))
-
-    class Storages(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = {}  # data pointer -> bytes, for every storage an op returns other than the logits'
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
-                    self.bytes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return out
-
-    block = 2 * V * 4
-    with Storages() as fwd:
-        out = logprobs.token_logprobs(logits, ids)
-    assert max(fwd.bytes.values()) <= block
-    with Storages() as bwd:
-        out.sum().backward()
-    sizes = sorted(bwd.bytes.values())
-    assert sizes[-1] == logits.numel() * logits.element_size() and sizes[-2] <= block
-    assert torch.allclose(logits.grad.float(), torch.autograd.grad(_naive_logprobs(logits, ids).sum(), logits)[0].float(),
-                          atol=1e-6 if dtype == torch.float32 else 1e-2)
-
-
-def test_sample_token_inverse_cdf_by_hand():
-    from sampler import sample_token
-    # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose running
-    # mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1. top_p 0.6 keeps
-    # {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the top token only.
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    cases = [(0.0, 1.0, 0), (0.49, 1.0, 0), (0.51, 1.0, 1), (0.81, 1.0, 2), (1 - 2 ** -24, 1.0, 2),
-             (0.4, 0.6, 0), (0.7, 0.6, 1), (0.99, 0.6, 1), (0.99, 1e-9, 0)]
-    for dtype in (torch.float32, torch.bfloat16):
-        for u, top_p, want in cases:
-            tok, lp = sample_token(p.log().to(dtype)[None].clone(), torch.tensor([u]), 1.0, top_p)
-            assert tok.item() == want, (dtype, u, top_p)
-            assert abs(lp.exp().item() - p[want].item()) < (1e-6 if dtype == torch.float32 else 1e-2)
-    # temperature 0.5 squares the probabilities: [0.25, 0.09, 0.04] / 0.38, and the log-prob is the tempered one
-    tok, lp = sample_token(p.log()[None].clone(), torch.tensor([0.7]), 0.5, 1.0)
-    assert tok.item() == 1 and abs(lp.exp().item() - 0.09 / 0.38) < 1e-6
-
-
-@pytest.mark.parametrize("block", [4, 7, 64])
-def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
-    import sampler
-    monkeypatch.setattr(sampler, "SAMPLE_BLOCK", block)
-    g = torch.Generator().manual_seed(0)
-    n, V = 400, 50                                                  # 50 is no multiple of 4, 7 or 64
-    logits = 3 * torch.randn(n, V, generator=g)
-    logits[:, 8:16] = float("-inf")                                 # whole blocks without mass
-    logits[:, -3:] = float("-inf")                                  # and a tail without mass
-    u = torch.rand(n, generator=g)
-    u[:8] = torch.tensor([0.0, 1 - 2 ** -24, 0.5, 0.25, 0.75, 1e-9, 0.999999, 0.1])
-    p = torch.softmax(logits.double() / 0.7, -1)                    # [n, V] the tempered distribution
-    want = torch.searchsorted(p.cumsum(-1), u.double()[:, None] * p.sum(-1, keepdim=True), side="right").squeeze(-1)
-    want = want.clamp_max(V - 4)                                    # u -> 1 ends on the last token with mass
-    work = sampler.sample_workspace(n, V)
-    assert work.shape == (n, -(-V // block) * block)
-    tok, lp = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
-    assert torch.equal(tok, want)
-    assert torch.allclose(lp.double(), p.gather(-1, tok[:, None]).squeeze(-1).log(), atol=1e-5)
-    assert work[:, V:].abs().sum() == 0                             # the padding stays zero for the next step
-    tok2, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)     # without a work buffer: the same draws
-    assert torch.equal(tok2, tok)
-
-
-def _tiny(kind, dtype):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(1)
-    common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    if kind == "qwen2":  # GQA, q/k/v biases, tied embeddings: the preallocated cache
-        return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).eval().to(dtype)
-    return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval().to(dtype)  # sliding-window layers
-
-
-@pytest.mark.parametrize("kind,dtype", [("qwen2", torch.float32), ("qwen2", torch.bfloat16), ("mistral", torch.float32)])
-def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype):
-    import sampler
-    model, G, T = _tiny(kind, dtype), 3, 24
-    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8).layers}
-    assert layers == ({"_BufferedLayer"} if kind == "qwen2" else {"DynamicSlidingWindowLayer"})
-    # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
-    free = sample_groups(model, PROMPTS[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
-    eos = int(free.response_ids[0, 3])
-    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=eos, pad_token_id=0, temperature=0.0)
-    assert roll.lengths[0] <= 4 and roll.lengths.max() > roll.lengths[0]
-    for i, p in enumerate(PROMPTS):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=eos,
-                             pad_token_id=0)[0, len(p):].tolist()
-        for r in range(i * G, (i + 1) * G):
-            L = int(roll.lengths[r])
-            assert roll.response_ids[r, :L].tolist() == ref[:L]
-            assert L == len(ref) or ref[L:] == [0] * (len(ref) - L)
-
-
-def test_sampler_stops_on_any_of_several_end_ids_like_generate():
-    from types import SimpleNamespace
-    model, T = _tiny("qwen2", torch.float32), 24
-    free = sample_groups(model, PROMPTS, 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
-    ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]  # each prompt meets a different one first
-    roll = sample_groups(model, PROMPTS, 2, T, eos_token_id=ends, pad_token_id=0, temperature=0.0)
-    assert roll.lengths[0] <= 4 and not roll.truncated[0]
-    for i, p in enumerate(PROMPTS):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=ends,
-                             pad_token_id=0)[0, len(p):].tolist()
-        for r in (2 * i, 2 * i + 1):
-            L = int(roll.lengths[r])
-            assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
-    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (data.end_ids)
-    tok = SimpleNamespace(eos_token_id=5)
-    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
-    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
-
-
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
-    model, G = _tiny("qwen2", dtype), 4
-    roll = sample_groups(model, PROMPTS, G, 16, 1, 0, temperature=0.8, top_p=0.9,
-                         generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
-    for i in range(len(PROMPTS) * G):
-        L = int(roll.lengths[i])
-        with torch.no_grad():
-            want = _full_forward_logprobs(model, PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.8)
-        assert torch.allclose(roll.logprobs[i, :L], want, atol=atol)
-
-
-# ---------------------------------------------------------------------------------------------
-# logprobs.py: the shared-prefix training forward (rollout_logprobs) against the per-response one
-# ---------------------------------------------------------------------------------------------
-
-def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
-    # blocks of 3 rows over a non-contiguous slice, temperature 0.7: the custom backward
-    # dH/dx_v = -s p_v (log p_v + H) equals autograd through log_softmax, exp, sum.
-    torch.manual_seed(0)
-    V = 300
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
-    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
-        full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
-        logits, w = full[:, :-1], torch.randn(2, 5)                   # w: an arbitrary upstream gradient
-        got = logprobs.token_entropy(logits, temperature=0.7)
-        logp = torch.log_softmax(logits.float() / 0.7, -1)
-        want = -(logp.exp() * logp).sum(-1)
-        assert torch.allclose(got, want, atol=1e-4)
-        (g_got,), (g_want,) = torch.autograd.grad((got * w).sum(), full), torch.autograd.grad((want * w).sum(), full)
-        assert g_got.dtype == dtype and torch.allclose(g_got.float(), g_want.float(), atol=atol)
-        with torch.no_grad():                                         # and without autograd, as the no-grad passes call it
-            assert torch.allclose(logprobs.token_entropy(logits, 0.7), want, atol=1e-4)
-
-
-def _mixed_rollout(model, temperature, G=4, T=20):
-    """PROMPTS (3, 6 and 1 tokens) x G samples, some ending in EOS and some truncated."""
-    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
-                         generator=torch.Generator().manual_seed(3))
-    assert len(set(roll.lengths.tolist())) > 2 and roll.truncated.any() and (~roll.truncated).any()
-    return roll
-
-
-def _micro_batches(N, mb):
-    return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
-
-
-@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0)])
-def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
-    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
-    # is split into two length buckets (0.8, the default, keeps these slices whole)
-    from logprobs import per_response_logprobs, rollout_logprobs
-    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
-    model = tiny_model if kind == "llama" else _tiny("mistral", torch.float32)
-    t, G = 0.7, 4
-    roll = _mixed_rollout(model, t, G)
-    N, T_all = roll.response_ids.shape
-    g = torch.Generator().manual_seed(0)
-    adv = torch.randn(N, generator=g)
-    old = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)   # ratio != 1, so clipping acts on some tokens
-    ref = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)
-    params = list(model.parameters())
-    # micro-batches of 5 and 3 responses cut groups of 4; N = 12 whole; values, entropies, mask
-    for mb in (5, 3, N):
-        for s in _micro_batches(N, mb):
-            with torch.no_grad():
-                (a, ea, ma), (b, eb, mb_) = (f(model, roll, s, t, with_entropy=True)
-                                             for f in (rollout_logprobs, per_response_logprobs))
-            assert a.shape == b.shape == (s.stop - s.start, T_all) and torch.equal(ma, mb_)
-            assert (a * ma).sub(b * ma).abs().max() <= 1e-4 and (ea * ma).sub(eb * ma).abs().max() <= 1e-4
-    # gradients of the loss summed over micro-batches of 5, for every reduction, with an entropy bonus
-    for reduction in ("sequence", "token", "constant"):
-        grads = []
-        for f in (rollout_logprobs, per_response_logprobs):
-            model.zero_grad(set_to_none=True)
-            for s in _micro_batches(N, 5):
-                logp, ent, mask = f(model, roll, s, t, with_entropy=True)
-                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, 0.2, 0.28, ref_logp=ref[s], beta=0.04,
-                                           reduction=reduction, num_tokens=roll.mask.sum(), max_len=T_all, num_seqs=N)
-                (loss - 0.01 * (ent * mask).sum() / roll.mask.sum()).backward()
-            grads.append(torch.cat([p.grad.flatten() for p in params]))
-        assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[1].abs().max(), reduction
-    model.zero_grad(set_to_none=True)
-
-
-@pytest.mark.parametrize("temperature,keep", [(1.0, 0.8), (0.7, 0.8), (0.7, 1.0)])
-def test_training_logprobs_equal_the_samplers(tiny_model, temperature, keep, monkeypatch):
-    # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
-    # off-by-one position, position ids that ignore the left padding, or a dropped temperature all break this
-    from logprobs import rollout_logprobs
-    monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
-    roll = _mixed_rollout(tiny_model, temperature)
-    N = roll.response_ids.shape[0]
-    for mb in (N, 5):
-        with torch.no_grad():
-            logp = torch.cat([rollout_logprobs(tiny_model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
-        assert ((logp - roll.logprobs) * roll.mask).abs().max() <= 1e-4
-
-
-def test_length_buckets_split_only_when_it_pays():
-    # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20} and long rows
-    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37: one batch.
-    short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
-    assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
-    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))] == [[0, 1, 2, 3]]
-    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
-
-
-def test_rollout_logprobs_rejects_bad_slices(tiny_model):
-    from logprobs import rollout_logprobs
-    roll = _mixed_rollout(tiny_model, 1.0)
-    for bad in (slice(3, 3), slice(0, 12, 2)):
-        with pytest.raises(ValueError, match="slice"):
-            rollout_logprobs(tiny_model, roll, bad, 1.0)
-# variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
-#
-# The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
-# PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
-# verl cannot be imported here (it pulls ray, omegaconf, ...); the same inputs were also checked once
-# against the real functions (see the README section "Other objectives").
-# ---------------------------------------------------------------------------------------------
-
-def _verl_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None):
-    """verl agg_loss: "token-mean" = masked sum / global tokens; "seq-mean-token-mean" = the mean over
-    non-empty responses of each one's token mean (token count + 1e-8), summed and / global responses."""
-    if mode == "token-mean":
-        return (loss_mat * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
-    per_row = mask.sum(-1)
-    row_mean = (loss_mat * mask).sum(-1) / (per_row + 1e-8)
-    return (row_mean * (per_row > 0)).sum() / ((per_row > 0).sum() if num_seqs is None else num_seqs)
-
-
-def _verl_gspo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
-    """verl compute_policy_loss_gspo: token ratio with value s_i = exp(masked mean of logp - old) and the
-    gradient of logp (log-space: sg(log s_i) + logp - sg(logp), capped at 10), PPO's max of the two losses."""
-    log_s = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    log_tok = torch.clamp(log_s.detach()[:, None] + logp - logp.detach(), max=10.0)
-    s = log_tok.exp()
-    loss_mat = torch.maximum(-adv_tok * s, -adv_tok * s.clamp(1 - clip_low, 1 + clip_high))
-    return _verl_agg(loss_mat * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
-
-
-def _verl_cispo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
-    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 + high)) * A * logp;
-    rollout_is_weights (verl's rollout correction, e.g. truncated IS) multiply each token's loss."""
-    w = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(1 - clip_low, 1 + clip_high).detach()
-    return _verl_agg(-w * adv_tok * logp * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
-
-
-def _verl_kl(logp, ref_logp, name):
-    """verl kl_penalty for "k1", "mse" (k2) and "low_var_kl" (k3) without its two clamps."""
-    if name == "k1":
-        return logp - ref_logp
-    if name == "mse":
-        return (logp - ref_logp).square() / 2
-    r = torch.exp(ref_logp - logp)  # pi_ref / pi_theta
-    return r - torch.log(r) - 1
-
-
-def _random_policy_batch(seed, spread, N=6, T=7):
-    """logp [N, T] (requires grad), old logp, advantages [N], mask from lengths 1..T (no empty row)."""
-    g = torch.Generator().manual_seed(seed)
-    old = torch.randn(N, T, generator=g, dtype=torch.float64) - 2.0
-    logp = (old + spread * torch.randn(N, T, generator=g, dtype=torch.float64)).requires_grad_(True)
-    adv = torch.randn(N, generator=g, dtype=torch.float64)
-    lengths = torch.tensor([1, T, 3, 5, 2, T][:N])
-    mask = (torch.arange(T)[None] < lengths[:, None]).double()
-    return logp, old, adv, mask
-
-
-def _value_and_grad(fn, logp):
-    logp.grad = None
-    loss = fn()
-    loss.backward()
-    return loss.detach(), logp.grad.clone()
-
-
-@pytest.mark.parametrize("name,mine", [("k1", grpo.kl_k1), ("mse", grpo.kl_k2), ("low_var_kl", grpo.kl_k3)])
-def test_kl_estimators_equal_verl_kl_penalty(name, mine):
-    logp, _, _, _ = _random_policy_batch(0, 1.0)
-    ref = torch.randn_like(logp) - 2.0
-    got, g_got = _value_and_grad(lambda: mine(logp, ref).sum(), logp)
-    want, g_want = _value_and_grad(lambda: _verl_kl(logp, ref, name).sum(), logp)
-    assert torch.allclose(got, want, atol=1e-12) and torch.allclose(g_got, g_want, atol=1e-12)
-    # by hand: pi = 0.5, pi_ref = 0.25: k1 = log 2, k2 = (log 2)^2 / 2, k3 = 0.5 - log 0.5 - 1 = log 2 - 0.5
-    a, b = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
-    hand = {"k1": math.log(2), "mse": math.log(2) ** 2 / 2, "low_var_kl": math.log(2) - 0.5}[name]
-    assert abs(mine(a, b).item() - hand) < 1e-6
-
-
-def test_kl_estimators_expected_gradients_on_policy():
-    # Exact expectations over a 5-token vocabulary: E_{x ~ pi}[grad k(x)] with pi's weights detached.
-    # k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's is the gradient
-    # of the reverse KL(ref || pi), hence biased for KL(pi || ref).
-    theta, ref = torch.randn(5, dtype=torch.float64, requires_grad=True), torch.log_softmax(torch.randn(5).double(), 0)
-
-    def grad(f):
-        theta.grad = None
-        f().backward()
-        return theta.grad.clone()
-
-    logp = lambda: torch.log_softmax(theta, 0)  # noqa: E731
-    exp_grad = lambda k: grad(lambda: (logp().exp().detach() * k(logp(), ref)).sum())  # noqa: E731
-    forward_kl = grad(lambda: (logp().exp() * (logp() - ref)).sum())
-    reverse_kl = grad(lambda: (ref.exp() * (ref - logp())).sum())
-    assert torch.allclose(exp_grad(grpo.kl_k2), forward_kl, atol=1e-12)
-    assert torch.allclose(exp_grad(grpo.kl_k1), torch.zeros(5, dtype=torch.float64), atol=1e-12)
-    assert torch.allclose(exp_grad(grpo.kl_k3), reverse_kl, atol=1e-12)
-    assert not torch.allclose(exp_grad(grpo.kl_k3), forward_kl, atol=1e-3)
-
-
-def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
-    logp, old, adv, mask = _random_policy_batch(seed, 0.1)
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
-                                                      mode), logp)
-    for fn in (variants.gspo_loss, variants.gspo_token_loss):
-        got, g_got = _value_and_grad(lambda: fn(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)  # noqa: B023
-        assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    # per-token advantages: only the token form takes them
-    adv_tok = torch.randn_like(mask)
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
-                                                                 reduction)[0], logp)
-    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    with pytest.raises(ValueError):
-        variants.gspo_loss(logp, old, adv_tok, mask)
-    # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
-    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
-                                                                 reduction, weights=w)[0], logp)
-    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
-    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high, reduction, weights=w)[0], want)
-    m = variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
-    return m["clip/low_frac"] + m["clip/high_frac"]
-
-
-@pytest.mark.parametrize("reduction,mode", [("sequence", "seq-mean-token-mean"), ("token", "token-mean")])
-def test_gspo_equals_verl_gspo_values_and_gradients(reduction, mode):
-    # bounds wider than the paper's 3e-4 / 4e-4 so that these batches have clipped and unclipped rows
-    clipped = [_check_gspo_against_verl(seed, reduction, mode, 0.02, 0.03) for seed in range(4)]
-    assert 0 < sum(clipped) < len(clipped)  # both kinds of rows were exercised
-    _check_gspo_against_verl(0, reduction, mode, variants.GSPO_EPS_LOW, variants.GSPO_EPS_HIGH)
-
-
-def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradient():
-    # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The gradient of
-    # each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token with A_i on each token.
-    logp, _, adv, mask = _random_policy_batch(3, 0.0)
-    old = logp.detach().clone()
-    loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask)[0], logp)
-    _, g_tok = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask)[0], logp)
-    assert torch.allclose(g_seq, g_tok, atol=1e-12)
-    want = -adv[:, None] / mask.sum(-1, keepdim=True) / mask.shape[0] * mask
-    assert torch.allclose(g_seq, want, atol=1e-12) and abs(loss.item() + adv.mean().item()) < 1e-12
-
-
-def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
-    logp, old, adv, mask = _random_policy_batch(seed, 0.4)
-    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
-                                                       mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)
-    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
-    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
-                                                       mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction,
-                                                             weights=w)[0], logp)
-    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    m = variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
-    return m["clip/low_frac"] + m["clip/high_frac"]
-
-
-@pytest.mark.parametrize("reduction,mode", [("token", "token-mean"), ("sequence", "seq-mean-token-mean")])
-def test_cispo_equals_verl_cispo_values_and_gradients(reduction, mode):
-    clipped = [_check_cispo_against_verl(seed, reduction, mode, 0.2, 0.28) for seed in range(3)]
-    assert 0 < sum(clipped) < len(clipped)
-    _check_cispo_against_verl(3, reduction, mode, variants.CISPO_EPS_LOW, variants.CISPO_EPS_HIGH)
-    # a clipped token keeps its gradient: ratio e^1 > 1.28, gradient -1.28 * A (here A = 1, one token)
-    one = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
-    loss, m = variants.cispo_loss(one, torch.full((1, 1), -1.0, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
-                                  torch.ones(1, 1), 0.2, 0.28)
-    loss.backward()
-    assert abs(one.grad.item() + 1.28) < 1e-12 and m["clip/high_frac"] == 1.0
-
-
-def test_policy_loss_is_reduce_loss_of_its_tokens_and_kl_term_splits_off():
-    # reduce_loss is policy_loss's reduction; beta * kl_term(k3) added to a beta = 0 loss is policy_loss(beta)
-    logp, old, adv, mask = _random_policy_batch(4, 0.3)
-    ref = torch.randn_like(old) - 2.0
-    ratio = torch.exp(logp - old)
-    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None])
-    for reduction in ("sequence", "token", "constant"):
-        kw = dict(reduction=reduction, num_tokens=torch.tensor(30.0), max_len=9, num_seqs=8)
-        base, _ = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, **kw)
-        assert torch.allclose(base, grpo.reduce_loss(per_token, mask, **kw), atol=1e-12)
-        with_kl, m = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, ref_logp=ref, beta=0.04, **kw)
-        kl, mk = variants.kl_term(logp, ref, mask, grpo.kl_k3, **kw)
-        assert torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12) and abs(m["kl"] - mk["kl"]) < 1e-9
-        k2, mk2 = variants.kl_term(logp, ref, mask, grpo.kl_k2, **kw)  # another estimator: same "kl" metric (k3)
-        assert torch.allclose(k2, grpo.reduce_loss(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
-    with pytest.raises(ValueError):
-        grpo.reduce_loss(per_token, mask, "mean")
-
-
-def _entropy_loss(logits, mask, **kw):
-    return variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, **kw)[0]
-
-
-@pytest.mark.parametrize("name,fn", [
-    ("gspo", lambda lp, old, adv, mask, **kw: variants.gspo_loss(lp, old, adv, mask, 0.02, 0.03, **kw)[0]),
-    ("gspo-token", lambda lp, old, adv, mask, **kw: variants.gspo_token_loss(lp, old, adv, mask, 0.02, 0.03, **kw)[0]),
-    ("cispo", lambda lp, old, adv, mask, **kw: variants.cispo_loss(lp, old, adv, mask, 0.2, 0.28, **kw)[0]),
-    ("kl-k2", lambda lp, old, adv, mask, **kw: variants.kl_term(lp, old, mask, grpo.kl_k2, **kw)[0]),
-    ("tis", lambda lp, old, adv, mask, **kw: variants.cispo_loss(
-        lp, old, adv, mask, weights=variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask, 1.2), **kw)[0]),
-])
-@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
-def test_variant_losses_add_up_over_micro_batches(name, fn, reduction):
-    # two micro-batches with the step's global denominators give the full batch's loss and gradient
-    logp, old, adv, mask = _random_policy_batch(5, 0.05)
-    kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=9, num_seqs=6)
-    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, **kw), logp)
-    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s], **kw)
-                                                 for s in (slice(0, 2), slice(2, 6))), logp)
-    assert torch.allclose(full, parts, atol=1e-12) and torch.allclose(g_full, g_parts, atol=1e-12)
-
-
-@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
-def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
-    torch.manual_seed(0)
-    logits = (3 * torch.randn(4, 5, 11)).requires_grad_(True)  # token_entropy works in float32
-    mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 4])[:, None]).float()
-    kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=6, num_seqs=4)
-    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, **kw)[0]
-    (g_got,) = torch.autograd.grad(got, logits)
-    x = logits / 0.7
-    naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # [N, T]
-    want = grpo.reduce_loss(naive, mask, **kw)
-    (g_want,) = torch.autograd.grad(want, logits)
-    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(g_got, g_want, atol=1e-6)
-    # micro-batches with global denominators add up, as the losses do
-    parts = sum(variants.entropy_bonus(variants.token_entropy(logits[s], 0.7), mask[s], **kw)[0]
-                for s in (slice(0, 1), slice(1, 4)))
-    assert torch.allclose(parts, want, atol=1e-5)
-
-
-def test_tis_weights_are_one_when_sampler_agrees_and_capped():
-    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert torch.equal(variants.tis_weights(old, old.detach(), mask, 2.0), torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
-    # pi_old / pi_sampler = 10 -> capped at 2; 1.5 -> kept; 0.25 -> kept (truncation is from above only)
-    sampler = old.detach() - torch.tensor([[math.log(10.0), math.log(1.5), math.log(0.25), 5.0]])
-    w = variants.tis_weights(old, sampler, mask, 2.0)
-    assert torch.allclose(w, torch.tensor([[2.0, 1.5, 0.25, 0.0]])) and not w.requires_grad
-    with pytest.raises(ValueError):
-        variants.tis_weights(old, sampler, mask, 0.0)
-
-
-def test_mismatch_metrics_by_hand():
-    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
-    sampler = torch.tensor([[-1.0, -2.5, -2.0], [-1.2, float("-inf"), 0.0]])  # padding may hold anything
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    m = variants.mismatch_metrics(old, sampler, mask)
-    # |delta| = 0, 0.5, 1.0, 0.2 over 4 valid tokens; k3(sampler, old) = e^d - d - 1 with d = old - sampler
-    k3 = sum(math.exp(d) - d - 1 for d in (0.0, 0.5, -1.0, 0.2)) / 4
-    assert abs(m["mismatch/logp_abs_mean"] - 1.7 / 4) < 1e-6 and abs(m["mismatch/logp_abs_max"] - 1.0) < 1e-6
-    assert abs(m["mismatch/kl"] - k3) < 1e-6
-    assert variants.mismatch_metrics(old, old, mask) == {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0,
-                                                          "mismatch/kl": 0.0}
-
-
-def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
-    import train
-    assert set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"}
-    a = train.parse_args(["--loss", "gspo"])
-    assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
-    a = train.parse_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
-    assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
-    a = train.parse_args(["--algo", "dapo"])
-    assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
-
-
-def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
-    logp, old, adv, mask = _random_policy_batch(6, 0.3)
-    ref, w = torch.randn_like(old) - 2.0, torch.rand_like(old)
-    ratio = torch.exp(logp - old)
-    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
-    got, _ = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, reduction="token", weights=w)
-    want = grpo.reduce_loss(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
-    assert torch.allclose(got, want, atol=1e-12)
-
 
 def _one_step(d, out, *extra):
     import train
@@ -1744,6 +1890,26 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")
     k1 = _one_step(d, tmp_path / "k1", "--beta", "0.5", "--mu", "2", "--kl", "k1")
     assert k1["grad_norm"] != pytest.approx(k3["grad_norm"], rel=1e-4) and k3["kl"] > 0
+
+
+@pytest.mark.slow
+def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs, tmp_path, capsys):
+    import evaluate
+    model, out = str(tiny_run_inputs / "model"), tmp_path / "per-problem.jsonl"
+    res = evaluate.main(["--model", model, model, "--data", "builtin", "--eval-size", "5", "--eval-samples", "2",
+                         "--max-new-tokens", "6", "--device", "cpu", "--out", str(out)])
+    table = capsys.readouterr().out
+    assert "| model | mean@2 | mean@2_std | pass@1 | pass@2 | maj@2 | truncated_frac | len_mean |" in table
+    assert table.count(f"| {model} |") == 2 and [r[0] for r in res] == [model, model] and res[0][1] == res[1][1]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["index"] for x in lines] == [0, 1, 2, 3, 4] * 2 and {x["model"] for x in lines} == {model}
+    heldout = builtin.sample_problems(5, 2, True)
+    for x in lines:
+        assert (x["prompt"], x["reference"]) == (heldout[x["index"]]["prompt"], heldout[x["index"]]["answer"])
+        assert len(x["samples"]) == 2 and set(x["samples"][0]) == {"response", "answer", "score", "length", "truncated"}
+        assert all(s["score"] == verify(s["response"], x["reference"]) for s in x["samples"])
+        assert all(s["answer"] == evaluate.canonical_answer(s["response"]) for s in x["samples"])
+    assert lines[:5] == lines[5:]  # the same model evaluated twice draws the same samples
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1813,164 +1979,3 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
         state[mode] = rows[-1]["memory/state_bytes"]
     print(f"per-rank state bytes on 2 GPUs: DDP {state['ddp']}, FSDP {state['fsdp']}")
     assert state["fsdp"] <= 0.55 * state["ddp"]
-
-
-# ---------------------------------------------------------------------------------------------
-# evaluate.py: pass@k, maj@n, mean@n over ranks, the command
-# ---------------------------------------------------------------------------------------------
-
-def test_pass_at_k_equals_enumerating_every_k_subset():
-    import itertools
-
-    import evaluate
-    for n in range(1, 8):
-        for c in range(n + 1):
-            for k in range(1, n + 1):  # samples 0..c-1 are the correct ones; the share of k-subsets holding one
-                subsets = list(itertools.combinations(range(n), k))
-                want = sum(any(i < c for i in s) for s in subsets) / len(subsets)
-                assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
-
-
-def test_pass_at_k_large_n_and_bad_input():
-    import evaluate
-    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)   # one correct of 1000, half drawn
-    assert evaluate.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)  # pass@1 = c / n
-    assert evaluate.pass_at_k(1000, 0, 1000) == 0.0 and evaluate.pass_at_k(1000, 1, 1000) == 1.0
-    assert evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4] and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32]
-    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
-        with pytest.raises(ValueError):
-            evaluate.pass_at_k(n, c, k)
-
-
-@pytest.mark.parametrize("answers,want", [
-    (["4", "5", "4"], "4"),
-    (["5", "4", "4", "5"], "5"),               # a tie: the answer that appeared first wins
-    (["4", None, "5", None, None, "5"], "5"),   # None is the commonest but never wins over an answer
-    ([None, "3", None], "3"),
-    ([None, None], None), ([], None),           # no answer at all
-    (["7"], "7"),
-])
-def test_majority_vote_by_hand(answers, want):
-    import evaluate
-    assert evaluate.majority_vote(answers) == want
-
-
-def _record(i, responses, scores, lengths=None, truncated=None):
-    import evaluate
-    n = len(responses)
-    return evaluate.problem_record(i, {"prompt": f"p{i}", "answer": "4"}, responses, scores,
-                                   lengths or [3] * n, truncated or [False] * n)
-
-
-def test_eval_metrics_by_hand():
-    import evaluate
-    # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
-    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does: maj wrong
-    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0], [2, 4, 4, 2], [False] * 4)
-    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
-    assert a["majority"] == evaluate.canonical_answer("Answer: 4") and a["majority_score"] == 1.0 and a["correct"] == 2
-    assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
-    ks = evaluate.pass_ks(4)
-    m = evaluate.metrics(evaluate.totals([a, b], ks), 4, ks)
-    assert m == pytest.approx({
-        "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
-        "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,      # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
-        "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
-    g = evaluate.metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
-    assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
-
-
-class _Rank:
-    """Dist for one rank of `world` without a process group: sum returns this rank's share."""
-    def __init__(self, rank, world):
-        self.rank, self.world = rank, world
-
-    def sum(self, x):
-        return x.detach().double().clone()
-
-
-def _eval_setup(d, *flags):
-    """train.py's Args, the tiny model with large random weights (the fixture's answers '\n' to every prompt
-    greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
-    import train
-    args = train.parse_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *flags])
-    _, tok, model = data.load_model(args.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return args, tok, model, builtin.sample_problems(12, 2, True)
-
-
-def _has_9(response, answer):  # the random model is never right: this scores some of its responses 1
-    return float("9" in response)
-
-
-def test_greedy_evaluation_equals_the_old_train_closure(tiny_run_inputs):
-    import evaluate
-    args, tok, model, rows = _eval_setup(tiny_run_inputs)
-    reward = _has_9
-    m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
-    # train.py's evaluation before evaluate.py: one greedy answer per problem, sums of reward, truncation, length
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
-    roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id, temperature=0.0)
-    texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True) for i in range(len(rows))]
-    correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
-    assert 0 < correct < len(rows) and 0 < roll.truncated.sum() < len(rows)
-    assert m == {"eval/accuracy": correct / len(rows), "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
-                 "eval/len_mean": roll.lengths.sum().item() / len(rows)}
-    assert [s["response"] for r in records for s in r["samples"]] == texts
-    assert evaluate.headline(1) == "eval/accuracy" and evaluate.headline(8) == "eval/mean@8"
-
-
-def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkeypatch):
-    import evaluate
-    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)  # 2 problems per batch: each rank batches other problems together
-    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
-    reward = _has_9
-    m1, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
-    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1] for k in range(3)]
-    assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1  # same samples, scores, votes
-    ks = evaluate.pass_ks(4)
-    assert evaluate.metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
-    scores = [[s["score"] for s in r["samples"]] for r in r1]
-    assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
-    assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
-    assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12  # samples differ between problems
-    assert len({s["response"] for s in r1[0]["samples"]}) > 1                   # and within one
-
-
-def test_eval_flags_are_shared_and_checked(capsys):
-    import dataclasses as dc
-
-    import evaluate
-    import train
-    mine = {f.name: f for f in dc.fields(train.Args)}
-    for f in dc.fields(evaluate.EvalArgs):  # one definition: same type, default and help in train.py
-        assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
-    for parse in (train.parse_args, evaluate.main):
-        for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"], ["--max-new-tokens", "0"]):
-            with pytest.raises(SystemExit) as e:
-                parse(bad)
-            err = capsys.readouterr().err
-            assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-
-
-@pytest.mark.slow
-def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs, tmp_path, capsys):
-    import evaluate
-    model, out = str(tiny_run_inputs / "model"), tmp_path / "per-problem.jsonl"
-    res = evaluate.main(["--model", model, model, "--data", "builtin", "--eval-size", "5", "--eval-samples", "2",
-                         "--max-new-tokens", "6", "--device", "cpu", "--out", str(out)])
-    table = capsys.readouterr().out
-    assert "| model | mean@2 | mean@2_std | pass@1 | pass@2 | maj@2 | truncated_frac | len_mean |" in table
-    assert table.count(f"| {model} |") == 2 and [r[0] for r in res] == [model, model] and res[0][1] == res[1][1]
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["index"] for x in lines] == [0, 1, 2, 3, 4] * 2 and {x["model"] for x in lines} == {model}
-    heldout = builtin.sample_problems(5, 2, True)
-    for x in lines:
-        assert (x["prompt"], x["reference"]) == (heldout[x["index"]]["prompt"], heldout[x["index"]]["answer"])
-        assert len(x["samples"]) == 2 and set(x["samples"][0]) == {"response", "answer", "score", "length", "truncated"}
-        assert all(s["score"] == verify(s["response"], x["reference"]) for s in x["samples"])
-        assert all(s["answer"] == evaluate.canonical_answer(s["response"]) for s in x["samples"])
-    assert lines[:5] == lines[5:]  # the same model evaluated twice draws the same samples
