@@ -541,6 +541,64 @@ def bench_checkpointing(device: str, repeats: int) -> None:
     print(f"  memory: {how}, above the weights, gradients and inputs; max |gradient difference| {diff:.1e}")
 
 
+# ---------------------------------------------------------------------------------------------
+# 7. The built-in base model's warm start: demonstrations packed into rows vs padded to the longest
+# ---------------------------------------------------------------------------------------------
+
+def _padded(ids, pos, labels):
+    """The same demonstrations as a packed batch, one per row, padded to the longest (the unpacked form)."""
+    seqs = []
+    for r in range(ids.shape[0]):
+        starts = (pos[r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        seqs += [(ids[r, a:b], labels[r, a:b]) for a, b in zip(starts, starts[1:]) if (labels[r, a:b] != -100).any()]
+    T = max(len(s) for s, _ in seqs)
+    out = torch.zeros(len(seqs), T, dtype=torch.long), torch.full((len(seqs), T), -100), torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, (s, lab) in enumerate(seqs):
+        out[0][i, :len(s)], out[1][i, :len(s)], out[2][i, :len(s)] = s, lab, 1
+    return out  # input_ids, labels, attention_mask: [B, T] each
+
+
+def bench_warm_start(device: str, repeats: int, steps: int = 6) -> None:
+    import dataclasses
+
+    import builtin
+    cfg = dataclasses.replace(builtin.BaseModelConfig(), sft_steps=steps * repeats + 2)
+    tok = builtin.make_tokenizer()
+    model = builtin.make_model(cfg, len(tok)).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = builtin.warm_start_batches(tok, cfg)
+
+    def step(b, packed: bool):
+        ids, pos, labels = b
+        if packed:
+            logits = model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False).logits
+        else:
+            ids, labels, attn = _padded(ids, pos, labels)
+            logits = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return ids.numel()
+
+    step(batches[0], True), step(batches[1], False)  # warm-up
+    times, tokens = {True: [], False: []}, {True: [], False: []}
+    for b in batches[2:]:
+        for packed in (True, False):  # interleaved, on the same batch
+            t0 = time.perf_counter()
+            tokens[packed].append(step(b, packed))
+            _sync(device)
+            times[packed].append(time.perf_counter() - t0)
+    real = statistics.mean(int((b[0] != tok.pad_token_id).sum()) for b in batches[2:])  # demonstrations hold no <pad>
+    print(f"\n## The built-in warm start: one step of {cfg.sft_batch_size} demonstrations, packed vs padded "
+          f"(median of {len(batches) - 2} steps, interleaved)")
+    for packed, name in ((False, "padded to the longest (attention mask)"), (True, f"packed into rows of <= {cfg.sft_pack_len} tokens")):
+        med = statistics.median(times[packed])
+        print(f"  {name:44s} {med * 1e3:7.1f} ms/step   {statistics.mean(tokens[packed]):6.0f} positions "
+              f"({real:.0f} real)   x {builtin.BaseModelConfig().sft_steps} steps = {med * builtin.BaseModelConfig().sft_steps:5.0f} s")
+    print(f"  packed / padded time: {statistics.median(times[True]) / statistics.median(times[False]):.2f}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per timing (median reported)")
@@ -549,7 +607,7 @@ def main(argv=None) -> None:
                    help="torch intra-op threads on CPU, 0 = torch's default. 1 by default: on cores shared with other "
                         "jobs, threads spin-waiting for a busy core make times vary tenfold")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward", "checkpointing"], default=None,
+    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward", "checkpointing", "warmstart"], default=None,
                    help="run one section")
     p.add_argument("--vs-trl", action="store_true",
                    help="only the GRPO step of train.py vs TRL's GRPOTrainer (needs trl installed for this Python)")
@@ -557,7 +615,6 @@ def main(argv=None) -> None:
                    help="--vs-trl on the built-in base model, or on the same architecture randomly initialised (no build)")
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--gc-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mem_child:
@@ -591,6 +648,8 @@ def main(argv=None) -> None:
         bench_step(device, args.steps)
     if args.only in (None, "checkpointing"):
         bench_checkpointing(device, args.repeats)
+    if args.only in (None, "warmstart"):
+        bench_warm_start(device, args.repeats)
     print(f"\n({time.perf_counter() - t0:.0f} s in all)")
 
 

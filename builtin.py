@@ -14,10 +14,14 @@ The warm-start data imitates a sloppy solver, the way pretraining data mixes goo
 - a shortcut that ignores the constant and divides ("x=13/3 / Answer: 4"), usually wrong.
 It solves one-sided equations carefully 80% of the time but two-sided ones only 35% of the time, so the
 base model's greedy answer to a two-sided equation is usually the shortcut: held-out greedy accuracy
-starts near 59% (0.586 with the verifier of this version), and a verifier's reward has a clear lesson to teach
-(work every equation out).
+starts near 57% (0.570: 93% of one-sided equations, 22% of two-sided ones), and a verifier's reward
+has a clear lesson to teach (work every equation out).
 Every DAPO fix has something to act on: groups all right or all wrong (dynamic sampling), truncated
 verbose answers (overlong filtering and punishment), long and short responses (token-level loss).
+
+The warm start is most of a newcomer's first run: 1,200 steps of 64 demonstrations (~2.9M tokens), each
+drawn once, packed into rows so that a step pays for 1.07x its tokens instead of 1.8x padded
+(`warm_start_batches`; `python bench.py --only warmstart` times both forms).
 
     python builtin.py    # build (or find) the base model and print its folder
 """
@@ -47,9 +51,11 @@ class BaseModelConfig:
     num_layers: int = 4              # decoder layers
     num_heads: int = 4               # attention heads
     intermediate_size: int = 384     # MLP width
-    sft_steps: int = 1200            # supervised warm-start steps (about 4 minutes on 2 CPU cores)
+    sft_steps: int = 1200            # supervised warm-start steps, each on fresh demonstrations
     sft_batch_size: int = 64         # worked solutions per supervised step
+    sft_pack_len: int = 128          # tokens per packed row of a supervised batch
     sft_lr: float = 3e-3             # AdamW learning rate of the warm start (cosine to 10%)
+    sft_warmup: float = 0.04         # fraction of the steps that warm the learning rate up
     verbose_frac: float = 0.2        # fraction of careful solutions written in the verbose style
     careful_one_sided: float = 0.8   # how often the demonstrations solve ax+b=c carefully (else the shortcut)
     careful_two_sided: float = 0.35  # how often they solve ax+b=cx+d carefully
@@ -184,31 +190,69 @@ def make_model(cfg: BaseModelConfig, vocab_size: int):
     return LlamaForCausalLM(config)
 
 
+def warm_start_batches(tokenizer, cfg: BaseModelConfig) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every supervised batch, drawn once: (input_ids, position_ids, labels), each [R, L], packed.
+
+    A batch is cfg.sft_batch_size demonstrations (prompt + worked solution + <eos>) of training problems,
+    packed longest first into rows of at most cfg.sft_pack_len tokens (each into the first row with room),
+    so a step pays for almost no padding (padded to its longest, a batch would pay ~1.8x its tokens).
+    Positions restart at 0 with each demonstration: from that alone the Llama model builds a block-causal
+    mask, so each demonstration is attended exactly as if it were alone (test_packed_warm_start_is_exact).
+    Labels score the solution tokens only (-100 on prompts and padding).
+    """
+    rng = random.Random(cfg.seed + 1)
+    demos = []  # (prompt, solution)
+    while len(demos) < cfg.sft_steps * cfg.sft_batch_size:
+        eq, x = make_problem(rng)
+        if not is_heldout(eq):
+            demos.append((prompt_text(eq), demonstration(eq, x, rng, cfg)))
+    eos, pad, L = tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.sft_pack_len
+    prompts = tokenizer([p for p, _ in demos])["input_ids"]
+    solutions = tokenizer([r for _, r in demos])["input_ids"]
+    seqs = [(p + r + [eos], len(p)) for p, r in zip(prompts, solutions)]  # (tokens, prompt length)
+    longest = max(len(s) for s, _ in seqs)
+    if longest > L:
+        raise ValueError(f"sft_pack_len {L} is shorter than the longest demonstration ({longest} tokens)")
+    batches = []
+    for k in range(0, len(seqs), cfg.sft_batch_size):
+        rows: list[list[tuple[list[int], int]]] = []
+        for s in sorted(seqs[k:k + cfg.sft_batch_size], key=lambda s: -len(s[0])):
+            row = next((r for r in rows if sum(len(t) for t, _ in r) + len(s[0]) <= L), None)
+            if row is None:
+                rows.append([s])
+            else:
+                row.append(s)
+        T = max(sum(len(t) for t, _ in r) for r in rows)
+        ids = torch.full((len(rows), T), pad)                   # [R, T]
+        pos = torch.zeros(len(rows), T, dtype=torch.long)       # [R, T]
+        labels = torch.full((len(rows), T), -100)               # [R, T]
+        for i, row in enumerate(rows):
+            t = 0
+            for s, p in row:
+                ids[i, t:t + len(s)] = torch.tensor(s)
+                pos[i, t:t + len(s)] = torch.arange(len(s))
+                labels[i, t + p:t + len(s)] = torch.tensor(s[p:])
+                t += len(s)
+            pos[i, t:] = torch.arange(T - t)  # the row's padding is one more block, never scored
+        batches.append((ids, pos, labels))
+    return batches
+
+
 def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, progress: bool = True) -> None:
-    """Next-token cross-entropy on response tokens of freshly drawn training problems."""
+    """Next-token cross-entropy on the solution tokens of the demonstrations, one pass over them."""
+    import torch.nn.functional as F
     from tqdm import tqdm
 
-    rng = random.Random(cfg.seed + 1)
+    batches = warm_start_batches(tokenizer, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, round(cfg.sft_warmup * cfg.sft_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / cfg.sft_steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / cfg.sft_steps))))
     model.train()
-    bar = tqdm(range(cfg.sft_steps), desc="warm start (once)", disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        ids, labels = [], []
-        while len(ids) < cfg.sft_batch_size:
-            eq, x = make_problem(rng)
-            if is_heldout(eq):
-                continue
-            p = tokenizer(prompt_text(eq))["input_ids"]
-            r = tokenizer(demonstration(eq, x, rng, cfg))["input_ids"] + [tokenizer.eos_token_id]
-            ids.append(p + r)
-            labels.append([-100] * len(p) + r)
-        T = max(map(len, ids))
-        input_ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s in ids])  # [B, T]
-        label_ids = torch.tensor([s + [-100] * (T - len(s)) for s in labels])               # [B, T]
-        attn = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in ids])               # [B, T]
-        loss = model(input_ids=input_ids, attention_mask=attn, labels=label_ids).loss
+    bar = tqdm(batches, desc="warm start (once)", disable=not progress, dynamic_ncols=True)
+    for step, (ids, pos, labels) in enumerate(bar):
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]  # [R, T-1, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())  # mean over scored tokens
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1158,6 +1158,53 @@ def test_builtin_tokenizer_round_trips_through_save_pretrained(tmp_path):
     assert back.eos_token_id == 1 and back.pad_token_id == 0
 
 
+def test_packed_warm_start_is_exact():
+    """A packed row (positions restarting per demonstration) gives each demonstration the logits it gets
+    alone, and the labels score exactly its solution tokens: packing changes the cost, not the training."""
+    tok = builtin.make_tokenizer()
+    cfg = builtin.BaseModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, sft_steps=2, sft_batch_size=12,
+                                  sft_pack_len=80)
+    model = builtin.make_model(cfg, len(tok)).eval()
+    batches = builtin.warm_start_batches(tok, cfg)
+    assert len(batches) == cfg.sft_steps
+    demos, rng = [], random.Random(cfg.seed + 1)  # the same draws as warm_start_batches
+    while len(demos) < cfg.sft_steps * cfg.sft_batch_size:
+        eq, x = builtin.make_problem(rng)
+        if not builtin.is_heldout(eq):
+            demos.append((tok(builtin.prompt_text(eq))["input_ids"], tok(builtin.demonstration(eq, x, rng, cfg))["input_ids"]))
+    for k, (ids, pos, labels) in enumerate(batches):
+        assert ids.shape[1] <= cfg.sft_pack_len and ids.shape[0] < cfg.sft_batch_size      # packed: fewer rows than demos
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits          # [R, T, V]
+        found = []
+        for r in range(ids.shape[0]):
+            starts = (pos[r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+            for a, b in zip(starts, starts[1:]):
+                seq = ids[r, a:b]
+                if (labels[r, a:b] == -100).all():                                           # the row's padding
+                    assert (seq == tok.pad_token_id).all()
+                    continue
+                found.append(seq.tolist())
+                with torch.no_grad():
+                    alone = model(input_ids=seq[None]).logits[0]                              # [n, V]
+                torch.testing.assert_close(packed[r, a:b], alone, atol=1e-5, rtol=1e-5)
+                p = int((labels[r, a:b] == -100).sum())                                       # prompt tokens unscored
+                assert labels[r, a + p:b].tolist() == seq[p:].tolist() and seq[-1] == tok.eos_token_id
+        want = demos[k * cfg.sft_batch_size:(k + 1) * cfg.sft_batch_size]
+        assert sorted(found) == sorted(p + r + [tok.eos_token_id] for p, r in want)           # every demonstration once
+
+
+
+def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
+    """bench.py is not run by CI otherwise: its flags must parse, and the warm-start section must run."""
+    import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    bench.main(["--only", "warmstart", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "padded to the longest" in out and "packed into rows" in out and "packed / padded time" in out
+
 # ---------------------------------------------------------------------------------------------
 # evaluate.py: pass@k, maj@n, mean@n over ranks, the command
 # ---------------------------------------------------------------------------------------------
