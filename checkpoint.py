@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import shutil
 
@@ -56,7 +57,7 @@ def load(path: str, model, opt, sched) -> dict:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-    except (OSError, RuntimeError, KeyError, ValueError) as e:
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(ckpt["rng"])
     return ckpt
@@ -160,7 +161,7 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
         saved = _join(meta["skeleton"], tensors)
         set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
         sched.load_state_dict(meta["scheduler"])
-    except (OSError, RuntimeError, KeyError, ValueError) as e:
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(rng)
     return meta

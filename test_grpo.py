@@ -1851,6 +1851,17 @@ def test_bad_input_gets_one_clear_line(tmp_path, capsys, content, flags, message
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
+def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, capsys):
+    """checkpoint.CheckpointError (checkpoint.py raises its own, not data.InputError) reaches the same one line."""
+    import train
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1", "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
+
+
 # ---------------------------------------------------------------------------------------------
 # ablate.py: the rows, and the table built from metrics
 # ---------------------------------------------------------------------------------------------
