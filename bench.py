@@ -1,5 +1,6 @@
 """Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step,
-and one update on long responses with and without gradient checkpointing.
+the shared-prefix training forward, a GRPO step vs TRL, one update on long responses with and without
+gradient checkpointing, and the built-in warm start packed vs padded.
 
 Article sections it measures: "Step 1: Rollout 采样" (generation is most of an RL step's time) and the
 log-prob passes of "Step 4: PPO Loss 计算" (vocabulary-sized logits dominate memory).
