@@ -112,6 +112,24 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0                                     # [N, T]
 
 
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+    """PPO's clipped surrogate to minimise, -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), and
+    where the clip acts (no gradient there): (per-token loss, clipped from below, clipped from above).
+    ratio [N, T] (or [N, 1] per response), adv broadcastable to it."""
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    low = (ratio < 1.0 - eps_low) & (adv < 0)                                 # clipped from below: no gradient
+    high = (ratio > 1.0 + eps_high) & (adv > 0)                               # clipped from above: no gradient
+    return -torch.minimum(ratio * adv, clipped * adv), low, high
+
+
+def clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Fractions of valid tokens clipped from below / above and the mean ratio (all broadcastable to mask [N, T])."""
+    valid = mask.sum().clamp_min(1.0)
+    return {"clip/low_frac": float((low.to(mask.dtype) * mask).sum() / valid),
+            "clip/high_frac": float((high.to(mask.dtype) * mask).sum() / valid),
+            "ratio/mean": float((ratio * mask).sum() / valid)}
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -148,8 +166,7 @@ def policy_loss(
     mask = mask.to(logp.dtype)                                                # [N, T]
     adv = advantages.to(logp.dtype)[:, None]                                  # [N, 1]
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, T]
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)                      # [N, T]
-    per_token = -torch.minimum(ratio * adv, clipped * adv)                    # [N, T]
+    per_token, low, high = clipped_surrogate(ratio, adv, eps_low, eps_high)   # [N, T] each
     if clip_c:
         if clip_c <= 1.0:
             raise ValueError(f"dual-clip needs clip_c > 1, got {clip_c}")
@@ -167,14 +184,7 @@ def policy_loss(
 
     with torch.no_grad():
         valid = mask.sum().clamp_min(1.0)
-        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype)          # clipped from below: no gradient
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype)        # clipped from above: no gradient
-        metrics = {
-            "clip/low_frac": ((low * mask).sum() / valid).item(),
-            "clip/high_frac": ((high * mask).sum() / valid).item(),
-            "ratio/mean": ((ratio * mask).sum() / valid).item(),
-            "kl": ((kl * mask).sum() / valid).item(),
-        }
+        metrics = {**clip_metrics(ratio, low, high, mask), "kl": ((kl * mask).sum() / valid).item()}
         if clip_c:
             metrics["clip/dual_frac"] = ((dual.to(mask.dtype) * mask).sum() / valid).item()
     return loss, metrics

@@ -55,14 +55,6 @@ def _seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tenso
     return ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)
 
 
-def _clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Fractions of valid tokens clipped from below / above and the mean ratio, all [N, T] or broadcastable."""
-    valid = mask.sum().clamp_min(1.0)
-    return {"clip/low_frac": float((low.to(mask.dtype) * mask).sum() / valid),
-            "clip/high_frac": float((high.to(mask.dtype) * mask).sum() / valid),
-            "ratio/mean": float((ratio * mask).sum() / valid)}
-
-
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -89,12 +81,11 @@ def gspo_loss(
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     s = torch.exp(log_s.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))   # [N, 1]
-    clipped = s.clamp(1.0 - eps_low, 1.0 + eps_high)                          # [N, 1]
-    per_seq = -torch.minimum(s * adv, clipped * adv)                          # [N, 1]
+    per_seq, low, high = grpo.clipped_surrogate(s, adv, eps_low, eps_high)    # [N, 1] each
     per_token = _apply_weights(per_seq.expand_as(mask), weights)              # [N, T]: the response's loss on each token
     loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
     with torch.no_grad():
-        metrics = _clip_metrics(s, (s < 1.0 - eps_low) & (adv < 0), (s > 1.0 + eps_high) & (adv > 0), mask)
+        metrics = grpo.clip_metrics(s, low, high, mask)
     return loss, metrics
 
 
@@ -122,11 +113,11 @@ def gspo_token_loss(
     log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     log_s_t = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP) + logp - logp.detach()  # [N, T], value log s_i
     s_t = torch.exp(log_s_t)                                                  # [N, T]
-    clipped = s_t.clamp(1.0 - eps_low, 1.0 + eps_high)                        # [N, T]
-    per_token = _apply_weights(-torch.minimum(s_t * adv, clipped * adv), weights)  # [N, T]
+    surrogate, low, high = grpo.clipped_surrogate(s_t, adv, eps_low, eps_high)  # [N, T] each
+    per_token = _apply_weights(surrogate, weights)                            # [N, T]
     loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
     with torch.no_grad():
-        metrics = _clip_metrics(s_t, (s_t < 1.0 - eps_low) & (adv < 0), (s_t > 1.0 + eps_high) & (adv > 0), mask)
+        metrics = grpo.clip_metrics(s_t, low, high, mask)
     return loss, metrics
 
 
@@ -160,7 +151,7 @@ def cispo_loss(
     per_token = _apply_weights(-weight * adv * logp, weights)                 # [N, T]
     loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
     with torch.no_grad():
-        metrics = _clip_metrics(ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high, mask)
+        metrics = grpo.clip_metrics(ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high, mask)
     return loss, metrics
 
 
