@@ -30,6 +30,10 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing or cannot be read: train.py prints the message in one line."""
 
 
+# what torch.load(weights_only=True) and load_state_dict raise on a corrupt, truncated or foreign file
+UNREADABLE = (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError)
+
+
 @contextlib.contextmanager
 def atomic(path: str):
     """Yields a temporary name beside `path` to write a file or folder to; once written, it replaces `path`
@@ -57,7 +61,7 @@ def load(path: str, model, opt, sched) -> dict:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as e:
+    except UNREADABLE as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(ckpt["rng"])
     return ckpt
@@ -161,7 +165,7 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
         saved = _join(meta["skeleton"], tensors)
         set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
         sched.load_state_dict(meta["scheduler"])
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError) as e:
+    except UNREADABLE as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(rng)
     return meta
