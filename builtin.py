@@ -126,6 +126,18 @@ def demonstration(equation: str, x: int, rng: random.Random, cfg: BaseModelConfi
     return solve_steps(equation, x, verbose=rng.random() < cfg.verbose_frac)
 
 
+def warm_start_demos(cfg: BaseModelConfig) -> list[tuple[str, str]]:
+    """Every (prompt, solution) of the warm start, in order: cfg.sft_steps batches of cfg.sft_batch_size
+    demonstrations (`demonstration`) of training problems, each drawn once."""
+    rng = random.Random(cfg.seed + 1)
+    demos = []
+    while len(demos) < cfg.sft_steps * cfg.sft_batch_size:
+        eq, x = make_problem(rng)
+        if not is_heldout(eq):
+            demos.append((prompt_text(eq), demonstration(eq, x, rng, cfg)))
+    return demos
+
+
 def _split_linear(side: str) -> tuple[str, str]:
     """'3x+5' -> ('3', '5'); 'x-4' -> ('1', '-4')."""
     coef, const = side.split("x")
@@ -200,41 +212,35 @@ def warm_start_batches(tokenizer, cfg: BaseModelConfig) -> list[tuple[torch.Tens
     mask, so each demonstration is attended exactly as if it were alone (test_packed_warm_start_is_exact).
     Labels score the solution tokens only (-100 on prompts and padding).
     """
-    rng = random.Random(cfg.seed + 1)
-    demos = []  # (prompt, solution)
-    while len(demos) < cfg.sft_steps * cfg.sft_batch_size:
-        eq, x = make_problem(rng)
-        if not is_heldout(eq):
-            demos.append((prompt_text(eq), demonstration(eq, x, rng, cfg)))
+    demos = warm_start_demos(cfg)
     eos, pad, L = tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.sft_pack_len
-    prompts = tokenizer([p for p, _ in demos])["input_ids"]
-    solutions = tokenizer([r for _, r in demos])["input_ids"]
-    seqs = [(p + r + [eos], len(p)) for p, r in zip(prompts, solutions)]  # (tokens, prompt length)
+    vocab = tokenizer.get_vocab()  # character-level: a text's ids are its characters' ids (2x faster than encoding)
+    seqs = [([vocab[c] for c in p + r] + [eos], len(p)) for p, r in demos]  # (tokens, prompt length)
     longest = max(len(s) for s, _ in seqs)
     if longest > L:
         raise ValueError(f"sft_pack_len {L} is shorter than the longest demonstration ({longest} tokens)")
     batches = []
     for k in range(0, len(seqs), cfg.sft_batch_size):
         rows: list[list[tuple[list[int], int]]] = []
+        fill: list[int] = []                                    # tokens in each row so far
         for s in sorted(seqs[k:k + cfg.sft_batch_size], key=lambda s: -len(s[0])):
-            row = next((r for r in rows if sum(len(t) for t, _ in r) + len(s[0]) <= L), None)
-            if row is None:
-                rows.append([s])
-            else:
-                row.append(s)
-        T = max(sum(len(t) for t, _ in r) for r in rows)
-        ids = torch.full((len(rows), T), pad)                   # [R, T]
-        pos = torch.zeros(len(rows), T, dtype=torch.long)       # [R, T]
-        labels = torch.full((len(rows), T), -100)               # [R, T]
-        for i, row in enumerate(rows):
-            t = 0
+            i = next((i for i, f in enumerate(fill) if f + len(s[0]) <= L), len(rows))
+            if i == len(rows):
+                rows.append([])
+                fill.append(0)
+            rows[i].append(s)
+            fill[i] += len(s[0])
+        T = max(fill)
+        ids, pos, labels = [], [], []                           # row after row, [R * T]
+        for row, f in zip(rows, fill):
             for s, p in row:
-                ids[i, t:t + len(s)] = torch.tensor(s)
-                pos[i, t:t + len(s)] = torch.arange(len(s))
-                labels[i, t + p:t + len(s)] = torch.tensor(s[p:])
-                t += len(s)
-            pos[i, t:] = torch.arange(T - t)  # the row's padding is one more block, never scored
-        batches.append((ids, pos, labels))
+                ids += s
+                pos += range(len(s))
+                labels += [-100] * p + s[p:]
+            ids += [pad] * (T - f)
+            pos += range(T - f)                                 # the row's padding is one more block, never scored
+            labels += [-100] * (T - f)
+        batches.append(tuple(torch.tensor(v).view(len(rows), T) for v in (ids, pos, labels)))
     return batches
 
 

@@ -1167,11 +1167,7 @@ def test_packed_warm_start_is_exact():
     model = builtin.make_model(cfg, len(tok)).eval()
     batches = builtin.warm_start_batches(tok, cfg)
     assert len(batches) == cfg.sft_steps
-    demos, rng = [], random.Random(cfg.seed + 1)  # the same draws as warm_start_batches
-    while len(demos) < cfg.sft_steps * cfg.sft_batch_size:
-        eq, x = builtin.make_problem(rng)
-        if not builtin.is_heldout(eq):
-            demos.append((tok(builtin.prompt_text(eq))["input_ids"], tok(builtin.demonstration(eq, x, rng, cfg))["input_ids"]))
+    demos = [(tok(p)["input_ids"], tok(r)["input_ids"]) for p, r in builtin.warm_start_demos(cfg)]  # encoded as a user would
     for k, (ids, pos, labels) in enumerate(batches):
         assert ids.shape[1] <= cfg.sft_pack_len and ids.shape[0] < cfg.sft_batch_size      # packed: fewer rows than demos
         with torch.no_grad():
@@ -1184,15 +1180,14 @@ def test_packed_warm_start_is_exact():
                 if (labels[r, a:b] == -100).all():                                           # the row's padding
                     assert (seq == tok.pad_token_id).all()
                     continue
-                found.append(seq.tolist())
                 with torch.no_grad():
                     alone = model(input_ids=seq[None]).logits[0]                              # [n, V]
                 torch.testing.assert_close(packed[r, a:b], alone, atol=1e-5, rtol=1e-5)
                 p = int((labels[r, a:b] == -100).sum())                                       # prompt tokens unscored
                 assert labels[r, a + p:b].tolist() == seq[p:].tolist() and seq[-1] == tok.eos_token_id
+                found.append((seq.tolist(), p))
         want = demos[k * cfg.sft_batch_size:(k + 1) * cfg.sft_batch_size]
-        assert sorted(found) == sorted(p + r + [tok.eos_token_id] for p, r in want)           # every demonstration once
-
+        assert sorted(found) == sorted((p + r + [tok.eos_token_id], len(p)) for p, r in want)  # each once, its prompt unscored
 
 
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
