@@ -980,7 +980,16 @@ VERIFIER_RULES = [
     R("Answer: 12\n\nChecking: 4 * 3 = 12, so the answer is correct.", "12", 1.0, id="prose-after-a-marker-is-skipped"),
     R("Answer: 34, as computed above.", "34", 1.0, id="remark-after-the-answer-dropped"),
     R("Answer: $34$ (since 2 * 17 = 34)", "34", 1.0, id="math-span-after-marker"),
-    R("x=4", "4", 0.0, id="no-marker-no-answer"),
+    R("2x=8\nx=4", "4", 0.0, id="trace-without-marker-no-answer"),  # its last number is not its answer
+    R("So 2x = 8 and x = 4", "4", 0.0, id="one-line-trace-without-marker-no-answer"),
+    R("5", "5", 1.0, id="bare-answer"),  # a response that is one number is that answer (math-verify credits it too)
+    R("x=5", "5", 1.0, id="bare-answer-x-equals"),
+    R(" x = 5 ", "5", 1.0, id="bare-answer-x-equals-spaced"),
+    R("5.", "5", 1.0, id="bare-answer-trailing-period"),
+    R("$-5$.", "-5", 1.0, id="bare-answer-dollars"),
+    R("$\\frac{3}{4}$", "0.75", 1.0, id="bare-answer-latex"),
+    R("6", "5", 0.0, id="bare-answer-wrong"),
+    R("5 apples and 6 pears", "5", 0.0, id="bare-answer-is-only-a-number"),
     R("Answer: ", "", 0.0, id="empty-answer"),
     # units, money, percent, degrees
     R("\\boxed{\\$18}", "18", 1.0, id="money-boxed"),
@@ -1066,6 +1075,7 @@ def test_verifier_canonical_answer_groups_equal_answers():
     assert canonical_answer("\\boxed{(1, 2)}") != canonical_answer("\\boxed{(2, 1)}")
     assert canonical_answer("\\boxed{\\$1,800}") == canonical("1800") == "1800"
     assert canonical_answer("no answer here") is None and canonical_answer("\\boxed{7") is None
+    assert canonical_answer("x = 0.5") == canonical_answer("\\boxed{\\frac12}") and canonical_answer("2x=1\nx=0.5") is None
 
 
 def test_verifier_is_total_and_bounded():
@@ -1080,7 +1090,8 @@ def test_verifier_is_total_and_bounded():
     assert verify("Answer: 5\n" + prose * verifier.MAX_MARKERS, "5") == 0.0
     assert parse_number("1,234") == 1234 and parse_number("-\\frac{1}{2}") == parse_number("-0.5")
     assert extract_answer("no answer here") is None
-    assert format_reward("Answer: 3") == 1.0 and format_reward("x=3") == 0.0 and format_reward("Answer:") == 0.0
+    assert format_reward("Answer: 3") == 1.0 and format_reward("2x=6\nx=3") == 0.0 and format_reward("Answer:") == 0.0
+    assert format_reward("x=3") == 1.0  # a bare answer states one
 
 
 def test_verifier_never_raises_on_random_latex():

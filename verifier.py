@@ -19,6 +19,8 @@ The final answer (`extract_answer`; the reference is read the same way, and used
    correct.". It is the first `$...$` / `\\(...\\)` span of the next non-empty line when only words precede
    it, else that line up to the end of its sentence, less a trailing remark (", as computed above", " (since
    ..."). A marker followed by a lower-case word ("the answer is correct") gives way to the one before it.
+4. else the whole response when it is one number and nothing else (`5`, `x = 5`, `$-5$.`, `\\frac{3}{4}`: `_bare`);
+   a longer text is never read so, as the last number of a reasoning trace is not its answer.
 A response with none of these states no answer (reward 0, and `format_reward` 0).
 
 Two answers are equal when their canonical forms (`canonical`) are, and, for one value each with a unit on
@@ -100,6 +102,18 @@ def extract_answer(response: str) -> str | None:
     return _unboxed(response)
 
 
+def _bare(response: str) -> str | None:
+    """The whole response when it is one number and nothing else (`5`, `x = 5`, `$-5$.`, `\\frac{3}{4}`), else None.
+
+    A model trained to answer with the number alone states its answer so. A longer text is not read this way:
+    the last number of a reasoning trace is not its answer (that needs a marker)."""
+    text = response.strip()
+    if len(text) > 2 * MAX_DIGITS or "\n" in text:
+        return None
+    text = re.sub(r"^[a-zA-Z]\s*=\s*", "", _clean(text))  # _clean drops `$`, spaces at the ends, a trailing period
+    return text if _number(text) is not None else None
+
+
 def _unboxed(response: str) -> str | None:
     """The final answer of a response without a (non-empty) box: after `####`, else after an answer marker."""
     hashes = response.rfind("####")
@@ -110,7 +124,7 @@ def _unboxed(response: str) -> str | None:
         got = _after_marker(response[end:end + MAX_ANSWER])
         if got is not None:
             return got
-    return None
+    return _bare(response)
 
 
 def _boxed(after: str) -> tuple[str, int] | None:
