@@ -1569,7 +1569,7 @@ METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zer
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
     res = _run_train(d, tmp_path / "run", "--algo", "dapo")
-    assert "held-out greedy accuracy" in res.stdout
+    assert "held-out greedy accuracy" in res.stdout and "no learning signal" not in res.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -1731,6 +1731,49 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
     assert any(not torch.equal(start[k], w1[k]) for k in w1)
     if os.path.isdir("/proc/self/task"):                      # Linux: gloo threads left per rank
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]
+
+
+def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
+    row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std, "len/truncated_frac": truncated}
+    return row if kept is None else {**row, "sampling/groups_kept": kept, "sampling/rounds": 4.0}
+
+
+def test_no_learning_signal_is_said_once_with_its_likely_causes():
+    import train
+    grpo_args, dapo_args = train.parse_args(["--algo", "grpo"]), train.parse_args(["--algo", "dapo", "--max-rounds", "4"])
+    # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
+    check = train.SignalCheck(grpo_args)
+    said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
+    assert len(said[0]) == 1 and said[1] == [] and check.silent
+    msg = said[0][0]
+    assert msg.startswith("warning: no learning signal at step 1: every group's 8 rewards are equal") and "\n" not in msg
+    for cause in ("Answer:", "--prompt-template", "--reward verifier", "--max-new-tokens 40", "len/truncated_frac 1.00"):
+        assert cause in msg, cause
+    third = check(_signal_row(3, 0.0, 1.0))
+    assert len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0] and check(_signal_row(4, 0, 1)) == []
+    # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains (not silent)
+    check = train.SignalCheck(dapo_args)
+    assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
+    said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
+    assert len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0] and check.silent
+    assert "every sample is right" in said[0]
+    assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []      # once a run; and some samples scored: no "none right"
+    mixed = train.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
+    assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
+
+
+@pytest.mark.slow
+def test_a_run_without_learning_signal_says_so_on_stderr(tiny_run_inputs, tmp_path, capsys):
+    # the verifier never credits the random model: every group all wrong, dynamic sampling keeps none, 3 steps
+    # (test_end_to_end_changes_weights_and_writes_metrics: a run that learns prints none of this)
+    import train
+    d = tiny_run_inputs
+    train.main(["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--prompts-per-step", "2", "--group-size", "2",
+                "--max-new-tokens", "4", "--steps", "3", "--max-rounds", "1", "--out", str(tmp_path), "--device", "cpu",
+                "--log-completions", "0"])
+    lines = [x for x in capsys.readouterr().err.splitlines() if "no learning signal" in x]
+    said = ["step 1: dynamic sampling kept no group", "step 3: no sample of the first 3 steps scored"]
+    assert len(lines) == 2 and all(s in x for s, x in zip(said, lines)), lines
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 import builtin
 import checkpoint
@@ -226,6 +227,51 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
     return s
 
 
+NO_SIGNAL_STEPS = 3  # no sample of this many first steps scored above 0: the run is told so
+
+
+@dataclass
+class SignalCheck:
+    """Rank 0's watch for steps that train nothing. Called with each step's metrics row, it returns the
+    warnings to print, each kind once a run: every group's rewards equal (all advantages 0), dynamic sampling
+    keeping no group in --max-rounds rounds, no sample right in the first NO_SIGNAL_STEPS steps; `silent`
+    says whether this step trained nothing."""
+    args: Args
+    steps: int = 0                   # steps checked (of this process: a resumed run counts from its resume)
+    scored: float = 0.0              # reward/correct summed over them
+    said: set[str] = dataclasses.field(default_factory=set)
+    silent: bool = False
+
+    def causes(self, row: dict) -> str:
+        if row["reward/correct"] >= 1.0:
+            return "every sample is right: the data is too easy for this model"
+        if row["reward/correct"] > 0.0:
+            return "each group's answers are all right or all wrong: try a larger --group-size or --temperature"
+        a = self.args
+        return ("likely causes: the answers are not in a form the reward reads (verifier: \\boxed{}, '####', "
+                "'Answer:', or the number alone; see OUT/completions.jsonl), a --prompt-template that does not ask "
+                f"for it, --reward {a.reward}, or --max-new-tokens {a.max_new_tokens} cutting answers off "
+                f"(len/truncated_frac {row['len/truncated_frac']:.2f})")
+
+    def __call__(self, row: dict) -> list[str]:
+        a, step = self.args, row["step"]
+        self.steps, self.scored = self.steps + 1, self.scored + row["reward/correct"]
+        found = {}
+        if a.dynamic_sampling and row["sampling/groups_kept"] == 0:
+            found["dynamic"] = (f"dynamic sampling kept no group in --max-rounds {a.max_rounds} rounds: every group "
+                                "was all right or all wrong")
+        elif not a.dynamic_sampling and row["reward/frac_zero_std"] == 1.0:
+            found["zero_advantage"] = f"every group's {a.group_size} rewards are equal, so every advantage is 0"
+        self.silent = bool(found)
+        if self.steps == NO_SIGNAL_STEPS and self.scored == 0.0:
+            found["none_correct"] = f"no sample of the first {NO_SIGNAL_STEPS} steps scored above 0 (reward/correct 0)"
+        new = [f"warning: no learning signal at step {step}: {m}; {self.causes(row)}"
+               + (" (this step trained nothing)" if k != "none_correct" else "")
+               for k, m in found.items() if k not in self.said]
+        self.said |= set(found)
+        return new
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     ddp = parallel.Dist(args.device, args.fsdp)
@@ -315,9 +361,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     if not args.resume:
         state["acc_before"] = state["acc_after"] = evaluate_at(0)
     steps = range(state["step"], args.steps)
-    bar = steps
+    bar, signal = steps, SignalCheck(args)
     if ddp.master and len(steps):
-        from tqdm import tqdm
         bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps, dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
@@ -368,6 +413,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
         row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
         log(row)
+        for warning in signal(row) if ddp.master else []:  # no learning signal: once, in plain words
+            tqdm.write(warning, file=sys.stderr)
         if completions_file:  # a few of rank 0's completions of the batch trained on, to read what the policy writes
             completions_file.writelines(json.dumps({"step": step + 1, **c}) + "\n"
                                         for c in evaluate.sampled_completions(roll, tokenizer, args.log_completions))
@@ -383,7 +430,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                 checkpoint.save(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
             bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
-                            **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}))
+                            **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}),
+                            **({"signal": "none"} if signal.silent else {}))
         if done:
             break
 
