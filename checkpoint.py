@@ -13,21 +13,58 @@ unpickles anything else with weights_only=False); the rest (optimizer hyperparam
 data position) is one small torch.save file, and each rank's RNG states another, both read back with
 weights_only=True. `load_sharded` reads the shards into the model's and optimizer's own sharded tensors,
 so a checkpoint is never gathered on one rank.
+
+One run per output folder: `lock_folder` holds an flock on OUT/.lock for the whole run, so a second run (a
+double launch, a --resume while the first still runs) stops at once instead of writing into a live run's
+metrics and checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pickle
 import random
 import shutil
+import sys
 
 import torch
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing or cannot be read: train.py prints the message in one line."""
+
+
+class FolderInUse(ValueError):
+    """Another live run holds the output folder: train.py prints the message in one line."""
+
+
+def lock_folder(out: str, ddp):
+    """An exclusive lock on the output folder for the whole run: rank 0 takes `fcntl.flock` on OUT/.lock and
+    keeps the returned file open; the kernel drops the lock when the process ends, however it ends (a
+    SIGKILL leaves no stale lock). Every rank learns rank 0's verdict (an all-reduced flag); when another run
+    holds the folder, rank 0 raises FolderInUse (one line) and the other ranks exit 2 without a word."""
+    fh, held = None, 1.0
+    if ddp.master:
+        os.makedirs(out, exist_ok=True)
+        fh = open(os.path.join(out, ".lock"), "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fh.truncate(0)
+            fh.write(f"{os.getpid()}\n")  # who holds it, for the message a second run prints
+            fh.flush()
+        except BlockingIOError:
+            fh.seek(0)
+            pid = fh.read().strip() or "?"
+            fh.close()
+            fh, held = None, 0.0
+    if ddp.sum(torch.tensor([held])).item() == ddp.world:  # rank 0's flag, and 1 from each other rank
+        return fh
+    if not ddp.master:
+        sys.exit(2)
+    raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds {os.path.join(out, '.lock')}): "
+                          "let it finish or stop it, or pass another --out")
 
 
 # what torch.load(weights_only=True) and load_state_dict raise on a corrupt, truncated or foreign file

@@ -1733,6 +1733,56 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]
 
 
+@pytest.mark.slow
+def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_no_lock(tiny_run_inputs, tmp_path, capsys):
+    import checkpoint
+    import parallel
+    import train
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *_tiny_flags(tiny_run_inputs, out),
+                               "--steps", "100000", "--eval-data", "", "--log-completions", "0"],
+                              cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # it has taken the lock once it writes its config
+            if (out / "config.json").exists() and (out / "config.json").stat().st_size > 0:
+                break
+            assert holder.poll() is None, "the first run ended early"
+            time.sleep(0.1)
+        with pytest.raises(SystemExit) as e:
+            train.main(_tiny_flags(tiny_run_inputs, out) + ["--steps", "1", "--resume"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"error: --out {out} is in use by another run (pid {holder.pid} holds"), err
+    finally:
+        holder.kill()  # SIGKILL: no cleanup ran, the kernel released the lock
+        holder.wait()
+    assert json.loads((out / "config.json").read_text())["steps"] == 100000  # the refused run wrote nothing
+    lock = checkpoint.lock_folder(str(out), parallel.Dist("cpu"))
+    assert lock is not None
+    lock.close()
+
+
+class _OtherRank:
+    """Dist of rank 1 of 2 whose all-reduce adds rank 0's flag (1: it took the lock, 0: it was refused)."""
+    master, world = False, 2
+
+    def __init__(self, rank0_flag):
+        self.rank0_flag = rank0_flag
+
+    def sum(self, x):
+        return x.double() + self.rank0_flag
+
+
+def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
+    import checkpoint
+    assert checkpoint.lock_folder(str(tmp_path / "free"), _OtherRank(1.0)) is None   # they hold no lock themselves
+    assert not (tmp_path / "free").exists()
+    with pytest.raises(SystemExit) as e:
+        checkpoint.lock_folder(str(tmp_path / "busy"), _OtherRank(0.0))
+    assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 prints the one line
+
+
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
     row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std, "len/truncated_frac": truncated}
     return row if kept is None else {**row, "sampling/groups_kept": kept, "sampling/rounds": 4.0}

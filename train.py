@@ -131,7 +131,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 }
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
-USER_ERRORS = (data.InputError, checkpoint.CheckpointError, parallel.ShardingError)  # printed in one line, exit 2
+USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse, parallel.ShardingError)  # printed in one line, exit 2
 
 
 def parse_args(argv=None) -> Args:
@@ -288,6 +288,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
+    lock = checkpoint.lock_folder(args.out, ddp)  # noqa: F841 - rank 0 holds OUT/.lock until run returns or the process ends
     torch.manual_seed(args.seed)
     reward_fn = data.load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
