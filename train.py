@@ -275,12 +275,16 @@ class SignalCheck:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     ddp = parallel.Dist(args.device, args.fsdp)
+    lock = None
     try:
+        lock = checkpoint.lock_folder(args.out, ddp)  # rank 0 holds OUT/.lock for the whole run (None elsewhere)
         return run(args, ddp)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
+        if lock is not None:
+            lock.close()
         ddp.close()
 
 
@@ -288,7 +292,6 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
-    lock = checkpoint.lock_folder(args.out, ddp)  # noqa: F841 - rank 0 holds OUT/.lock until run returns or the process ends
     torch.manual_seed(args.seed)
     reward_fn = data.load_reward(args.reward)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
