@@ -13,7 +13,8 @@ scores any saved model without training, with the same flags:
 With n = --eval-samples samples of problem i, c_i of them correct (score > 0):
     mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over problems
     pass@k   = mean_i [1 - C(n - c_i, k) / C(n, k)]   (Chen et al. 2021, unbiased; k = 1, 2, 4, ... <= n)
-    maj@n    = mean_i [the answer most samples give is right]  (majority over canonical final answers)
+    maj@n    = mean_i [the answer most samples give is right]  (each sample votes for its canonical final
+               answer, or for the reference when the reward credits it: `votes`)
 n = 1 is greedy decoding (temperature 0), as train.py always did: eval/accuracy. Problem i's samples come
 from a generator seeded by (seed, i) alone, so 1 rank and N ranks draw the same, and every evaluation of a
 run draws with the same randomness (before/after comparisons are paired).
@@ -69,18 +70,29 @@ def majority_vote(answers: list[str | None]) -> str | None:
 
 
 canonical_answer = verifier.canonical_answer  # majority voting compares these canonical final answers
+CREDITED = "the reference"  # the vote of a sample the reward credits (a space between letters: never a canonical text)
+
+
+def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
+    """What each sample votes for, so that the vote counts what the reward counts: a sample the reward
+    credits (score > 0, as pass@k counts it) votes for the reference answer (CREDITED), any other for its
+    canonical final answer (None: the verifier reads none). With the default verifier this is the vote by
+    canonical answers (a credited answer is the reference's); with a custom --reward it still holds where
+    the verifier cannot read the answers (a format of the reward's own, such as answer tags)."""
+    return [CREDITED if s > 0 else a for a, s in zip(answers, scores)]
 
 
 def problem_record(index: int, row: dict, responses: list[str], scores: list[float], lengths: list[int],
                    truncated: list[bool]) -> dict:
     """One problem's line of the per-problem file: its n samples, their scores and answers, and the vote."""
     answers = [canonical_answer(r) for r in responses]
-    vote = majority_vote(answers)
+    ballot = votes(answers, scores)
+    vote = majority_vote(ballot)
     return {"index": index, "prompt": row["prompt"], "reference": row["answer"],
             "samples": [{"response": r, "answer": a, "score": s, "length": n, "truncated": t}
                         for r, a, s, n, t in zip(responses, answers, scores, lengths, truncated)],
             "correct": sum(s > 0 for s in scores), "majority": vote,
-            "majority_score": next((s for a, s in zip(answers, scores) if a == vote), 0.0) if vote is not None else 0.0}
+            "majority_score": next((s for v, s in zip(ballot, scores) if v == vote), 0.0) if vote is not None else 0.0}
 
 
 def totals(records: list[dict], ks: list[int]) -> torch.Tensor:

@@ -1264,7 +1264,7 @@ def test_eval_metrics_by_hand():
     # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does: maj wrong
     a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0], [2, 4, 4, 2], [False] * 4)
     b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
-    assert a["majority"] == evaluate.canonical_answer("Answer: 4") and a["majority_score"] == 1.0 and a["correct"] == 2
+    assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2  # the right '4' won
     assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
     ks = evaluate.pass_ks(4)
     m = evaluate.metrics(evaluate.totals([a, b], ks), 4, ks)
@@ -1274,6 +1274,30 @@ def test_eval_metrics_by_hand():
         "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
     g = evaluate.metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
     assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
+
+
+def test_majority_vote_counts_what_the_reward_counts():
+    import evaluate
+
+    def tagged(response, answer):  # a custom --reward that reads a format the verifier does not
+        return float(response.strip() == f"<answer>{answer}</answer>")
+    # 2 of 3 samples right by the reward, none readable by the verifier: the vote is right, as mean@3 says
+    responses = ["<answer>4</answer>", "<answer>7</answer>", "<answer>4</answer>"]
+    r = _record(0, responses, [tagged(x, "4") for x in responses])
+    assert [s["answer"] for s in r["samples"]] == [None] * 3 and r["majority"] == evaluate.CREDITED
+    assert r["majority_score"] == 1.0
+    # wrong answers the verifier reads still outvote one right answer; the right one wins a tie drawn first
+    r = _record(1, ["<answer>4</answer>", "Answer: 6", "6"], [1.0, 0.0, 0.0])
+    assert r["majority"] == canonical("6") and r["majority_score"] == 0.0
+    r = _record(2, ["<answer>4</answer>", "Answer: 6"], [1.0, 0.0])
+    assert r["majority"] == evaluate.CREDITED and r["majority_score"] == 1.0
+    # the default verifier: a credited answer is the reference's, so this is the vote by canonical answers
+    responses = ["Answer: 6", "\\boxed{4}", "4", "Answer: 6", "x = 4"]
+    scores = [verify(x, "4") for x in responses]
+    plain = evaluate.majority_vote([canonical_answer(x) for x in responses])
+    assert plain == canonical("4") and evaluate.majority_vote(evaluate.votes(
+        [canonical_answer(x) for x in responses], scores)) == evaluate.CREDITED
+    assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED  # never a canonical text
 
 
 class _Rank:
