@@ -766,6 +766,73 @@ def test_dapo_with_fixes_off_is_grpo():
 
 
 # ---------------------------------------------------------------------------------------------
+# update.py: update_policy against a hand-rolled full-batch loss
+# ---------------------------------------------------------------------------------------------
+
+def _hand_rolled_update(model, ref, roll, advantages, mask, args):
+    """What update_policy must equal: per mini-batch (the k-th K-th of the groups), one loss over all its rows at
+    once (per_response_logprobs, policy_loss's own denominators), one backward, clip the whole gradient, one
+    SGD step; old log-probs of the sampling policy, computed once before the first update. Returns the losses."""
+    from logprobs import per_response_logprobs
+    N, G = roll.response_ids.shape[0], roll.G
+    every = slice(0, N)
+    with torch.no_grad():
+        old = per_response_logprobs(model, roll, every, args.temperature)[0]                    # [N, T]
+        ref_logp = per_response_logprobs(ref, roll, every, args.temperature)[0] if ref is not None else None
+    groups, losses = N // G, []
+    bounds = [-(-k * groups // args.mini_batches) * G for k in range(args.mini_batches + 1)]  # p * K // B == k
+    for _ in range(args.mu):
+        for a, b in zip(bounds, bounds[1:]):
+            s = slice(a, b)
+            model.zero_grad(set_to_none=True)
+            logp = per_response_logprobs(model, roll, s, args.temperature)[0]                   # [n, T]
+            loss, _ = grpo.policy_loss(logp, old[s], advantages[s], mask[s], args.eps_low, args.eps_high,
+                                       ref_logp=None if ref is None else ref_logp[s], beta=args.beta,
+                                       reduction=args.reduction, max_len=args.max_new_tokens)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= args.lr * p.grad
+            losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("reduction,grad_clip,beta,max_new_tokens", [
+    ("token", 0.0, 0.0, 20),       # overlong-filtered mask: the global token count is the filtered one's
+    ("constant", 0.0, 0.0, 32),    # Dr. GRPO divides by --max-new-tokens, not by the rollout's width (20)
+    ("sequence", 0.05, 0.04, 20),  # the clip acts on the whole mini-batch's gradient; the KL term to a reference
+])
+def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduction, grad_clip, beta, max_new_tokens):
+    # 3 groups of 4 in 2 mini-batches (groups 0-1, then group 2), micro-batches of 3 rows that cut groups, mu 1
+    # (DAPO's recipe): the second update is off-policy, so the ratio leaves 1 and the clip bounds act
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    import parallel
+    t = 0.7
+    roll = _mixed_rollout(tiny_model, t)
+    N = roll.response_ids.shape[0]
+    roll.extra = {"index": torch.arange(N // roll.G).repeat_interleave(roll.G)}  # each response's prompt
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    mask = dapo.overlong_filter(roll.mask, roll.truncated)
+    args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t, reduction=reduction, loss="ppo",
+                           max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           entropy_coef=0.0, beta=beta, kl="k3", grad_clip=grad_clip, lr=2.0)
+    mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    refs = [copy.deepcopy(tiny_model).requires_grad_(False) if beta else None for _ in range(2)]
+    learner = update.Learner(mine, mine, refs[0], torch.optim.SGD(mine.parameters(), lr=args.lr), contextlib.nullcontext)
+    first, rest, _, _ = update.update_policy(learner, roll, advantages, mask, args, parallel.Dist("cpu"))
+    losses = _hand_rolled_update(hand, refs[1], roll, advantages, mask, args)
+    assert first["updates"] + rest["updates"] == 2 and rest["ratio/mean"] != rest["tokens"]    # the ratio left 1
+    assert first["loss"] == pytest.approx(losses[0], abs=1e-5) and rest["loss"] == pytest.approx(losses[1], abs=1e-5)
+    moved = max((p - q).abs().max().item() for p, q in zip(hand.parameters(), tiny_model.parameters()))
+    diff = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), hand.parameters()))
+    assert moved > 1e-2 and diff <= 1e-5 * max(1.0, moved), (moved, diff)
+
+
+# ---------------------------------------------------------------------------------------------
 # sampler.py
 # ---------------------------------------------------------------------------------------------
 
