@@ -62,6 +62,16 @@ def test_advantages_scales_and_constant_groups():
         grpo.group_advantages(r, "bogus")
 
 
+def test_advantages_keep_their_sign_when_the_std_is_below_eps():
+    # rewards 0 and 1e-7: std 7.1e-8 < eps = 1e-6, so std + eps is eps-sized and the advantages are small, with
+    # the sign of r - mean (std - eps would be negative and flip them: the better answer pushed down)
+    r = torch.tensor([[0.0, 1e-7], [1.0, 0.0]])
+    for scale, kw in (("group", {}), ("batch", {"batch_std": 5e-7})):
+        adv = grpo.group_advantages(r, scale, **kw)
+        assert adv[0, 0] < 0 < adv[0, 1] and adv[0].abs().max() < 0.1, (scale, adv)
+        assert adv[1, 0] > 0 > adv[1, 1]
+
+
 def test_token_logprobs_matches_log_softmax_and_has_gradients():
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11, requires_grad=True)
@@ -937,6 +947,15 @@ def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
             assert torch.allclose(logprobs.token_entropy(logits, 0.7), want, atol=1e-4)
 
 
+def _tiny_gpt2():
+    """A tiny GPT-2: absolute position embeddings, so position ids that ignore the left padding change its
+    log-probs (RoPE models, the others here, see only the distance between positions)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=0,
+                                      eos_token_id=1, bos_token_id=None)).eval()
+
+
 def _mixed_rollout(model, temperature, G=4, T=20):
     """PROMPTS (3, 6 and 1 tokens) x G samples, some ending in EOS and some truncated."""
     roll = sample_groups(model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
@@ -949,13 +968,13 @@ def _micro_batches(N, mb):
     return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
 
 
-@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0)])
+@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0), ("gpt2", 1.0)])
 def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
     # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
-    # is split into two length buckets (0.8, the default, keeps these slices whole)
+    # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute positions
     from logprobs import per_response_logprobs, rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
-    model = tiny_model if kind == "llama" else _tiny("mistral", torch.float32)
+    model = {"llama": lambda: tiny_model, "mistral": lambda: _tiny("mistral", torch.float32), "gpt2": _tiny_gpt2}[kind]()
     t, G = 0.7, 4
     roll = _mixed_rollout(model, t, G)
     N, T_all = roll.response_ids.shape
@@ -987,17 +1006,20 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monke
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("temperature,keep", [(1.0, 0.8), (0.7, 0.8), (0.7, 1.0)])
-def test_training_logprobs_equal_the_samplers(tiny_model, temperature, keep, monkeypatch):
+@pytest.mark.parametrize("kind,temperature,keep", [("llama", 1.0, 0.8), ("llama", 0.7, 0.8), ("llama", 0.7, 1.0),
+                                                   ("gpt2", 0.7, 1.0)])
+def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, keep, monkeypatch):
     # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
-    # off-by-one position, position ids that ignore the left padding, or a dropped temperature all break this
+    # off-by-one position, position ids that ignore the left padding (gpt2: absolute positions), or a dropped
+    # temperature all break this
     from logprobs import rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
-    roll = _mixed_rollout(tiny_model, temperature)
+    model = tiny_model if kind == "llama" else _tiny_gpt2()
+    roll = _mixed_rollout(model, temperature)
     N = roll.response_ids.shape[0]
     for mb in (N, 5):
         with torch.no_grad():
-            logp = torch.cat([rollout_logprobs(tiny_model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
+            logp = torch.cat([rollout_logprobs(model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
         assert ((logp - roll.logprobs) * roll.mask).abs().max() <= 1e-4
 
 
@@ -1874,6 +1896,55 @@ def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 prints the one line
 
 
+def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tiny_model):
+    # Step 2 on the tiny model: a right answer scores 1, a wrong one --wrong-reward, plus DAPO's soft overlong
+    # penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored advantages would hide both)
+    import contextlib
+
+    import parallel
+    import train
+    args = train.parse_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step", "3", "--group-size", "4",
+                             "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
+    rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
+    task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
+                      lambda text, answer: float(int(text.split()[0]) % 2 == 0), eos=[1], pad=0)
+    roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), contextlib.nullcontext, 0)
+    right = torch.tensor([float(int(roll.response_ids[i, 0]) % 2 == 0) for i in range(12)])
+    L = roll.lengths.float()
+    penalty = torch.where(L <= 4, 0.0, (4 - L) / 4)                   # 0 up to 8 - 4 tokens, then down to -1 at 8
+    want = torch.where(right == 1, 1.0, -0.5) + penalty
+    assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.extra["correct"], right)
+    assert torch.allclose(roll.extra["rewards"], want)
+    s = train.drawn_sums([roll])
+    assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
+
+
+class _TwoRanks:
+    """Dist of one of two ranks: sum adds the other rank's share (what all_reduce returns)."""
+    def __init__(self, other):
+        self.other = other
+
+    def sum(self, x):
+        return x.double() + self.other
+
+
+def test_batch_std_is_bessel_corrected_over_all_ranks():
+    import parallel
+    import train
+    r = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -0.5])
+    halves = []
+    for part in (r, r[:4], r[4:]):
+        roll = _fake_rollout([[1, 0, 0, 1]] * (len(part) // 4))
+        roll.extra["rewards"] = part
+        halves.append(roll)
+    assert train.reward_std(halves[0], parallel.Dist("cpu")) == pytest.approx(float(r.double().std()), abs=1e-12)  # n - 1
+    for k in (1, 2):  # rank k - 1 of 2: its own rewards, and the other rank's count, sum and sum of squares
+        other = r[4:].double() if k == 1 else r[:4].double()
+        sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(), (other * other).sum()])
+        assert train.reward_std(halves[k], _TwoRanks(sums)) == pytest.approx(float(r.double().std()), abs=1e-12)
+    assert train.reward_std(None, parallel.Dist("cpu")) == 0.0
+
+
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
     row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std, "len/truncated_frac": truncated}
     return row if kept is None else {**row, "sampling/groups_kept": kept, "sampling/rounds": 4.0}
@@ -2039,6 +2110,40 @@ def test_bad_input_gets_one_clear_line(tmp_path, capsys, content, flags, message
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    # save step 1; the save of step 2 writes half its bytes and the process dies: step 1 still loads, whole
+    import io
+
+    import checkpoint
+
+    def state(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path = str(tmp_path / "checkpoint.pt")
+    model, opt, sched = state(0)
+    checkpoint.save(path, model, opt, sched, {"step": 1, "data_pos": 4})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    real_save = torch.save
+
+    def crash(obj, f):
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        with open(f, "wb") as fh:
+            fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise KeyboardInterrupt("killed mid-save")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(path, *state(1), {"step": 2, "data_pos": 8})
+    monkeypatch.setattr(torch, "save", real_save)
+    fresh, fresh_opt, fresh_sched = state(2)
+    ckpt = checkpoint.load(path, fresh, fresh_opt, fresh_sched)
+    assert ckpt["step"] == 1 and all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
 
 
 def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, capsys):

@@ -227,6 +227,13 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
     return s
 
 
+def reward_std(roll: Rollout | None, ddp: parallel.Dist) -> float:
+    """The std of every rank's rewards of the step (--adv-scale batch), Bessel-corrected as torch.std."""
+    r = roll.extra["rewards"].double() if roll is not None else torch.zeros(0, dtype=torch.float64)  # [N]
+    n, s1, s2 = ddp.sum(torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)).tolist()
+    return math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
+
+
 NO_SIGNAL_STEPS = 3  # no sample of this many first steps scored above 0: the run is told so
 
 
@@ -379,11 +386,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        advantages = mask = batch_std = None
-        if args.adv_scale == "batch":               # the std of all ranks' rewards: N ranks scale as one rank does
-            r = roll.extra["rewards"].double() if roll is not None else torch.zeros(0, dtype=torch.float64)
-            n, s1, s2 = ddp.sum(torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)).tolist()
-            batch_std = math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
+        advantages = mask = None
+        batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks' rewards: N ranks as one
         if roll is not None:
             rewards = roll.extra["rewards"].view(-1, args.group_size)                # [B, G]
             advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
