@@ -1945,6 +1945,23 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
     assert train.reward_std(None, parallel.Dist("cpu")) == 0.0
 
 
+@pytest.mark.slow
+def test_finished_fsdp_runs_exit_0_every_time_with_no_gloo_thread_left(tiny_run_inputs, tmp_path):
+    """A finished 2-rank --fsdp run aborted at teardown now and then (rank 1, "terminate called without an
+    active exception"): DTensor's caches kept the process group alive past destroy_process_group, and its gloo
+    threads ran on into interpreter exit. Now the group is freed when train.main returns (no gloo thread on
+    either rank: what decides the race, checked every time) and each of 3 runs exits 0 (_torchrun)."""
+    d = tiny_run_inputs
+    for i in range(3):
+        for r in (0, 1):
+            (tmp_path / f"threads{r}").unlink(missing_ok=True)
+        _torchrun(2, _thread_counting_driver(tmp_path), "--model", str(d / "model"), "--data", str(d / "train.jsonl"),
+                  "--eval-data", "", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--steps", "1",
+                  "--fsdp", "--log-completions", "0", "--device", "cpu", "--out", str(tmp_path / f"run{i}"))
+        assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"], i
+        assert (tmp_path / f"run{i}" / "final" / "model.safetensors").exists()
+
+
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
     row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std, "len/truncated_frac": truncated}
     return row if kept is None else {**row, "sampling/groups_kept": kept, "sampling/rounds": 4.0}
