@@ -804,7 +804,7 @@ def _hand_rolled_update(model, ref, roll, advantages, mask, args):
             with torch.no_grad():
                 for p in model.parameters():
                     p -= args.lr * p.grad
-            losses.append(float(loss))
+            losses.append(loss.item())
     return losses
 
 
