@@ -11,7 +11,10 @@ A JSONL file has one JSON object per line. `--prompt-field` / `--answer-field` n
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import math
+import numbers
 import os
 import zlib
 
@@ -46,7 +49,8 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
             for f in (prompt_field, answer_field):
                 if f not in row:
                     raise InputError(f"{path}:{i}: no field {f!r} (fields: {', '.join(sorted(row)) or 'none'})")
-            rows.append({"prompt": str(row[prompt_field]), "answer": str(row[answer_field])})
+            rows.append({"prompt": str(row[prompt_field]), "answer": str(row[answer_field]),
+                         "columns": {k: v for k, v in row.items() if k != prompt_field}})  # for TRL-style rewards
             if limit and len(rows) >= limit:
                 break
     if not rows:
@@ -67,6 +71,80 @@ def load_reward(spec: str):
     if not callable(fn):
         raise InputError(f"--reward {spec}: {name} is not callable")
     return fn
+
+
+RESERVED = ("mean", "correct", "frac_zero_std")  # reward/<name> keys train.py logs for the combined reward
+
+
+def is_batch_reward(fn) -> bool:
+    """TRL's signature f(prompts, completions, **columns) -> list[float | None] (a parameter named prompts or
+    completions, or **kwargs); otherwise f(response, answer) -> float, called once per response."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD or p.name in ("prompts", "completions") for p in params)
+
+
+class Reward:
+    """The score of each response: the --reward functions, each times its --reward-weights weight, summed.
+
+    A function with TRL's batch signature gets, by name, `prompts` (the rows' prompt texts, before any
+    template), `completions` (the response texts), `completion_ids` (token ids) and every other column of the
+    rows (the data set's fields but the prompt field, the answer field among them, under their own names);
+    one without **kwargs gets only the names it declares. It returns one float or None per response; None is
+    no score: that component leaves the response's sum, as TRL sums with nansum (a response no component
+    scores gets 0). `__call__` returns the sums [N] and each component [N] (NaN where it gave no score).
+    """
+
+    def __init__(self, fns: list[tuple[str, object]], weights: list[float] | None = None):
+        self.names, self.fns = [n for n, _ in fns], [f for _, f in fns]
+        self.weights = list(weights) if weights is not None else [1.0] * len(fns)
+        self.batch = [is_batch_reward(f) for f in self.fns]
+        if len(self.weights) != len(fns):
+            raise InputError(f"--reward-weights: {len(self.weights)} weights for {len(fns)} --reward functions")
+        for n in self.names:
+            if n in RESERVED or self.names.count(n) > 1:
+                raise InputError(f"--reward: two rewards, or a reserved metric, named reward/{n}: rename the function")
+
+    @classmethod
+    def load(cls, specs: list[str], weights: list[float] | None = None) -> Reward:
+        """From --reward specs ('verifier' or module:function), named after the function (verifier: 'verifier')."""
+        return cls([(s.partition(":")[2] or s, load_reward(s)) for s in specs], weights)
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
+                 completion_ids=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        parts = {}
+        for name, fn, batch in zip(self.names, self.fns, self.batch):
+            if batch:
+                vals = self._batch(name, fn, prompts, completions, rows, completion_ids)
+            else:
+                vals = [fn(c, r["answer"]) for c, r in zip(completions, rows)]
+            parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals], dtype=torch.float32)  # [N]
+        total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))                    # [N]
+        return total, parts
+
+    @staticmethod
+    def _batch(name, fn, prompts, completions, rows, completion_ids) -> list:
+        columns = {k: [r.get("columns", {"answer": r["answer"]}).get(k) for r in rows]
+                   for k in dict.fromkeys(k for r in rows for k in r.get("columns", {"answer": None}))}
+        kw = {**columns, "prompts": prompts, "completions": completions}
+        params = inspect.signature(fn).parameters
+        if "completion_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kw["completion_ids"] = completion_ids() if completion_ids else None
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            missing = [p for p, v in params.items() if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
+            if missing:
+                raise InputError(f"--reward {name}: needs {missing}, the rows have {sorted(columns)}")
+            kw = {k: v for k, v in kw.items() if k in params}
+        vals = fn(**kw)
+        if not isinstance(vals, (list, tuple)) or len(vals) != len(completions) or \
+                any(v is not None and not isinstance(v, numbers.Real) for v in vals):
+            raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or None, "
+                             f"got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
+        return vals
+
+
+def as_reward(fn) -> Reward:
+    """A Reward as it is, or one function (either signature) as a Reward of weight 1."""
+    return fn if isinstance(fn, Reward) else Reward([(getattr(fn, "__name__", "score"), fn)])
 
 
 class PromptFormatter:

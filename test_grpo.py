@@ -1808,7 +1808,7 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "Half of 4?", "answer": "4/2 = 2\n#### 2"}) + "\n")
     rows = data.load_rows(str(gsm), "train", prompt_field="question", answer_field="answer")
-    assert rows == [{"prompt": "Half of 4?", "answer": "4/2 = 2\n#### 2"}]
+    assert rows == [{"prompt": "Half of 4?", "answer": "4/2 = 2\n#### 2", "columns": {"answer": "4/2 = 2\n#### 2"}}]
     assert verify("so \\boxed{2}", rows[0]["answer"]) == 1.0
     tok = builtin.make_tokenizer()
     assert data.PromptFormatter(tok, "{prompt}\nAnswer:")("2x=4") == tok("2x=4\nAnswer:")["input_ids"]
@@ -1855,6 +1855,58 @@ def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, ca
         train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1", "--resume"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
+
+
+# -- issue 25: TRL-style rewards, data sets through `datasets`, --report-to, LoRA --------------
+
+def trl_length(completions, **kwargs):
+    """A reward in the shape of TRL's docs: a batch of completions in, one float per completion out."""
+    return [-abs(8 - len(c)) / 8 for c in completions]
+
+
+def trl_level_match(prompts, completions, level, answer):
+    """TRL's signature with data set columns by name and no **kwargs; None (no score) where `level` is missing."""
+    return [None if lv is None else float(a in c) * lv for c, lv, a in zip(completions, level, answer)]
+
+
+def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
+    rows = [{"prompt": "p0", "answer": "4", "columns": {"answer": "4", "level": 2}},
+            {"prompt": "p1", "answer": "5", "columns": {"answer": "5"}}]                  # no level: None
+    completions = ["x = 4", "12345678"]
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen.update(prompts=prompts, ids=completion_ids, columns=columns)
+        return [1.0, None]
+
+    reward = data.Reward([("len", trl_length), ("level", trl_level_match), ("x", has_x), ("spy", spy)], [1.0, 0.5, 2.0, 1.0])
+    assert reward.batch == [True, True, False, True]
+    total, parts = reward(["p0", "p1"], completions, rows, lambda: [[1, 2], [3]])
+    assert seen == {"prompts": ["p0", "p1"], "ids": [[1, 2], [3]], "columns": {"answer": ["4", "5"], "level": [2, None]}}
+    assert parts["len"].tolist() == [-3 / 8, 0.0] and parts["x"].tolist() == [1.0, 0.0]
+    assert parts["level"][0] == 2.0 and parts["level"][1].isnan() and parts["spy"][1].isnan()
+    assert total.tolist() == pytest.approx([-3 / 8 + 0.5 * 2.0 + 2.0 + 1.0, 0.0])          # None leaves the sum
+    for bad, message in (([("f", lambda completions: [1.0])], "expected a list of 2 floats or None, got list of 1"),
+                         ([("f", lambda completions: "yes")], "expected a list of 2 floats or None, got str"),
+                         ([("f", lambda completions, solution: [1.0, 1.0])], "needs ['solution']"),
+                         ([("f", has_x), ("f", has_x)], "two rewards, or a reserved metric, named reward/f"),
+                         ([("mean", has_x)], "reward/mean")):
+        with pytest.raises(data.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            data.Reward(bad)(["p0", "p1"], completions, rows)
+    with pytest.raises(data.InputError, match="2 weights for 1"):
+        data.Reward([("x", has_x)], [1.0, 2.0])
+
+
+def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
+    import train
+    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length", "--reward-weights", "1", "0.5")
+    # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 * trl_length
+    assert row["reward/correct"] == pytest.approx(row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
+    assert row["reward/trl_length"] < 0 and json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == \
+        ["test_grpo:has_x", "test_grpo:trl_length"]
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
+    assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

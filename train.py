@@ -58,7 +58,8 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     prompt_template: str = shared("prompt_template")
     system_prompt: str | None = shared("system_prompt")
     chat_template: bool = shared("chat_template")
-    reward: str = shared("reward")
+    reward: list[str] | None = shared("reward")
+    reward_weights: list[float] | None = shared("reward_weights")
     wrong_reward: float | None = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
                                    "(grpo: 0, the article; dapo: -1, the paper's +-1)")
     format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
@@ -176,7 +177,7 @@ class Task:
     rows: list[dict]
     encode: Callable[[str], list[int]]          # prompt text -> token ids (template, chat template)
     decode: Callable[[Rollout, int], str]       # (rollout, row) -> response text
-    reward_fn: Callable[[str, str], float]      # (response, reference answer) -> score, 1 for right
+    reward_fn: data.Reward                      # (prompts, responses, rows) -> (scores [N], components), 1 for right
     eos: list[int]
     pad: int
 
@@ -185,7 +186,8 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
 
     Returns the rollout, with per-response extra["correct"] (the score), extra["rewards"] (DAPO: +-1 and
-    the soft overlong penalty) and extra["index"] (the prompt's position in the stream), and its timings.
+    the soft overlong penalty), extra["index"] (the prompt's position in the stream) and extra["reward/<name>"]
+    (each --reward component, NaN where it gave no score), and its timings.
     """
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
@@ -195,16 +197,17 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
                              task.eos, task.pad, args.temperature, args.top_p,
                              generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
     t1 = time.time()
-    answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
-    texts = [task.decode(roll, i) for i in range(len(answers))]
-    correct = torch.tensor([float(task.reward_fn(t, a)) for t, a in zip(texts, answers)])        # [N]
+    rows = [r for _, r in mine for _ in range(args.group_size)]
+    texts = [task.decode(roll, i) for i in range(len(rows))]
+    correct, parts = task.reward_fn([r["prompt"] for r in rows], texts, rows,                    # [N], {name: [N]}
+                                    lambda: [roll.response_ids[i, : roll.lengths[i]].tolist() for i in range(len(rows))])
     rewards = args.wrong_reward + (1.0 - args.wrong_reward) * correct                            # [N]
     if args.format_weight:
         rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
     if args.overlong_penalty:
         rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
     index = torch.tensor([j for j, _ in mine], dtype=torch.long).repeat_interleave(args.group_size)  # [N]
-    roll.extra = {"rewards": rewards, "correct": correct, "index": index}
+    roll.extra = {"rewards": rewards, "correct": correct, "index": index, **{f"reward/{k}": v for k, v in parts.items()}}
     return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
 
 
@@ -223,6 +226,10 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
         s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
         s["groups_all_correct"] += float((correct == 1).all(1).sum())
         s["groups_all_wrong"] += float((correct == 0).all(1).sum())
+        for k in [k for k in r.extra if k.startswith("reward/")]:  # each --reward component: sum and count of its scores
+            scored = ~r.extra[k].isnan()
+            s[k] = s.get(k, 0.0) + float(r.extra[k][scored].sum())
+            s["scored:" + k] = s.get("scored:" + k, 0.0) + float(scored.sum())
     return s
 
 
@@ -243,7 +250,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn = data.load_reward(args.reward)
+    reward_fn = data.Reward.load(args.reward, args.reward_weights)
     train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
     eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
         if args.eval_data else []
@@ -355,6 +362,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "reward/mean": d["reward"] / d["samples"], "reward/correct": d["correct"] / d["samples"],
                "reward/frac_zero_std": d["groups_zero_std"] / d["groups"],
                "groups/all_correct": d["groups_all_correct"] / d["groups"], "groups/all_wrong": d["groups_all_wrong"] / d["groups"],
+               **{k: d[k] / d["scored:" + k] for k in d if k.startswith("reward/") and d["scored:" + k] > 0},
                "kl": u["kl"] / max(u["tokens"], 1.0), "entropy": u["entropy"] / max(u["entropy_tokens"], 1.0),
                "mismatch/logp_abs_mean": u["mismatch/abs"] / max(u["mismatch/tokens"], 1.0),
                "mismatch/logp_abs_max": mismatch_max, "mismatch/kl": u["mismatch/kl"] / max(u["mismatch/tokens"], 1.0),
