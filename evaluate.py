@@ -261,7 +261,9 @@ def resolve(ns, error, builtin: bool) -> None:
 
 @dataclass
 class Cli(EvalArgs):
-    data: str = flag("builtin", "'builtin' (the built-in held-out split) or a JSONL file with a prompt and an answer per row")
+    data: str = flag("builtin", "'builtin' (the built-in held-out split), a JSONL (or .json) file with a prompt and an answer "
+                     "per row, or through `datasets`: a Parquet/Arrow file, a folder or a hub data set id")
+    data_split: str = flag("test", "split of --data when it is a folder or a hub id (datasets)")
     out: str | None = flag(None, "write one JSON line per model and problem here (prompt, reference, samples with score and answer)")
 
 
@@ -272,7 +274,7 @@ def main(argv=None) -> list[tuple[str, dict]]:
     args = p.parse_args(argv)
     resolve(args, p.error, builtin=args.data == "builtin" or all(m == "builtin" for m in args.model))
     try:
-        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size)
+        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.data_split)
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:

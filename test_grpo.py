@@ -1909,6 +1909,42 @@ def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path,
     assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
 
 
+def test_data_json_array_file_keeps_every_column(tmp_path):
+    (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1}, {"q": "2+2", "sol": 4}]))
+    rows = data.load_rows(str(tmp_path / "rows.json"), "train", "q", "sol")
+    assert rows == [{"prompt": "1+1", "answer": "2", "columns": {"sol": 2, "level": 1}},
+                    {"prompt": "2+2", "answer": "4", "columns": {"sol": 4}}]
+    (tmp_path / "bad.json").write_text('[{"q": "1+1", "sol": 2},\n {"q": ]')
+    with pytest.raises(data.InputError, match=r"bad.json:2: not valid JSON"):
+        data.load_rows(str(tmp_path / "bad.json"), "train", "q", "sol")
+
+
+def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets", reason="--data with Parquet/Arrow/folders/hub ids needs `datasets`")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    train = [{"question": f"{i}x=0", "solution": str(i), "level": i % 3} for i in range(5)]
+    test = [{"question": "9x=0", "solution": "9", "level": 0}]
+    (tmp_path / "splits").mkdir()
+    datasets.Dataset.from_list(train).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.Dataset.from_list(train).to_parquet(str(tmp_path / "splits" / "train.parquet"))
+    datasets.Dataset.from_list(test).to_parquet(str(tmp_path / "splits" / "test.parquet"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(train), test=datasets.Dataset.from_list(test)).save_to_disk(
+        str(tmp_path / "saved"))
+    want = [{"prompt": r["question"], "answer": r["solution"], "columns": {"solution": r["solution"], "level": r["level"]}}
+            for r in train]
+    load = lambda path, **kw: data.load_rows(str(tmp_path / path), "train", "question", "solution", **kw)  # noqa: E731
+    assert load("train.parquet") == want and load("train.parquet", limit=2) == want[:2]
+    assert load("splits") == want and load("splits", hf_split="test")[0]["prompt"] == "9x=0"
+    assert load("saved") == want and load("saved", hf_split="test")[0]["answer"] == "9"
+    with pytest.raises(data.InputError, match=r"train.parquet:1: no field 'answer' \(fields: level, question, solution\)"):
+        data.load_rows(str(tmp_path / "train.parquet"), "train", "question", "answer")
+    with pytest.raises(data.InputError, match=r"--data .*splits: could not be loaded \(split 'validation': "):
+        load("splits", hf_split="validation")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: one line that says what to install
+    with pytest.raises(data.InputError, match=r"pip install datasets"):
+        load("train.parquet")
+
+
 # ---------------------------------------------------------------------------------------------
 # ablate.py: the rows, and the table built from metrics
 # ---------------------------------------------------------------------------------------------

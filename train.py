@@ -50,9 +50,12 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     # -- what to train on
     algo: str = _f("dapo", "sets the papers' defaults for every field left at None below", ["grpo", "dapo"])
     model: str = shared("model")
-    data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file with a prompt and an answer per row")
-    eval_data: str | None = _f(None, "held-out JSONL for evaluation (default: the built-in held-out split with "
+    data: str = _f("builtin", "'builtin' (linear equations), a JSONL (or .json) file with a prompt and an answer per row, "
+                   "or through `datasets`: a Parquet/Arrow file, a folder or a hub data set id")
+    data_split: str = _f("train", "split of --data when it is a folder or a hub id (datasets)")
+    eval_data: str | None = _f(None, "held-out data for evaluation, as --data (default: the built-in held-out split with "
                               "--data builtin, else no evaluation)")
+    eval_split: str = _f("test", "split of --eval-data when it is a folder or a hub id (datasets)")
     prompt_field: str = shared("prompt_field")
     answer_field: str = shared("answer_field")
     prompt_template: str = shared("prompt_template")
@@ -251,8 +254,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
     reward_fn = data.Reward.load(args.reward, args.reward_weights)
-    train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
-    eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
+    train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field, hf_split=args.data_split)
+    eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.eval_split) \
         if args.eval_data else []
     ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
     metrics_path, completions_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "completions.jsonl")
