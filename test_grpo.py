@@ -1897,6 +1897,7 @@ def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
         data.Reward([("x", has_x)], [1.0, 2.0])
 
 
+@pytest.mark.slow
 def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
     import train
     row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length", "--reward-weights", "1", "0.5")
@@ -1943,6 +1944,70 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: one line that says what to install
     with pytest.raises(data.InputError, match=r"pip install datasets"):
         load("train.parquet")
+
+
+def _logged_scalars(out):
+    """{(key, step): value} of every metrics.jsonl row, eval rows too: what --report-to must send on."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/accuracy" in r for r in rows) and any("loss" in r for r in rows)
+    return {(k, r["step"]): v for r in rows for k, v in r.items() if k != "step"}
+
+
+def _wandb_history(run_file):
+    """{(key, step): value} of an offline run's history, read from its .wandb file: W&B's leveldb-style log
+    (a 7-byte file header, records of 4-byte crc, 2-byte length, 1-byte type in 32 KiB blocks) of protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    buf, pos, part, out, config = run_file.read_bytes(), 7, b"", {}, {}
+    while pos + 7 <= len(buf):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
+            pos += 32768 - pos % 32768
+            continue
+        n, kind = int.from_bytes(buf[pos + 4:pos + 6], "little"), buf[pos + 6]
+        part, pos = part + buf[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a full record, or the last piece of one
+            rec = pb.Record()
+            rec.ParseFromString(part)
+            part = b""
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                out.update({(k, rec.history.step.num): v for k, v in items.items() if not k.startswith("_")})
+            if rec.WhichOneof("record_type") == "run":
+                config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+    return out, config
+
+
+@pytest.mark.slow
+def test_report_to_tensorboard_holds_the_metrics_rows(tiny_run_inputs, tmp_path):
+    pytest.importorskip("tensorboard", reason="--report-to tensorboard needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "tensorboard", "--run-name", "tb")
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "tb"))
+    acc.Reload()
+    got = {(k, e.step): e.value for k in acc.Tags()["scalars"] for e in acc.Scalars(k)}
+    want = _logged_scalars(tmp_path / "run")
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-6) for k in want)  # float32 there
+    assert '"run_name": "tb"' in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+@pytest.mark.slow
+def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inputs, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="--report-to wandb needs the wandb package")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "wandb")
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    got, config = _wandb_history(run_file)
+    assert got == _logged_scalars(tmp_path / "run")
+    assert config["run_name"] == "run" and config["reward"] == ["test_grpo:has_x"] and config["world_size"] == 1
+
+
+def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    import train
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit) as e:
+        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to", "wandb"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not installed (pip install wandb)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 
 import builtin
 import checkpoint
+import curves
 import dapo
 import data
 import evaluate
@@ -117,6 +118,9 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     resume: bool = _f(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; --steps is the total)")
     device: str | None = shared("device")
     plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
+    report_to: str = _f("none", "also send every metrics.jsonl row to wandb or tensorboard (OUT/tensorboard/RUN_NAME) as it "
+                        "is written (rank 0)", ["none", "wandb", "tensorboard"])
+    run_name: str | None = _f(None, "the run's name for --report-to (default: the name of the --out folder)")
     log_completions: int = _f(2, "append this many sampled completions per step (prompt, response, reward) to "
                                  "OUT/completions.jsonl (0: off)")
 
@@ -150,6 +154,8 @@ def parse_args(argv=None) -> Args:
     evaluate.resolve(ns, p.error, builtin=ns.model == "builtin")  # the settings shared with evaluate.py, and their checks
     if ns.overlong_cache is None:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
+    if ns.run_name is None:
+        ns.run_name = os.path.basename(os.path.abspath(ns.out))
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
@@ -287,10 +293,14 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
             checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
+    live = None  # --report-to: every logged row also goes to wandb / tensorboard
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
+        config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
         with open(os.path.join(args.out, "config.json"), "w") as fh:
-            json.dump({**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}, fh, indent=1)
+            json.dump(config, fh, indent=1)
+        if args.report_to != "none":
+            live = curves.LiveCurves(args.report_to, args.run_name, args.out, config)
         if args.resume:
             checkpoint.trim_metrics(metrics_path, state["step"])
             checkpoint.trim_metrics(completions_path, state["step"])
@@ -302,6 +312,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         if metrics_file:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
+        if live:
+            live.log(row)
 
     def evaluate_at(step: int) -> float | None:
         """Held-out metrics (evaluate.py; split over ranks) logged; returns greedy accuracy, or mean@n."""
@@ -407,6 +419,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             model.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
         metrics_file.close()
+        if live:
+            live.close()
         if completions_file:
             completions_file.close()
         what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
@@ -414,7 +428,6 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                if eval_rows and state["acc_before"] is not None else "")
         print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
         if args.plot:
-            import curves
             if curves.plot_runs({args.algo: [curves.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
                 print(f"curves: {os.path.join(args.out, 'curves.png')}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
