@@ -2010,6 +2010,125 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
     assert e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not installed (pip install wandb)"
 
 
+def _lora_model(d, r=4):
+    """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would be a no-op)."""
+    import lora
+    path, tok, model = data.load_model(str(d / "model"))
+    config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return tok, model, config
+
+
+def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_inputs):
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    import lora
+    tok, model, _ = _lora_model(tiny_run_inputs)
+    _, _, base = data.load_model(str(tiny_run_inputs / "model"))
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    assert len(adapters) == 2 * 7 * 2                                       # A and B of 7 projections in 2 layers
+    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 2, 8, eos,
+                         tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    rows = slice(0, 6)
+    logp, _, mask = rollout_logprobs(model, roll, rows, 1.0)
+    (logp * mask).sum().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == adapters                                                # every adapter, nothing else
+    with torch.no_grad():
+        with lora.adapters_off(model):
+            ref = rollout_logprobs(model, roll, rows, 1.0)[0]
+        again = rollout_logprobs(model, roll, rows, 1.0)[0]
+        want = rollout_logprobs(base, roll, rows, 1.0)[0]
+    assert torch.allclose(ref, want, atol=1e-6)                             # the reference is the base model
+    assert (logp.detach() - want).abs().max() > 1e-3                        # which the adapted policy is not
+    assert torch.equal(again, logp.detach()) and {n for n, p in model.named_parameters() if p.requires_grad} == adapters
+
+
+def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs, tmp_path):
+    peft = pytest.importorskip("peft", reason="--lora-r needs peft")
+    from transformers import AutoModelForCausalLM
+
+    import lora
+    tok, model, config = _lora_model(tiny_run_inputs)
+    model.save_pretrained(tmp_path / "final", state_dict=lora.merged_state_dict(model))
+    lora.save_adapter(model, config, str(tmp_path / "adapter"))
+    merged, base = _weights(tmp_path / "final"), _weights(tiny_run_inputs / "model")
+    sd, adapted = model.state_dict(), 0
+    for k in base:
+        prefix = k.removesuffix(".weight")
+        if f"{prefix}.lora_A.default.weight" in sd:                         # W + alpha / r * B A, by hand
+            A, B = sd[f"{prefix}.lora_A.default.weight"], sd[f"{prefix}.lora_B.default.weight"]
+            assert torch.allclose(merged[k], base[k] + 2.0 * B @ A, atol=1e-6), k
+            assert (merged[k] - base[k]).abs().max() > 1e-3
+            adapted += 1
+        else:
+            assert torch.equal(merged[k], base[k]), k
+    assert adapted == 14
+    ids = torch.tensor([tok("2x+4=10\n")["input_ids"]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "final")(input_ids=ids).logits
+        alone = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model"),
+                                               tmp_path / "adapter")(input_ids=ids).logits
+    assert torch.allclose(plain, want, atol=1e-5) and torch.allclose(alone, want, atol=1e-5)
+
+
+def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import train
+    flags = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
+    for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
+                           (["--lora-r", "-1"], "--lora-r must be >= 0"),
+                           (["--lora-r", "4", "--lora-target-modules", "wq,wk"], "--lora-target-modules wq,wk: ")):
+        if "wq,wk" in extra and importlib.util.find_spec("peft") is None:  # the others need no peft
+            continue
+        with pytest.raises(SystemExit) as e:
+            train.main([*flags, *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(SystemExit) as e:
+        train.main([*flags, "--lora-r", "4"])
+    assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
+    assert train.parse_args(["--lora-r", "8"]).lora_alpha == 16 and train.parse_args(["--lora-r", "8"]).lr == 2e-3
+
+
+@pytest.mark.slow
+def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_inputs, tmp_path):
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    from transformers import AutoModelForCausalLM
+    d = tiny_run_inputs
+    lora_flags = ["--lora-r", "4", "--beta", "0.04", "--algo", "grpo", "--save-every", "1", "--eval-every", "5"]
+    _run_train(d, tmp_path / "full", *lora_flags, "--steps", "2")
+    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "1")
+    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "2", "--resume")
+    a, b = _weights(tmp_path / "full" / "final"), _weights(tmp_path / "part" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)                          # merged finals of resumed and straight runs
+    start = _weights(d / "model")
+    assert any(not torch.equal(start[k], a[k]) for k in a) and a.keys() == start.keys()
+    assert (tmp_path / "full" / "adapter" / "adapter_model.safetensors").exists()
+    # AdamW holds the adapters alone; memory/state_bytes: all weights once, the adapters' gradients and two moments
+    ckpt = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
+    n_base = sum(v.numel() for k, v in start.items() if k != "lm_head.weight")   # lm_head is tied to the embeddings
+    n_adapter = sum(v.numel() for k, v in ckpt["model"].items() if ".lora_" in k)
+    assert len(ckpt["optimizer"]["state"]) == len(ckpt["optimizer"]["param_groups"][0]["params"]) == 2 * 14
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert rows[-1]["memory/state_bytes"] == 4 * (n_base + n_adapter) + 12 * n_adapter + 4 * 28  # + AdamW's step counts
+    assert rows[-1]["memory/state_bytes"] < 0.4 * 20 * n_base              # full fine-tuning + a reference copy: 20 B each
+    assert rows[-1]["kl"] > 0
+    # 2 gloo ranks (DDP over the adapters) end where one process does
+    _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, tmp_path / "w2"), *lora_flags, "--steps", "2")
+    w2 = _weights(tmp_path / "w2" / "final")
+    assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # ablate.py: the rows, and the table built from metrics
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ step, data position) is written atomically to OUT/checkpoint.pt (with --fsdp: sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -37,6 +38,7 @@ import dapo
 import data
 import evaluate
 import grpo
+import lora
 import parallel
 import update
 import variants
@@ -92,6 +94,11 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     bf16: bool | None = shared("bf16")
     fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
+    lora_r: int = _f(0, "LoRA rank (peft): train only adapters of --lora-target-modules; the KL reference is the model with "
+                     "them off; OUT/final is merged, OUT/adapter the adapter alone (0: full fine-tuning)")
+    lora_alpha: float | None = _f(None, "LoRA alpha: each adapted weight is W + alpha / r * B A (default: 2 * r)")
+    lora_target_modules: str = _f(lora.TARGETS, "modules given adapters: comma-separated names (default: the attention and "
+                                  "MLP projections of Llama, Qwen, Mistral) or all-linear")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
     beta: float | None = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
     eps_low: float | None = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
@@ -138,6 +145,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 }
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
+LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
 USER_ERRORS = (data.InputError, checkpoint.CheckpointError, parallel.ShardingError)  # printed in one line, exit 2
 
 
@@ -148,12 +156,16 @@ def parse_args(argv=None) -> Args:
     # --- derived settings: resolved once, here, and written to config.json ---
     fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
             **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
+    if ns.lora_r:  # LoRA's best learning rate is about 10x full fine-tuning's ("LoRA Without Regret", Thinking Machines 2025)
+        fill["lr"] *= LORA_LR_SCALE
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
     evaluate.resolve(ns, p.error, builtin=ns.model == "builtin")  # the settings shared with evaluate.py, and their checks
     if ns.overlong_cache is None:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
+    if ns.lora_alpha is None:
+        ns.lora_alpha = 2.0 * ns.lora_r
     if ns.run_name is None:
         ns.run_name = os.path.basename(os.path.abspath(ns.out))
     if ns.eval_data is None and ns.data == "builtin":
@@ -169,7 +181,10 @@ def parse_args(argv=None) -> Args:
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
               (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"), (ns.save_every >= 0, "--save-every must be >= 0"),
-              (ns.max_samples >= 0, "--max-samples must be >= 0"), (ns.log_completions >= 0, "--log-completions must be >= 0")]
+              (ns.max_samples >= 0, "--max-samples must be >= 0"), (ns.log_completions >= 0, "--log-completions must be >= 0"),
+              (ns.lora_r >= 0, "--lora-r must be >= 0 (0: full fine-tuning)"),
+              (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
+              (not (ns.lora_r and ns.fsdp), "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -272,6 +287,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             builtin.base_model()
         ddp.barrier()
     path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
+    lora_config = lora.add_adapters(model, args.lora_r, args.lora_alpha, args.lora_target_modules, path) if args.lora_r else None
     if args.gradient_checkpointing:
         parallel.checkpoint_activations(model)
     if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
@@ -281,13 +297,15 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
     amp = lambda: torch.autocast(torch.device(ddp.device).type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    ref = None  # the KL term's reference: a frozen copy, or with LoRA the model itself with its adapters off (no copy)
+    if args.beta > 0:
+        ref = model if args.lora_r else copy.deepcopy(model).eval().requires_grad_(False)
     if ref is not None and args.fsdp:
         parallel.shard(ref, ddp.device)
     policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
-    learner = update.Learner(policy, model, ref, opt, amp)
+    learner = update.Learner(policy, model, ref, opt, amp, (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
         ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
@@ -389,7 +407,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
                "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
-        row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
+        row["memory/state_bytes"] = parallel.state_bytes(model, opt, None if ref is model else ref)  # rank 0's own: its shards under --fsdp
         log(row)
         if completions_file:  # a few of rank 0's completions of the batch trained on, to read what the policy writes
             completions_file.writelines(json.dumps({"step": step + 1, **c}) + "\n"
@@ -412,12 +430,15 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
 
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
-    weights = parallel.full_state_dict(model)  # gathered on rank 0 under --fsdp (every rank takes part)
+    weights = lora.merged_state_dict(model) if args.lora_r else parallel.full_state_dict(model)  # FSDP: gathered on rank 0
     if ddp.master:
         final = os.path.join(args.out, "final")
         with checkpoint.atomic(final) as tmp:
             model.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
+        if args.lora_r:  # the adapter alone, beside the merged model
+            with checkpoint.atomic(os.path.join(args.out, "adapter")) as tmp:
+                lora.save_adapter(model, lora_config, tmp)
         metrics_file.close()
         if live:
             live.close()
