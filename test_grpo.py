@@ -1528,7 +1528,10 @@ def _tiny_flags(d, out):
 
 
 def _run_train(d, out, *extra):
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--steps", "2", "--eval-every", "1", *extra]
+    flags = _tiny_flags(d, out)
+    if "--reward" in extra:  # --reward repeats to sum several rewards: the caller's replaces the default one
+        del flags[flags.index("--reward"):flags.index("--reward") + 2]
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), *flags, "--steps", "2", "--eval-every", "1", *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
                          env={**os.environ, "PYTHONPATH": str(d)})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -1957,12 +1960,14 @@ def _wandb_history(run_file):
     """{(key, step): value} of an offline run's history, read from its .wandb file: W&B's leveldb-style log
     (a 7-byte file header, records of 4-byte crc, 2-byte length, 1-byte type in 32 KiB blocks) of protobufs."""
     from wandb.proto import wandb_internal_pb2 as pb
-    buf, pos, part, out, config = run_file.read_bytes(), 7, b"", {}, {}
+    buf, pos, part, out, config = run_file.read_bytes(), 7, b"", {}, {"exit": False}
     while pos + 7 <= len(buf):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
             pos += 32768 - pos % 32768
             continue
         n, kind = int.from_bytes(buf[pos + 4:pos + 6], "little"), buf[pos + 6]
+        if pos + 7 + n > len(buf):  # a record still being written
+            break
         part, pos = part + buf[pos + 7:pos + 7 + n], pos + 7 + n
         if kind in (1, 4):  # a full record, or the last piece of one
             rec = pb.Record()
@@ -1973,6 +1978,7 @@ def _wandb_history(run_file):
                 out.update({(k, rec.history.step.num): v for k, v in items.items() if not k.startswith("_")})
             if rec.WhichOneof("record_type") == "run":
                 config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+            config["exit"] |= rec.WhichOneof("record_type") == "exit"  # the run's last record
     return out, config
 
 
@@ -1996,7 +2002,10 @@ def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inpu
     monkeypatch.setenv("WANDB_SILENT", "true")
     _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "wandb")
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    got, config = _wandb_history(run_file)
+    deadline = time.time() + 60
+    while not (history := _wandb_history(run_file))[1]["exit"] and time.time() < deadline:
+        time.sleep(0.2)  # wandb's service process may still be writing the file after run.finish() returns
+    got, config = history
     assert got == _logged_scalars(tmp_path / "run")
     assert config["run_name"] == "run" and config["reward"] == ["test_grpo:has_x"] and config["world_size"] == 1
 
