@@ -2110,6 +2110,7 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
 
 @pytest.mark.slow
 def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_inputs, tmp_path):
+    import importlib.util
     pytest.importorskip("peft", reason="--lora-r needs peft")
     from transformers import AutoModelForCausalLM
     d = tiny_run_inputs
@@ -2131,10 +2132,12 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
     assert rows[-1]["memory/state_bytes"] == 4 * (n_base + n_adapter) + 12 * n_adapter + 4 * 28  # + AdamW's step counts
     assert rows[-1]["memory/state_bytes"] < 0.4 * 20 * n_base              # full fine-tuning + a reference copy: 20 B each
     assert rows[-1]["kl"] > 0
-    # 2 gloo ranks (DDP over the adapters) end where one process does
-    _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, tmp_path / "w2"), *lora_flags, "--steps", "2")
+    # 2 gloo ranks (DDP over the adapters) end where one process does; rank 0 alone reports to tensorboard
+    tb = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, tmp_path / "w2"), *lora_flags, "--steps", "2", *tb)
     w2 = _weights(tmp_path / "w2" / "final")
     assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
+    assert len(list((tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*"))) == (1 if tb else 0)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2
 
 
