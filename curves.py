@@ -1,4 +1,5 @@
-"""Reading a run's metrics and drawing its curves (OUT/metrics.jsonl -> PNG), for train.py --plot and ablate.py.
+"""Reading a run's metrics and drawing its curves (OUT/metrics.jsonl -> PNG), for train.py --plot and ablate.py;
+and live curves while it runs (`--report-to wandb|tensorboard`, `LiveCurves`).
 
 Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length and
 truncation against the number of responses sampled).
@@ -6,7 +7,10 @@ truncation against the number of responses sampled).
 from __future__ import annotations
 
 import json
+import os
 import statistics
+
+from data import InputError
 
 CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
           ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
@@ -53,3 +57,39 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+class LiveCurves:
+    """--report-to: every row train.py writes to metrics.jsonl (eval rows too) sent on, under the same keys at
+    the row's `step`, to wandb (wandb.init(name=run_name, config=config, dir=out); WANDB_PROJECT, WANDB_MODE
+    apply) or to tensorboard event files in OUT/tensorboard/<run_name> (the config as text). Rank 0 only.
+    Each package is imported only here; a missing one is an InputError (one line, exit code 2)."""
+
+    def __init__(self, kind: str, run_name: str, out: str, config: dict):
+        self.kind, self.run, self.writer = kind, None, None
+        try:
+            if kind == "wandb":
+                import wandb
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-dapo"), name=run_name, config=config,
+                                      dir=out)
+            else:
+                from torch.utils.tensorboard import SummaryWriter  # torch's writer, needs the tensorboard package
+                self.writer = SummaryWriter(os.path.join(out, "tensorboard", run_name))
+                self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))  # as code
+        except ImportError:
+            raise InputError(f"--report-to {kind}: the {kind} package is not installed (pip install {kind})") from None
+
+    def log(self, row: dict) -> None:
+        scalars = {k: v for k, v in row.items() if k != "step"}
+        if self.run is not None:
+            self.run.log(scalars, step=row["step"])
+        else:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, global_step=row["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+        else:
+            self.writer.close()

@@ -4,14 +4,19 @@ in a seeded order), and the model with its tokenizer and end tokens.
 Article section: the `prompts` / `batch_prompts` fed to Step 1 ("Rollout 采样"); the answers are what
 Step 2's verifier compares against.
 
-A JSONL file has one JSON object per line. `--prompt-field` / `--answer-field` name the columns
-(defaults `prompt`, `answer`); GSM8K's rows work as they are with `--prompt-field question`, since its
-`answer` ends in `#### N` and the verifier reads the number after `####` in the reference too.
+A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet and
+Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for them).
+`--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`); GSM8K's rows work as
+they are with `--prompt-field question`, since its `answer` ends in `#### N` and the verifier reads the
+number after `####` in the reference too.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import math
+import numbers
 import os
 import zlib
 
@@ -22,36 +27,87 @@ class InputError(ValueError):
     """Bad input to a run (a data file, model, reward or checkpoint): reported as one line, exit code 2."""
 
 
+DATASETS_FILES = (".parquet", ".arrow")  # read through `datasets` (a folder or a hub id too); JSONL and .json here
+
+
 def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
-              limit: int | None = None) -> list[dict]:
-    """Rows {"prompt", "answer"} from 'builtin' (split 'train' or 'eval') or a JSONL file."""
+              limit: int | None = None, hf_split: str = "train") -> list[dict]:
+    """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file, or a .json
+    file holding one array of objects; a Parquet or Arrow file, a folder (data files, or a save_to_disk
+    folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. "columns" keeps every field but
+    the prompt's, for reward functions with TRL's signature."""
     if path == "builtin":
         import builtin
         if split == "train":  # a stream drawn from the task's distribution (repeats allowed), never held-out problems
             return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)
         return builtin.sample_problems(limit or 256, seed=2, heldout=True)
-    if not os.path.isfile(path):
+    if os.path.isdir(path) or path.endswith(DATASETS_FILES) or not os.path.exists(path) and _hub_id(path):
+        records = enumerate(_dataset(path, hf_split), 1)
+    elif not os.path.isfile(path):
         raise InputError(f"{path}: no such data file")
+    else:
+        records = _json_records(path)
     rows = []
+    for i, row in records:
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+        for f in (prompt_field, answer_field):
+            if f not in row:
+                raise InputError(f"{path}:{i}: no field {f!r} (fields: {', '.join(sorted(row)) or 'none'})")
+        rows.append({"prompt": str(row[prompt_field]), "answer": str(row[answer_field]),
+                     "columns": {k: v for k, v in row.items() if k != prompt_field}})  # for TRL-style rewards
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise InputError(f"{path}: no rows")
+    return rows
+
+
+def _json_records(path: str):
+    """(line number, object) of a JSONL file, or of a .json file that holds one JSON array."""
     with open(path, encoding="utf-8") as fh:
+        if path.endswith(".json") and fh.read(4096).lstrip().startswith("["):
+            fh.seek(0)
+            try:
+                yield from enumerate(json.load(fh), 1)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            return
+        fh.seek(0)
         for i, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield i, json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise InputError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
-            for f in (prompt_field, answer_field):
-                if f not in row:
-                    raise InputError(f"{path}:{i}: no field {f!r} (fields: {', '.join(sorted(row)) or 'none'})")
-            rows.append({"prompt": str(row[prompt_field]), "answer": str(row[answer_field])})
-            if limit and len(rows) >= limit:
-                break
-    if not rows:
-        raise InputError(f"{path}: no rows")
-    return rows
+
+
+def _hub_id(path: str) -> bool:
+    """'name' or 'owner/name': not a path that was meant to be a local file."""
+    return not path.startswith((".", "/", "~")) and path.count("/") <= 1 and not path.endswith((".jsonl", ".json"))
+
+
+def _dataset(path: str, split: str):
+    """A `datasets` Dataset (imported only here): a Parquet/Arrow file, a save_to_disk folder, a folder of data
+    files or a hub id ('owner/name', or 'owner/name:config'; cached by `datasets`), split `split` (a single
+    file's rows are its 'train' split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"--data {path}: Parquet, Arrow, folders and hub data sets are read through the datasets "
+                         "package, which is not installed (pip install datasets)") from None
+    datasets.disable_progress_bars()
+    try:
+        if os.path.isfile(path):
+            return datasets.load_dataset(path.rsplit(".", 1)[1], data_files=path, split="train")
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            ds = datasets.load_from_disk(path)
+            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        name, _, config = path.partition(":")                # a hub id, 'openai/gsm8k:main' with a config name
+        return datasets.load_dataset(name, config or None, split=split)
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as e:
+        raise InputError(f"--data {path}: could not be loaded (split {split!r}: {str(e).strip().splitlines()[0]})") from None
 
 
 def load_reward(spec: str):
@@ -67,6 +123,80 @@ def load_reward(spec: str):
     if not callable(fn):
         raise InputError(f"--reward {spec}: {name} is not callable")
     return fn
+
+
+RESERVED = ("mean", "correct", "frac_zero_std")  # reward/<name> keys train.py logs for the combined reward
+
+
+def is_batch_reward(fn) -> bool:
+    """TRL's signature f(prompts, completions, **columns) -> list[float | None] (a parameter named prompts or
+    completions, or **kwargs); otherwise f(response, answer) -> float, called once per response."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD or p.name in ("prompts", "completions") for p in params)
+
+
+class Reward:
+    """The score of each response: the --reward functions, each times its --reward-weights weight, summed.
+
+    A function with TRL's batch signature gets, by name, `prompts` (the rows' prompt texts, before any
+    template), `completions` (the response texts), `completion_ids` (token ids) and every other column of the
+    rows (the data set's fields but the prompt field, the answer field among them, under their own names);
+    one without **kwargs gets only the names it declares. It returns one float or None per response; None is
+    no score: that component leaves the response's sum, as TRL sums with nansum (a response no component
+    scores gets 0). `__call__` returns the sums [N] and each component [N] (NaN where it gave no score).
+    """
+
+    def __init__(self, fns: list[tuple[str, object]], weights: list[float] | None = None):
+        self.names, self.fns = [n for n, _ in fns], [f for _, f in fns]
+        self.weights = list(weights) if weights is not None else [1.0] * len(fns)
+        self.batch = [is_batch_reward(f) for f in self.fns]
+        if len(self.weights) != len(fns):
+            raise InputError(f"--reward-weights: {len(self.weights)} weights for {len(fns)} --reward functions")
+        for n in self.names:
+            if n in RESERVED or self.names.count(n) > 1:
+                raise InputError(f"--reward: two rewards, or a reserved metric, named reward/{n}: rename the function")
+
+    @classmethod
+    def load(cls, specs: list[str], weights: list[float] | None = None) -> Reward:
+        """From --reward specs ('verifier' or module:function), named after the function (verifier: 'verifier')."""
+        return cls([(s.partition(":")[2] or s, load_reward(s)) for s in specs], weights)
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
+                 completion_ids=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        parts = {}
+        for name, fn, batch in zip(self.names, self.fns, self.batch):
+            if batch:
+                vals = self._batch(name, fn, prompts, completions, rows, completion_ids)
+            else:
+                vals = [fn(c, r["answer"]) for c, r in zip(completions, rows)]
+            parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals], dtype=torch.float32)  # [N]
+        total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))                    # [N]
+        return total, parts
+
+    @staticmethod
+    def _batch(name, fn, prompts, completions, rows, completion_ids) -> list:
+        columns = {k: [r.get("columns", {"answer": r["answer"]}).get(k) for r in rows]
+                   for k in dict.fromkeys(k for r in rows for k in r.get("columns", {"answer": None}))}
+        kw = {**columns, "prompts": prompts, "completions": completions}
+        params = inspect.signature(fn).parameters
+        if "completion_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kw["completion_ids"] = completion_ids() if completion_ids else None
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            missing = [p for p, v in params.items() if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
+            if missing:
+                raise InputError(f"--reward {name}: needs {missing}, the rows have {sorted(columns)}")
+            kw = {k: v for k, v in kw.items() if k in params}
+        vals = fn(**kw)
+        if not isinstance(vals, (list, tuple)) or len(vals) != len(completions) or \
+                any(v is not None and not isinstance(v, numbers.Real) for v in vals):
+            raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or None, "
+                             f"got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
+        return vals
+
+
+def as_reward(fn) -> Reward:
+    """A Reward as it is, or one function (either signature) as a Reward of weight 1."""
+    return fn if isinstance(fn, Reward) else Reward([(getattr(fn, "__name__", "score"), fn)])
 
 
 class PromptFormatter:

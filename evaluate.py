@@ -144,11 +144,11 @@ class OneProcess:
 def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None) -> tuple[dict, list[dict]]:
     """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
 
-    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn(response, answer)`
-    scores a response (default: the one --reward names)."""
+    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores the responses:
+    a data.Reward, or one function f(response, answer) (default: the --reward functions and weights)."""
     n, ks = args.eval_samples, pass_ks(args.eval_samples)
     greedy = n == 1
-    reward_fn = reward_fn or data.load_reward(args.reward)
+    reward_fn = data.as_reward(reward_fn) if reward_fn else data.Reward.load(args.reward, args.reward_weights)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -166,7 +166,8 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
         for b, i in enumerate(idx):
             rs = range(b * n, (b + 1) * n)                                         # problem i's rows
             texts = [tokenizer.decode(roll.response_ids[j, : lengths[j]], skip_special_tokens=True) for j in rs]
-            scores = [float(reward_fn(t, rows[i]["answer"])) for t in texts]
+            scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n,
+                               lambda rs=rs, ids=roll.response_ids, L=lengths: [ids[j, : L[j]].tolist() for j in rs])[0].tolist()
             records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs], [truncated[j] for j in rs]))
     return metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
 
@@ -200,7 +201,9 @@ class EvalArgs:
     prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by the row's prompt")
     system_prompt: str | None = flag(None, "system message for chat models (prepended as a line without a chat template)")
     chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
-    reward: str = flag("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
+    reward: list[str] | None = flag(None, "'verifier' (the default) or module:function, f(response, answer) -> float or TRL's "
+                                    "f(prompts, completions, **columns) -> list[float | None]; repeat to sum several")
+    reward_weights: list[float] | None = flag(None, "one weight per --reward, the score being their weighted sum (default: all 1)")
     trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only for models you trust)")
     max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
@@ -234,6 +237,10 @@ def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
         kind = (f.type if isinstance(f.type, str) else f.type.__name__).removesuffix(" | None")  # None: resolved later
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
+        elif kind == "list[str]":  # repeated flag: --reward a --reward b
+            kw["action"] = "append"
+        elif kind == "list[float]":  # one flag, several values: --reward-weights 1 0.5
+            kw.update(nargs="+", type=float)
         else:
             kw["type"] = {"int": int, "float": float, "str": str}[kind]
             kw["choices"] = f.metadata["choices"]
@@ -248,10 +255,13 @@ def resolve(ns, error, builtin: bool) -> None:
         ns.device = "cuda" if torch.cuda.is_available() else "cpu"
     if ns.bf16 is None:
         ns.bf16 = ns.device.startswith("cuda")
+    if ns.reward is None:
+        ns.reward = ["verifier"]
     checks = [(ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.eval_size >= 1, "--eval-size must be >= 1"),
               ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
               (ns.eval_samples >= 1, "--eval-samples must be >= 1"), (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
-              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]")]
+              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+              (ns.reward_weights is None or len(ns.reward_weights) == len(ns.reward), "--reward-weights needs one weight per --reward")]
     for ok, msg in checks:
         if not ok:
             error(msg)
@@ -263,7 +273,9 @@ def resolve(ns, error, builtin: bool) -> None:
 
 @dataclass
 class Cli(EvalArgs):
-    data: str = flag("builtin", "'builtin' (the built-in held-out split) or a JSONL file with a prompt and an answer per row")
+    data: str = flag("builtin", "'builtin' (the built-in held-out split), a JSONL (or .json) file with a prompt and an answer "
+                     "per row, or through `datasets`: a Parquet/Arrow file, a folder or a hub data set id")
+    data_split: str = flag("test", "split of --data when it is a folder or a hub id (datasets)")
     out: str | None = flag(None, "write one JSON line per model and problem here (prompt, reference, samples with score and answer)")
 
 
@@ -274,8 +286,8 @@ def main(argv=None) -> list[tuple[str, dict]]:
     args = p.parse_args(argv)
     resolve(args, p.error, builtin=args.data == "builtin" or all(m == "builtin" for m in args.model))
     try:
-        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size)
-        reward_fn = data.load_reward(args.reward)
+        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.data_split)
+        reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
             _, tokenizer, model = data.load_model(spec, args.trust_remote_code)

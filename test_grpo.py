@@ -1652,7 +1652,10 @@ def _tiny_flags(d, out):
 
 
 def _run_train(d, out, *extra):
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--steps", "2", "--eval-every", "1", *extra]
+    flags = _tiny_flags(d, out)
+    if "--reward" in extra:  # --reward repeats to sum several rewards: the caller's replaces the default one
+        del flags[flags.index("--reward"):flags.index("--reward") + 2]
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), *flags, "--steps", "2", "--eval-every", "1", *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
                          env={**os.environ, "PYTHONPATH": str(d)})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -1907,7 +1910,7 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
                              "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
     task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
-                      lambda text, answer: float(int(text.split()[0]) % 2 == 0), eos=[1], pad=0)
+                      data.as_reward(lambda text, answer: float(int(text.split()[0]) % 2 == 0)), eos=[1], pad=0)
     roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), contextlib.nullcontext, 0)
     right = torch.tensor([float(int(roll.response_ids[i, 0]) % 2 == 0) for i in range(12)])
     L = roll.lengths.float()
@@ -2091,7 +2094,7 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "Half of 4?", "answer": "4/2 = 2\n#### 2"}) + "\n")
     rows = data.load_rows(str(gsm), "train", prompt_field="question", answer_field="answer")
-    assert rows == [{"prompt": "Half of 4?", "answer": "4/2 = 2\n#### 2"}]
+    assert rows == [{"prompt": "Half of 4?", "answer": "4/2 = 2\n#### 2", "columns": {"answer": "4/2 = 2\n#### 2"}}]
     assert verify("so \\boxed{2}", rows[0]["answer"]) == 1.0
     tok = builtin.make_tokenizer()
     assert data.PromptFormatter(tok, "{prompt}\nAnswer:")("2x=4") == tok("2x=4\nAnswer:")["input_ids"]
@@ -2172,6 +2175,287 @@ def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, ca
         train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1", "--resume"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
+
+
+# -- issue 25: TRL-style rewards, data sets through `datasets`, --report-to, LoRA --------------
+
+def trl_length(completions, **kwargs):
+    """A reward in the shape of TRL's docs: a batch of completions in, one float per completion out."""
+    return [-abs(8 - len(c)) / 8 for c in completions]
+
+
+def trl_level_match(prompts, completions, level, answer):
+    """TRL's signature with data set columns by name and no **kwargs; None (no score) where `level` is missing."""
+    return [None if lv is None else float(a in c) * lv for c, lv, a in zip(completions, level, answer)]
+
+
+def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
+    rows = [{"prompt": "p0", "answer": "4", "columns": {"answer": "4", "level": 2}},
+            {"prompt": "p1", "answer": "5", "columns": {"answer": "5"}}]                  # no level: None
+    completions = ["x = 4", "12345678"]
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen.update(prompts=prompts, ids=completion_ids, columns=columns)
+        return [1.0, None]
+
+    reward = data.Reward([("len", trl_length), ("level", trl_level_match), ("x", has_x), ("spy", spy)], [1.0, 0.5, 2.0, 1.0])
+    assert reward.batch == [True, True, False, True]
+    total, parts = reward(["p0", "p1"], completions, rows, lambda: [[1, 2], [3]])
+    assert seen == {"prompts": ["p0", "p1"], "ids": [[1, 2], [3]], "columns": {"answer": ["4", "5"], "level": [2, None]}}
+    assert parts["len"].tolist() == [-3 / 8, 0.0] and parts["x"].tolist() == [1.0, 0.0]
+    assert parts["level"][0] == 2.0 and parts["level"][1].isnan() and parts["spy"][1].isnan()
+    assert total.tolist() == pytest.approx([-3 / 8 + 0.5 * 2.0 + 2.0 + 1.0, 0.0])          # None leaves the sum
+    for bad, message in (([("f", lambda completions: [1.0])], "expected a list of 2 floats or None, got list of 1"),
+                         ([("f", lambda completions: "yes")], "expected a list of 2 floats or None, got str"),
+                         ([("f", lambda completions, solution: [1.0, 1.0])], "needs ['solution']"),
+                         ([("f", has_x), ("f", has_x)], "two rewards, or a reserved metric, named reward/f"),
+                         ([("mean", has_x)], "reward/mean")):
+        with pytest.raises(data.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            data.Reward(bad)(["p0", "p1"], completions, rows)
+    with pytest.raises(data.InputError, match="2 weights for 1"):
+        data.Reward([("x", has_x)], [1.0, 2.0])
+
+
+@pytest.mark.slow
+def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
+    import train
+    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length", "--reward-weights", "1", "0.5")
+    # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 * trl_length
+    assert row["reward/correct"] == pytest.approx(row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
+    assert row["reward/trl_length"] < 0 and json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == \
+        ["test_grpo:has_x", "test_grpo:trl_length"]
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
+    assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
+
+
+def test_data_json_array_file_keeps_every_column(tmp_path):
+    (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1}, {"q": "2+2", "sol": 4}]))
+    rows = data.load_rows(str(tmp_path / "rows.json"), "train", "q", "sol")
+    assert rows == [{"prompt": "1+1", "answer": "2", "columns": {"sol": 2, "level": 1}},
+                    {"prompt": "2+2", "answer": "4", "columns": {"sol": 4}}]
+    (tmp_path / "bad.json").write_text('[{"q": "1+1", "sol": 2},\n {"q": ]')
+    with pytest.raises(data.InputError, match=r"bad.json:2: not valid JSON"):
+        data.load_rows(str(tmp_path / "bad.json"), "train", "q", "sol")
+
+
+def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets", reason="--data with Parquet/Arrow/folders/hub ids needs `datasets`")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    train = [{"question": f"{i}x=0", "solution": str(i), "level": i % 3} for i in range(5)]
+    test = [{"question": "9x=0", "solution": "9", "level": 0}]
+    (tmp_path / "splits").mkdir()
+    datasets.Dataset.from_list(train).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.Dataset.from_list(train).to_parquet(str(tmp_path / "splits" / "train.parquet"))
+    datasets.Dataset.from_list(test).to_parquet(str(tmp_path / "splits" / "test.parquet"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(train), test=datasets.Dataset.from_list(test)).save_to_disk(
+        str(tmp_path / "saved"))
+    want = [{"prompt": r["question"], "answer": r["solution"], "columns": {"solution": r["solution"], "level": r["level"]}}
+            for r in train]
+    load = lambda path, **kw: data.load_rows(str(tmp_path / path), "train", "question", "solution", **kw)  # noqa: E731
+    assert load("train.parquet") == want and load("train.parquet", limit=2) == want[:2]
+    assert load("splits") == want and load("splits", hf_split="test")[0]["prompt"] == "9x=0"
+    assert load("saved") == want and load("saved", hf_split="test")[0]["answer"] == "9"
+    with pytest.raises(data.InputError, match=r"train.parquet:1: no field 'answer' \(fields: level, question, solution\)"):
+        data.load_rows(str(tmp_path / "train.parquet"), "train", "question", "answer")
+    with pytest.raises(data.InputError, match=r"--data .*splits: could not be loaded \(split 'validation': "):
+        load("splits", hf_split="validation")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: one line that says what to install
+    with pytest.raises(data.InputError, match=r"pip install datasets"):
+        load("train.parquet")
+
+
+def _logged_scalars(out):
+    """{(key, step): value} of every metrics.jsonl row, eval rows too: what --report-to must send on."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/accuracy" in r for r in rows) and any("loss" in r for r in rows)
+    return {(k, r["step"]): v for r in rows for k, v in r.items() if k != "step"}
+
+
+def _wandb_history(run_file):
+    """{(key, step): value} of an offline run's history, read from its .wandb file: W&B's leveldb-style log
+    (a 7-byte file header, records of 4-byte crc, 2-byte length, 1-byte type in 32 KiB blocks) of protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    buf, pos, part, out, config = run_file.read_bytes(), 7, b"", {}, {"exit": False}
+    while pos + 7 <= len(buf):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
+            pos += 32768 - pos % 32768
+            continue
+        n, kind = int.from_bytes(buf[pos + 4:pos + 6], "little"), buf[pos + 6]
+        if pos + 7 + n > len(buf):  # a record still being written
+            break
+        part, pos = part + buf[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a full record, or the last piece of one
+            rec = pb.Record()
+            rec.ParseFromString(part)
+            part = b""
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                out.update({(k, rec.history.step.num): v for k, v in items.items() if not k.startswith("_")})
+            if rec.WhichOneof("record_type") == "run":
+                config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+            config["exit"] |= rec.WhichOneof("record_type") == "exit"  # the run's last record
+    return out, config
+
+
+@pytest.mark.slow
+def test_report_to_tensorboard_holds_the_metrics_rows(tiny_run_inputs, tmp_path):
+    pytest.importorskip("tensorboard", reason="--report-to tensorboard needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "tensorboard", "--run-name", "tb")
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "tb"))
+    acc.Reload()
+    got = {(k, e.step): e.value for k in acc.Tags()["scalars"] for e in acc.Scalars(k)}
+    want = _logged_scalars(tmp_path / "run")
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-6) for k in want)  # float32 there
+    assert '"run_name": "tb"' in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+@pytest.mark.slow
+def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inputs, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="--report-to wandb needs the wandb package")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "wandb")
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.time() + 60
+    while not (history := _wandb_history(run_file))[1]["exit"] and time.time() < deadline:
+        time.sleep(0.2)  # wandb's service process may still be writing the file after run.finish() returns
+    got, config = history
+    assert got == _logged_scalars(tmp_path / "run")
+    assert config["run_name"] == "run" and config["reward"] == ["test_grpo:has_x"] and config["world_size"] == 1
+
+
+def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    import train
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit) as e:
+        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to", "wandb"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not installed (pip install wandb)"
+
+
+def _lora_model(d, r=4):
+    """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would be a no-op)."""
+    import lora
+    path, tok, model = data.load_model(str(d / "model"))
+    config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return tok, model, config
+
+
+def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_inputs):
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    import lora
+    tok, model, _ = _lora_model(tiny_run_inputs)
+    _, _, base = data.load_model(str(tiny_run_inputs / "model"))
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    assert len(adapters) == 2 * 7 * 2                                       # A and B of 7 projections in 2 layers
+    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 2, 8, eos,
+                         tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    rows = slice(0, 6)
+    logp, _, mask = rollout_logprobs(model, roll, rows, 1.0)
+    (logp * mask).sum().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == adapters                                                # every adapter, nothing else
+    with torch.no_grad():
+        with lora.adapters_off(model):
+            ref = rollout_logprobs(model, roll, rows, 1.0)[0]
+        again = rollout_logprobs(model, roll, rows, 1.0)[0]
+        want = rollout_logprobs(base, roll, rows, 1.0)[0]
+    assert torch.allclose(ref, want, atol=1e-6)                             # the reference is the base model
+    assert (logp.detach() - want).abs().max() > 1e-3                        # which the adapted policy is not
+    assert torch.equal(again, logp.detach()) and {n for n, p in model.named_parameters() if p.requires_grad} == adapters
+
+
+def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs, tmp_path):
+    peft = pytest.importorskip("peft", reason="--lora-r needs peft")
+    from transformers import AutoModelForCausalLM
+
+    import lora
+    tok, model, config = _lora_model(tiny_run_inputs)
+    model.save_pretrained(tmp_path / "final", state_dict=lora.merged_state_dict(model))
+    lora.save_adapter(model, config, str(tmp_path / "adapter"))
+    merged, base = _weights(tmp_path / "final"), _weights(tiny_run_inputs / "model")
+    sd, adapted = model.state_dict(), 0
+    for k in base:
+        prefix = k.removesuffix(".weight")
+        if f"{prefix}.lora_A.default.weight" in sd:                         # W + alpha / r * B A, by hand
+            A, B = sd[f"{prefix}.lora_A.default.weight"], sd[f"{prefix}.lora_B.default.weight"]
+            assert torch.allclose(merged[k], base[k] + 2.0 * B @ A, atol=1e-6), k
+            assert (merged[k] - base[k]).abs().max() > 1e-3
+            adapted += 1
+        else:
+            assert torch.equal(merged[k], base[k]), k
+    assert adapted == 14
+    ids = torch.tensor([tok("2x+4=10\n")["input_ids"]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "final")(input_ids=ids).logits
+        alone = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model"),
+                                               tmp_path / "adapter")(input_ids=ids).logits
+    assert torch.allclose(plain, want, atol=1e-5) and torch.allclose(alone, want, atol=1e-5)
+
+
+def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import train
+    flags = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
+    for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
+                           (["--lora-r", "-1"], "--lora-r must be >= 0"),
+                           (["--lora-r", "4", "--lora-target-modules", "wq,wk"], "--lora-target-modules wq,wk: ")):
+        if "wq,wk" in extra and importlib.util.find_spec("peft") is None:  # the others need no peft
+            continue
+        with pytest.raises(SystemExit) as e:
+            train.main([*flags, *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(SystemExit) as e:
+        train.main([*flags, "--lora-r", "4"])
+    assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
+    assert train.parse_args(["--lora-r", "8"]).lora_alpha == 16 and train.parse_args(["--lora-r", "8"]).lr == 2e-3
+
+
+@pytest.mark.slow
+def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_inputs, tmp_path):
+    import importlib.util
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    from transformers import AutoModelForCausalLM
+    d = tiny_run_inputs
+    lora_flags = ["--lora-r", "4", "--beta", "0.04", "--algo", "grpo", "--save-every", "1", "--eval-every", "5"]
+    _run_train(d, tmp_path / "full", *lora_flags, "--steps", "2")
+    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "1")
+    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "2", "--resume")
+    a, b = _weights(tmp_path / "full" / "final"), _weights(tmp_path / "part" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)                          # merged finals of resumed and straight runs
+    start = _weights(d / "model")
+    assert any(not torch.equal(start[k], a[k]) for k in a) and a.keys() == start.keys()
+    assert (tmp_path / "full" / "adapter" / "adapter_model.safetensors").exists()
+    # AdamW holds the adapters alone; memory/state_bytes: all weights once, the adapters' gradients and two moments
+    ckpt = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
+    n_base = sum(v.numel() for k, v in start.items() if k != "lm_head.weight")   # lm_head is tied to the embeddings
+    n_adapter = sum(v.numel() for k, v in ckpt["model"].items() if ".lora_" in k)
+    assert len(ckpt["optimizer"]["state"]) == len(ckpt["optimizer"]["param_groups"][0]["params"]) == 2 * 14
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert rows[-1]["memory/state_bytes"] == 4 * (n_base + n_adapter) + 12 * n_adapter + 4 * 28  # + AdamW's step counts
+    assert rows[-1]["memory/state_bytes"] < 0.4 * 20 * n_base              # full fine-tuning + a reference copy: 20 B each
+    assert rows[-1]["kl"] > 0
+    # 2 gloo ranks (DDP over the adapters) end where one process does; rank 0 alone reports to tensorboard
+    tb = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, tmp_path / "w2"), *lora_flags, "--steps", "2", *tb)
+    w2 = _weights(tmp_path / "w2" / "final")
+    assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
+    assert len(list((tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*"))) == (1 if tb else 0)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2
 
 
 # ---------------------------------------------------------------------------------------------

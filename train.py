@@ -18,6 +18,7 @@ step, data position) is written atomically to OUT/checkpoint.pt (with --fsdp: sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -33,10 +34,12 @@ from tqdm import tqdm
 
 import builtin
 import checkpoint
+import curves
 import dapo
 import data
 import evaluate
 import grpo
+import lora
 import parallel
 import update
 import variants
@@ -51,15 +54,19 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     # -- what to train on
     algo: str = _f("dapo", "sets the papers' defaults for every field left at None below", ["grpo", "dapo"])
     model: str = shared("model")
-    data: str = _f("builtin", "'builtin' (linear equations) or a JSONL file with a prompt and an answer per row")
-    eval_data: str | None = _f(None, "held-out JSONL for evaluation (default: the built-in held-out split with "
+    data: str = _f("builtin", "'builtin' (linear equations), a JSONL (or .json) file with a prompt and an answer per row, "
+                   "or through `datasets`: a Parquet/Arrow file, a folder or a hub data set id")
+    data_split: str = _f("train", "split of --data when it is a folder or a hub id (datasets)")
+    eval_data: str | None = _f(None, "held-out data for evaluation, as --data (default: the built-in held-out split with "
                               "--data builtin, else no evaluation)")
+    eval_split: str = _f("test", "split of --eval-data when it is a folder or a hub id (datasets)")
     prompt_field: str = shared("prompt_field")
     answer_field: str = shared("answer_field")
     prompt_template: str = shared("prompt_template")
     system_prompt: str | None = shared("system_prompt")
     chat_template: bool = shared("chat_template")
-    reward: str = shared("reward")
+    reward: list[str] | None = shared("reward")
+    reward_weights: list[float] | None = shared("reward_weights")
     wrong_reward: float | None = _f(None, "reward of a wrong answer, a right one scoring 1: reward = w + (1 - w) * score "
                                    "(grpo: 0, the article; dapo: -1, the paper's +-1)")
     format_weight: float = _f(0.0, "add this times verifier.format_reward (a final answer is stated) to each reward")
@@ -88,6 +95,11 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     bf16: bool | None = shared("bf16")
     fsdp: bool = _f(False, "shard weights, gradients, AdamW state and the reference model over the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward (less memory on long responses)")
+    lora_r: int = _f(0, "LoRA rank (peft): train only adapters of --lora-target-modules; the KL reference is the model with "
+                     "them off; OUT/final is merged, OUT/adapter the adapter alone (0: full fine-tuning)")
+    lora_alpha: float | None = _f(None, "LoRA alpha: each adapted weight is W + alpha / r * B A (default: 2 * r)")
+    lora_target_modules: str = _f(lora.TARGETS, "modules given adapters: comma-separated names (default: the attention and "
+                                  "MLP projections of Llama, Qwen, Mistral) or all-linear")
     # -- the loss: GRPO's settings, and DAPO's four fixes one by one
     beta: float | None = _f(None, "KL coefficient to the reference model, estimator --kl (grpo: 0.04, dapo: 0)")
     eps_low: float | None = _f(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: 3e-4, cispo: 1 = none)")
@@ -114,6 +126,9 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     resume: bool = _f(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; --steps is the total)")
     device: str | None = shared("device")
     plot: bool = _f(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs matplotlib)")
+    report_to: str = _f("none", "also send every metrics.jsonl row to wandb or tensorboard (OUT/tensorboard/RUN_NAME) as it "
+                        "is written (rank 0)", ["none", "wandb", "tensorboard"])
+    run_name: str | None = _f(None, "the run's name for --report-to (default: the name of the --out folder)")
     log_completions: int = _f(2, "append this many sampled completions per step (prompt, response, reward) to "
                                  "OUT/completions.jsonl (0: off)")
 
@@ -131,7 +146,8 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 }
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
-USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse, parallel.ShardingError)  # printed in one line, exit 2
+LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
+USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse, parallel.ShardingError)  # one line, exit 2
 
 
 def parse_args(argv=None) -> Args:
@@ -141,12 +157,18 @@ def parse_args(argv=None) -> Args:
     # --- derived settings: resolved once, here, and written to config.json ---
     fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
             **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
+    if ns.lora_r:  # LoRA's best learning rate is about 10x full fine-tuning's ("LoRA Without Regret", Thinking Machines 2025)
+        fill["lr"] *= LORA_LR_SCALE
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
     evaluate.resolve(ns, p.error, builtin=ns.model == "builtin")  # the settings shared with evaluate.py, and their checks
     if ns.overlong_cache is None:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
+    if ns.lora_alpha is None:
+        ns.lora_alpha = 2.0 * ns.lora_r
+    if ns.run_name is None:
+        ns.run_name = os.path.basename(os.path.abspath(ns.out))
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
@@ -160,7 +182,10 @@ def parse_args(argv=None) -> Args:
               (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
               (ns.eval_every >= 1, "--eval-every must be >= 1"), (ns.temperature > 0, "--temperature must be > 0"),
               (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"), (ns.save_every >= 0, "--save-every must be >= 0"),
-              (ns.max_samples >= 0, "--max-samples must be >= 0"), (ns.log_completions >= 0, "--log-completions must be >= 0")]
+              (ns.max_samples >= 0, "--max-samples must be >= 0"), (ns.log_completions >= 0, "--log-completions must be >= 0"),
+              (ns.lora_r >= 0, "--lora-r must be >= 0 (0: full fine-tuning)"),
+              (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
+              (not (ns.lora_r and ns.fsdp), "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -177,7 +202,7 @@ class Task:
     rows: list[dict]
     encode: Callable[[str], list[int]]          # prompt text -> token ids (template, chat template)
     decode: Callable[[Rollout, int], str]       # (rollout, row) -> response text
-    reward_fn: Callable[[str, str], float]      # (response, reference answer) -> score, 1 for right
+    reward_fn: data.Reward                      # (prompts, responses, rows) -> (scores [N], components), 1 for right
     eos: list[int]
     pad: int
 
@@ -186,7 +211,8 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
 
     Returns the rollout, with per-response extra["correct"] (the score), extra["rewards"] (DAPO: +-1 and
-    the soft overlong penalty) and extra["index"] (the prompt's position in the stream), and its timings.
+    the soft overlong penalty), extra["index"] (the prompt's position in the stream) and extra["reward/<name>"]
+    (each --reward component, NaN where it gave no score), and its timings.
     """
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
@@ -196,16 +222,17 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
                              task.eos, task.pad, args.temperature, args.top_p,
                              generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
     t1 = time.time()
-    answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
-    texts = [task.decode(roll, i) for i in range(len(answers))]
-    correct = torch.tensor([float(task.reward_fn(t, a)) for t, a in zip(texts, answers)])        # [N]
+    rows = [r for _, r in mine for _ in range(args.group_size)]
+    texts = [task.decode(roll, i) for i in range(len(rows))]
+    correct, parts = task.reward_fn([r["prompt"] for r in rows], texts, rows,                    # [N], {name: [N]}
+                                    lambda: [roll.response_ids[i, : roll.lengths[i]].tolist() for i in range(len(rows))])
     rewards = args.wrong_reward + (1.0 - args.wrong_reward) * correct                            # [N]
     if args.format_weight:
         rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
     if args.overlong_penalty:
         rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
     index = torch.tensor([j for j, _ in mine], dtype=torch.long).repeat_interleave(args.group_size)  # [N]
-    roll.extra = {"rewards": rewards, "correct": correct, "index": index}
+    roll.extra = {"rewards": rewards, "correct": correct, "index": index, **{f"reward/{k}": v for k, v in parts.items()}}
     return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
 
 
@@ -224,6 +251,10 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
         s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
         s["groups_all_correct"] += float((correct == 1).all(1).sum())
         s["groups_all_wrong"] += float((correct == 0).all(1).sum())
+        for k in [k for k in r.extra if k.startswith("reward/")]:  # each --reward component: sum and count of its scores
+            scored = ~r.extra[k].isnan()
+            s[k] = s.get(k, 0.0) + float(r.extra[k][scored].sum())
+            s["scored:" + k] = s.get("scored:" + k, 0.0) + float(scored.sum())
     return s
 
 
@@ -257,7 +288,7 @@ class SignalCheck:
         a = self.args
         return ("likely causes: the answers are not in a form the reward reads (verifier: \\boxed{}, '####', "
                 "'Answer:', or the number alone; see OUT/completions.jsonl), a --prompt-template that does not ask "
-                f"for it, --reward {a.reward}, or --max-new-tokens {a.max_new_tokens} cutting answers off "
+                f"for it, --reward {' '.join(a.reward)}, or --max-new-tokens {a.max_new_tokens} cutting answers off "
                 f"(len/truncated_frac {row['len/truncated_frac']:.2f})")
 
     def __call__(self, row: dict) -> list[str]:
@@ -300,9 +331,9 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn = data.load_reward(args.reward)
-    train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field)
-    eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size) \
+    reward_fn = data.Reward.load(args.reward, args.reward_weights)
+    train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field, hf_split=args.data_split)
+    eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.eval_split) \
         if args.eval_data else []
     ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
     metrics_path, completions_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "completions.jsonl")
@@ -313,6 +344,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             builtin.base_model()
         ddp.barrier()
     path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
+    lora_config = lora.add_adapters(model, args.lora_r, args.lora_alpha, args.lora_target_modules, path) if args.lora_r else None
     if args.gradient_checkpointing:
         parallel.checkpoint_activations(model)
     if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
@@ -322,22 +354,28 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
     amp = lambda: torch.autocast(torch.device(ddp.device).type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    ref = None  # the KL term's reference: a frozen copy, or with LoRA the model itself with its adapters off (no copy)
+    if args.beta > 0:
+        ref = model if args.lora_r else copy.deepcopy(model).eval().requires_grad_(False)
     if ref is not None and args.fsdp:
         parallel.shard(ref, ddp.device)
     policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
-    learner = update.Learner(policy, model, ref, opt, amp)
+    learner = update.Learner(policy, model, ref, opt, amp, (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
         ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
             checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
+    live = None  # --report-to: every logged row also goes to wandb / tensorboard
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
+        config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
         with open(os.path.join(args.out, "config.json"), "w") as fh:
-            json.dump({**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}, fh, indent=1)
+            json.dump(config, fh, indent=1)
+        if args.report_to != "none":
+            live = curves.LiveCurves(args.report_to, args.run_name, args.out, config)
         if args.resume:
             checkpoint.trim_metrics(metrics_path, state["step"])
             checkpoint.trim_metrics(completions_path, state["step"])
@@ -349,6 +387,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         if metrics_file:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
+        if live:
+            live.log(row)
 
     def evaluate_at(step: int) -> float | None:
         """Held-out metrics (evaluate.py; split over ranks) logged; returns greedy accuracy, or mean@n."""
@@ -408,6 +448,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "reward/mean": d["reward"] / d["samples"], "reward/correct": d["correct"] / d["samples"],
                "reward/frac_zero_std": d["groups_zero_std"] / d["groups"],
                "groups/all_correct": d["groups_all_correct"] / d["groups"], "groups/all_wrong": d["groups_all_wrong"] / d["groups"],
+               **{k: d[k] / d["scored:" + k] for k in d if k.startswith("reward/") and d["scored:" + k] > 0},
                "kl": u["kl"] / max(u["tokens"], 1.0), "entropy": u["entropy"] / max(u["entropy_tokens"], 1.0),
                "mismatch/logp_abs_mean": u["mismatch/abs"] / max(u["mismatch/tokens"], 1.0),
                "mismatch/logp_abs_max": mismatch_max, "mismatch/kl": u["mismatch/kl"] / max(u["mismatch/tokens"], 1.0),
@@ -419,7 +460,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
                "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
-        row["memory/state_bytes"] = parallel.state_bytes(model, opt, ref)  # rank 0's own: its shards under --fsdp
+        row["memory/state_bytes"] = parallel.state_bytes(model, opt, None if ref is model else ref)  # rank 0's own: its shards under --fsdp
         log(row)
         for warning in signal(row) if ddp.master else []:  # no learning signal: once, in plain words
             tqdm.write(warning, file=sys.stderr)
@@ -445,13 +486,18 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
 
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
-    weights = parallel.full_state_dict(model)  # gathered on rank 0 under --fsdp (every rank takes part)
+    weights = lora.merged_state_dict(model) if args.lora_r else parallel.full_state_dict(model)  # FSDP: gathered on rank 0
     if ddp.master:
         final = os.path.join(args.out, "final")
         with checkpoint.atomic(final) as tmp:
             model.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
+        if args.lora_r:  # the adapter alone, beside the merged model
+            with checkpoint.atomic(os.path.join(args.out, "adapter")) as tmp:
+                lora.save_adapter(model, lora_config, tmp)
         metrics_file.close()
+        if live:
+            live.close()
         if completions_file:
             completions_file.close()
         what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
@@ -459,7 +505,6 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                if eval_rows and state["acc_before"] is not None else "")
         print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
         if args.plot:
-            import curves
             if curves.plot_runs({args.algo: [curves.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
                 print(f"curves: {os.path.join(args.out, 'curves.png')}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}

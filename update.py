@@ -9,6 +9,7 @@ update on the whole mini-batch, on any number of ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ class Learner:
     ref: torch.nn.Module | None         # the frozen reference of the beta * KL term (None when beta = 0)
     opt: torch.optim.Optimizer
     amp: Callable                       # () -> the autocast context of --bf16 (off: a no-op context)
+    as_reference: Callable = contextlib.nullcontext  # () -> context in which `ref` is the reference (LoRA: adapters off)
 
 
 def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
@@ -86,7 +88,8 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
     with torch.no_grad(), amp(), parallel.unsharded(model if several else None), parallel.unsharded(ref):
         # old policy only when it differs from the current one, reference only when beta > 0
         old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
-        ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
+        with learner.as_reference():
+            ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
     t_logprob = time.time() - t0
     first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
     abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
