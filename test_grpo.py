@@ -2080,10 +2080,7 @@ def vllm_engine(vllm_env, vllm_model):
     import vllm_rollout
     engine = vllm_rollout.Engine(str(vllm_model[0]), "cpu", bf16=False, seed=0, gpu_memory_utilization=0.05)
     yield engine
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-    del engine.llm
-    destroy_model_parallel()
-    destroy_distributed_environment()      # the one-rank group the engine made in this process
+    engine.close()                         # and the one-rank process group the engine made in this process
 
 
 VLLM_PROMPTS = [[12, 5, 20, 9], [7, 30, 14, 3, 25, 11, 16, 8, 2], [22]]

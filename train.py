@@ -9,6 +9,9 @@ of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
     torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k.jsonl
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train.py ...
 
+Step 1 samples with sampler.sample_groups, or with --rollout vllm on a colocated vLLM engine per rank
+(vllm_rollout.py) that gets the policy's weights after each step's update.
+
 Distributed data parallel is wired through torchrun's environment variables and is invisible at world
 size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the step's prompts;
 a prompt's G samples stay on one rank. With --save-every K a checkpoint (model, optimizer, scheduler, RNG,
@@ -411,6 +414,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
     weights = parallel.full_state_dict(model)  # gathered on rank 0 under --fsdp (every rank takes part)
+    if engine:
+        engine.close()
     if ddp.master:
         final = os.path.join(args.out, "final")
         with checkpoint.atomic(final) as tmp:

@@ -122,3 +122,8 @@ class Engine:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down while the process group it joined still exists (vLLM then destroys its
+        groups and the world; left to exit, its clean-up would find them gone)."""
+        self.llm.llm_engine.engine_core.shutdown()
