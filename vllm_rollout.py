@@ -87,9 +87,11 @@ class Engine:
         eos = [int(e) for e in torch.tensor(eos_token_id).reshape(-1)]
         greedy = temperature == 0
         seeds = _seeds(None if greedy else generator, len(prompts))
+        # response i of a prompt seeded s + i, as vLLM seeds an n = G request's children; only `eos` ends one
         params = [self.vllm.SamplingParams(
-            n=1, temperature=temperature, top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens, seed=None if s is None else s + i,
-            stop_token_ids=eos, ignore_eos=True, logprobs=0, detokenize=False) for s in seeds for i in range(G)]
+            n=1, temperature=temperature, top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
+            seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0, detokenize=False)
+            for s in seeds for i in range(G)]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         N = len(requests)
