@@ -1,6 +1,6 @@
 """Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step,
 the shared-prefix training forward, a GRPO step vs TRL, one update on long responses with and without
-gradient checkpointing, and the built-in warm start packed vs padded.
+gradient checkpointing, the built-in warm start packed vs padded, and the two rollout engines (sample_groups vs vLLM).
 
 Article sections it measures: "Step 1: Rollout 采样" (generation is most of an RL step's time) and the
 log-prob passes of "Step 4: PPO Loss 计算" (vocabulary-sized logits dominate memory).
@@ -600,6 +600,55 @@ def bench_warm_start(device: str, repeats: int, steps: int = 6) -> None:
     print(f"  packed / padded time: {statistics.median(times[True]) / statistics.median(times[False]):.2f}")
 
 
+# ---------------------------------------------------------------------------------------------
+# 8. The two rollout engines (--rollout hf, --rollout vllm) on the same model and rollout
+# ---------------------------------------------------------------------------------------------
+
+def bench_engines(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
+    """sample_groups vs a colocated vLLM engine (vllm_rollout.Engine, float32) drawing the same rollout shape
+    from the same weights (section 1's model, saved to a folder for vLLM to load) in this process."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return print(f"\n## Rollout engines: skipped, vllm cannot be imported ({e}); see the README's --rollout vllm")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import vllm_rollout
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=1, pad_token_id=0)).eval()
+    prompts = torch.randint(2, 32000, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")                  # GiB on CPU; plenty for B * G * (P + T)
+        t0 = time.perf_counter()
+        engine = vllm_rollout.Engine(folder, device, bf16=False, seed=0, gpu_memory_utilization=0.3)
+        start = time.perf_counter() - t0
+    model.to(device)
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(B)]      # noqa: E731
+    fns = {"hf": lambda: sample_groups(model, prompts, G, T, 1, 0, generator=gens()),
+           "vllm": lambda: engine.sample_groups(model, prompts, G, T, 1, 0, generator=gens())}
+    times, tokens = {k: [] for k in fns}, {}
+    for fn in fns.values():                                                   # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dt, roll = _timed(fn, device)
+            times[name].append(dt)
+            tokens[name] = int(roll.lengths.sum())
+    print(f"\n## Rollout engines: B={B} prompts of {P} tokens, G={G}, {T} new tokens, temperature 1, float32, {device}")
+    print(f"section 1's Qwen2 ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters); vLLM {vllm.__version__}, "
+          f"in this process, started in {start:.0f} s; {torch.get_num_threads()} torch threads after its start")
+    print(f"{'':34s}{'tokens/s':>9s}{'s / rollout':>12s}")
+    for name, label in (("hf", "--rollout hf (sample_groups)"), ("vllm", "--rollout vllm (vLLM engine)")):
+        med = statistics.median(times[name])
+        print(f"{label:34s}{tokens[name] / med:9.0f}{med:12.2f}")
+    ratio = (tokens["vllm"] / statistics.median(times["vllm"])) / (tokens["hf"] / statistics.median(times["hf"]))
+    print(f"{'ratio vllm / hf':34s}{ratio:8.2f}x")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per timing (median reported)")
@@ -608,7 +657,7 @@ def main(argv=None) -> None:
                    help="torch intra-op threads on CPU, 0 = torch's default. 1 by default: on cores shared with other "
                         "jobs, threads spin-waiting for a busy core make times vary tenfold")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward", "checkpointing", "warmstart"], default=None,
+    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward", "checkpointing", "warmstart", "engines"], default=None,
                    help="run one section")
     p.add_argument("--vs-trl", action="store_true",
                    help="only the GRPO step of train.py vs TRL's GRPOTrainer (needs trl installed for this Python)")
@@ -651,6 +700,8 @@ def main(argv=None) -> None:
         bench_checkpointing(device, args.repeats)
     if args.only in (None, "warmstart"):
         bench_warm_start(device, args.repeats)
+    if args.only in (None, "engines"):
+        bench_engines(device, args.repeats)
     print(f"\n({time.perf_counter() - t0:.0f} s in all)")
 
 

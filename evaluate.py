@@ -141,11 +141,13 @@ class OneProcess:
 
 
 @torch.no_grad()
-def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None) -> tuple[dict, list[dict]]:
+def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None, sample=sample_groups) -> tuple[dict, list[dict]]:
     """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
 
     Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores the responses:
-    a data.Reward, or one function f(response, answer) (default: the --reward functions and weights)."""
+    a data.Reward, or one function f(response, answer) (default: the --reward functions and weights). `sample`
+    draws the responses: sample_groups, or a vLLM engine's (train.py --rollout vllm), which holds its own
+    weights and runs without autocast."""
     n, ks = args.eval_samples, pass_ks(args.eval_samples)
     greedy = n == 1
     reward_fn = data.as_reward(reward_fn) if reward_fn else data.Reward.load(args.reward, args.reward_weights)
@@ -158,10 +160,10 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     records = []
     for start in range(0, len(mine), per):
         idx = mine[start:start + per]
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
-            roll = sample_groups(model, [encode(rows[i]["prompt"]) for i in idx], n, args.max_new_tokens, eos, pad,
-                                 0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
-                                 generator=None if greedy else [eval_generator(args.seed, i) for i in idx])
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and sample is sample_groups):
+            roll = sample(model, [encode(rows[i]["prompt"]) for i in idx], n, args.max_new_tokens, eos, pad,
+                          0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
+                          generator=None if greedy else [eval_generator(args.seed, i) for i in idx])
         lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
         for b, i in enumerate(idx):
             rs = range(b * n, (b + 1) * n)                                         # problem i's rows

@@ -9,6 +9,9 @@ of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
     torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k.jsonl
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train.py ...
 
+Step 1 samples with sampler.sample_groups, or with --rollout vllm on a colocated vLLM engine per rank
+(vllm_rollout.py) that gets the policy's weights after each step's update.
+
 Distributed data parallel is wired through torchrun's environment variables and is invisible at world
 size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the step's prompts;
 a prompt's G samples stay on one rank. With --save-every K a checkpoint (model, optimizer, scheduler, RNG,
@@ -44,6 +47,7 @@ import parallel
 import update
 import variants
 import verifier
+import vllm_rollout
 from evaluate import flag as _f
 from evaluate import shared
 from sampler import Rollout, sample_groups
@@ -78,6 +82,9 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     max_new_tokens: int | None = shared("max_new_tokens")
     temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, --eval-temperature)")
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
+    rollout: str = _f("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a colocated vLLM engine per rank, "
+                      "vllm_rollout.py; needs vLLM installed)", ["hf", "vllm"])
+    vllm_gpu_memory_utilization: float = _f(0.3, "--rollout vllm: fraction of GPU memory the engine may take (on CPU: of host memory)")
     eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
     eval_size: int = shared("eval_size")
     eval_samples: int = shared("eval_samples")
@@ -110,7 +117,8 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
                    ["ppo", "gspo", "gspo-token", "cispo"])
     kl: str = _f("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 (DeepSeekMath)", ["k1", "k2", "k3"])
     entropy_coef: float = _f(0.0, "subtract this times the mean token entropy from the loss (0: off)")
-    tis_cap: float = _f(0.0, "truncated importance sampling: each token's loss times min(pi_old / pi_sampler, C) (0: off)")
+    tis_cap: float | None = _f(None, "truncated importance sampling: each token's loss times min(pi_old / pi_sampler, C) "
+                              "(0: off; default: 2 with --rollout vllm, as TRL and verl, else 0)")
     adv_scale: str = _f("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)", ["group", "batch", "none"])
     reduction: str | None = _f(None, "loss reduction: sequence (grpo), token (dapo), constant (Dr. GRPO)",
                         ["sequence", "token", "constant"])
@@ -147,6 +155,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
 LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
+VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (TRL and verl turn truncated IS on with an engine)
 USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse, parallel.ShardingError)  # one line, exit 2
 
 
@@ -162,6 +171,8 @@ def parse_args(argv=None) -> Args:
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
+    if ns.tis_cap is None:  # an inference engine's log-probs differ from the trainer's: correct for it by default
+        ns.tis_cap = VLLM_TIS_CAP if ns.rollout == "vllm" else 0.0
     evaluate.resolve(ns, p.error, builtin=ns.model == "builtin")  # the settings shared with evaluate.py, and their checks
     if ns.overlong_cache is None:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
@@ -185,7 +196,10 @@ def parse_args(argv=None) -> Args:
               (ns.max_samples >= 0, "--max-samples must be >= 0"), (ns.log_completions >= 0, "--log-completions must be >= 0"),
               (ns.lora_r >= 0, "--lora-r must be >= 0 (0: full fine-tuning)"),
               (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
-              (not (ns.lora_r and ns.fsdp), "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)")]
+              (not (ns.lora_r and ns.fsdp), "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)"),
+              (0 < ns.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
+              (not (ns.lora_r and ns.rollout == "vllm"), "--lora-r with --rollout vllm is not supported yet (the engine "
+                                                         "takes plain weights: merge the adapters, or use --rollout hf)")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -205,6 +219,7 @@ class Task:
     reward_fn: data.Reward                      # (prompts, responses, rows) -> (scores [N], components), 1 for right
     eos: list[int]
     pad: int
+    sample: Callable = sample_groups            # Step 1: sampler.sample_groups, or vllm_rollout.Engine.sample_groups
 
 
 def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
@@ -217,10 +232,11 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
     mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
-    with amp(), parallel.unsharded(model):
-        roll = sample_groups(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
-                             task.eos, task.pad, args.temperature, args.top_p,
-                             generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
+    hf = task.sample is sample_groups  # an engine holds its own weights: no autocast, no FSDP gather
+    with amp() if hf else contextlib.nullcontext(), parallel.unsharded(model if hf else None):
+        roll = task.sample(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
+                           task.eos, task.pad, args.temperature, args.top_p,
+                           generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
     t1 = time.time()
     rows = [r for _, r in mine for _ in range(args.group_size)]
     texts = [task.decode(roll, i) for i in range(len(rows))]
@@ -357,6 +373,9 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     ref = None  # the KL term's reference: a frozen copy, or with LoRA the model itself with its adapters off (no copy)
     if args.beta > 0:
         ref = model if args.lora_r else copy.deepcopy(model).eval().requires_grad_(False)
+    engine = vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed, args.vllm_gpu_memory_utilization) \
+        if args.rollout == "vllm" else None
+    sample = engine.sample_groups if engine else sample_groups
     if ref is not None and args.fsdp:
         parallel.shard(ref, ddp.device)
     policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
@@ -369,6 +388,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
     live = None  # --report-to: every logged row also goes to wandb / tensorboard
+    if engine:
+        engine.push(model)  # the weights the run starts from (a resumed checkpoint's, not the folder's)
     if ddp.master:
         os.makedirs(args.out, exist_ok=True)
         config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
@@ -394,12 +415,12 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         """Held-out metrics (evaluate.py; split over ranks) logged; returns greedy accuracy, or mean@n."""
         if not eval_rows:
             return None
-        with parallel.unsharded(model):  # under --fsdp: the whole model gathered once for all its forwards
-            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn)
+        with parallel.unsharded(None if engine else model):  # under --fsdp: the whole model gathered once for all its forwards
+            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn, sample)
         log({"step": step, **m})
         return m[evaluate.headline(args.eval_samples)]
 
-    task = Task(train_rows, encode, decode, reward_fn, eos, pad)
+    task = Task(train_rows, encode, decode, reward_fn, eos, pad, sample)
     rounds: list[tuple[Rollout, dict]] = []  # this step's sampling rounds (kept or not), for its metrics
 
     def draw(rnd: int) -> Rollout:
@@ -435,8 +456,12 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         t_update = time.time()
+        if engine:
+            engine.sleep()                           # CUDA: the engine's memory is the update's until push
         first, rest, mismatch_max, t_logprob = update.update_policy(learner, roll, advantages, mask, args, ddp)
         sched.step()                                 # the learning-rate schedule counts rollout steps
+        if engine:
+            engine.push(model)                       # the updated weights, for the next rollout or evaluation
         t_update = time.time() - t_update - t_logprob
 
         # ---- metrics, summed over ranks ----
@@ -487,6 +512,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
     weights = lora.merged_state_dict(model) if args.lora_r else parallel.full_state_dict(model)  # FSDP: gathered on rank 0
+    if engine:
+        engine.close()
     if ddp.master:
         final = os.path.join(args.out, "final")
         with checkpoint.atomic(final) as tmp:
