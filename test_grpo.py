@@ -323,8 +323,8 @@ def _tiny(kind, dtype):
 def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype):
     import sampler
     model, G, T = _tiny(kind, dtype), 3, 24
-    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8).layers}
-    assert layers == ({"_BufferedLayer"} if kind == "qwen2" else {"DynamicSlidingWindowLayer"})
+    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8)[0].layers}
+    assert layers == {"_BufferedLayer"} and sampler._make_cache(model, 8)[1] == (None if kind == "qwen2" else 5)
     # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
     free = sample_groups(model, PROMPTS[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     eos = int(free.response_ids[0, 3])
@@ -831,6 +831,49 @@ def test_sampler_top_p_keeps_the_top_token(tiny_model):
     greedy = sample_groups(tiny_model, PROMPTS, 1, 6, 1, 0, temperature=0.0)
     for i in range(len(PROMPTS)):
         assert torch.equal(roll.response_ids[2 * i], greedy.response_ids[i, :roll.response_ids.shape[1]])
+
+
+def _tiny_gpt2_sampler():
+    """Absolute learned positions: a position counted from the wrong origin changes the logits (RoPE hides a
+    constant offset within a row)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(2)
+    cfg = GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4], [13, 14, 15, 16, 17], [18, 19]]
+
+
+@pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("gpt2", 3), ("gpt2", 1)])
+def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkeypatch):
+    import sampler
+    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler}.get(kind, lambda: _tiny(kind, torch.float32))()
+    ends, T = [1, 2, 3, 20], 20                # several end ids: lengths roughly geometric, some rows truncated
+    made, make = [], sampler._make_cache
+    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(MIXED_PROMPTS))]  # noqa: E731
+    run = lambda n, **k: sample_groups(model, MIXED_PROMPTS, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=n, **k)  # noqa: E731
+    full = run(None)
+    assert full.truncated.any() and (~full.truncated).any() and len(set(full.lengths.tolist())) > 3
+    P, N = max(map(len, MIXED_PROMPTS)), len(MIXED_PROMPTS) * G
+    sizes = [1, 3, 4] if G == 1 else [3, 7, 11]     # 7 slots for groups of 3: one slot idle, groups enter whole
+    # (mistral's window 5 < P + T: static batches whatever `continuous` says, see sample_groups)
+    for n, continuous in [(sizes[0], False), (sizes[2], True), (sizes[0], True), (sizes[1], True)]:  # mistral: static
+        made.clear()
+        roll = run(n, continuous=continuous)
+        assert made[0][0].layers[0].kbuf.shape[0] == min(n, N) and made[0][0].layers[0].kbuf.shape[2] == P + T
+        assert torch.equal(roll.response_ids, full.response_ids) and torch.equal(roll.lengths, full.lengths)
+        assert torch.equal(roll.truncated, full.truncated)
+        assert torch.allclose(roll.logprobs, full.logprobs, atol=1e-5)
+    for i in range(N):                         # and the rows are right: the log-probs of a plain full forward
+        L = int(roll.lengths[i])
+        with torch.no_grad():
+            want = _full_forward_logprobs(model, MIXED_PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.9)
+        assert torch.allclose(roll.logprobs[i, :L], want, atol=1e-4)
+    if G > 1:
+        with pytest.raises(ValueError, match="max_num_seqs=2 < G=3"):
+            run(2)
 
 
 def test_rollout_select_and_cat():
