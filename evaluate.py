@@ -32,7 +32,7 @@ import torch
 
 import data
 import verifier
-from sampler import sample_groups
+from sampler import num_seqs_within, sample_groups
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -147,9 +147,12 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     for start in range(0, len(mine), per):
         idx = mine[start:start + per]
         with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
-            roll = sample_groups(model, [encode(rows[i]["prompt"]) for i in idx], n, args.max_new_tokens, eos, pad,
+            prompts = [encode(rows[i]["prompt"]) for i in idx]
+            roll = sample_groups(model, prompts, n, args.max_new_tokens, eos, pad,
                                  0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
-                                 generator=None if greedy else [eval_generator(args.seed, i) for i in idx])
+                                 generator=None if greedy else [eval_generator(args.seed, i) for i in idx],
+                                 max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, n, args.max_new_tokens,
+                                                                                   args.kv_cache_gb))
         lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
         for b, i in enumerate(idx):
             rs = range(b * n, (b + 1) * n)                                         # problem i's rows
@@ -191,6 +194,10 @@ class EvalArgs:
     reward: str = flag("verifier", "'verifier' (verifier.verify) or module:function with f(response, answer) -> float")
     trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only for models you trust)")
     max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
+    max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; continuous batching): the KV "
+                                          "cache holds N x (P + T) positions (default: as many as --kv-cache-gb holds)")
+    kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: layers x KV heads x "
+                                   "head_dim x 2 x bytes x N x (P + T) <= this, N a multiple of G and at least G")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
     eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy (eval/accuracy); n > 1 logs "
                                 "mean@n, pass@k, maj@n")
@@ -239,7 +246,9 @@ def resolve(ns, error, builtin: bool) -> None:
     checks = [(ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.eval_size >= 1, "--eval-size must be >= 1"),
               ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
               (ns.eval_samples >= 1, "--eval-samples must be >= 1"), (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
-              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]")]
+              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"), (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
+              (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
+               "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)")]
     for ok, msg in checks:
         if not ok:
             error(msg)

@@ -210,6 +210,18 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     return (b * SAMPLE_BLOCK + i).squeeze(-1), inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log()
 
 
+def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int, budget_gb: float) -> int:
+    """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in budget_gb:
+    one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes (autocast's dtype if on)."""
+    c, device = model.config.get_text_config(), next(model.parameters()).device
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    amp = torch.is_autocast_enabled(device.type)
+    nbytes = (torch.get_autocast_dtype(device.type) if amp else next(model.parameters()).dtype).itemsize
+    per_row = c.num_hidden_layers * heads * head_dim * 2 * nbytes * (max(map(len, prompts), default=0) + max_new_tokens)
+    return max(G, int(budget_gb * 2**30 // per_row) // G * G)
+
+
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,

@@ -876,6 +876,64 @@ def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkey
             run(2)
 
 
+def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
+    import sampler
+    made, make = [], sampler._make_cache
+    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4), (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
+        # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all heads) x 8
+        per_row = per_pos * (6 + 20)                         # the longest of MIXED_PROMPTS, 6, + T = 20
+        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9   # a multiple of G
+        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3                     # at least G
+        with torch.autocast("cpu", torch.bfloat16):          # bf16 keys: half the bytes, twice the rows
+            assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 21
+        made.clear()
+        sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0), max_num_seqs=9)
+        layers = made[0][0].layers
+        assert sum(la.kbuf.nbytes + la.vbuf.nbytes for la in layers) == 9 * per_row   # what was allocated
+
+
+def test_max_num_seqs_flags_are_checked(capsys):
+    import evaluate
+    import train
+    assert train.parse_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and train.parse_args([]).kv_cache_gb == 8.0
+    for parse, bad in ((train.parse_args, ["--max-num-seqs", "4"]), (train.parse_args, ["--kv-cache-gb", "0"]),
+                       (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
+        with pytest.raises(SystemExit) as e:
+            parse(bad)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: --") and len(err.strip().splitlines()) == 1, err
+
+
+def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
+    import contextlib
+
+    import evaluate
+    import sampler
+    import train
+    seen = []
+
+    def recording(*a, max_num_seqs=None, **k):
+        seen.append(max_num_seqs)
+        return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
+    monkeypatch.setattr(train, "sample_groups", recording)
+    monkeypatch.setattr(evaluate, "sample_groups", recording)
+    model = _tiny("qwen2", torch.float32)
+    task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
+                      reward_fn=lambda t, a: 0.0, eos=[1], pad=0)
+    one = type("One", (), {"rank": 0, "world": 1})()
+    for flags, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
+        args = train.parse_args(["--prompts-per-step", "4", *flags])
+        train.draw_round(model, task, args, one, contextlib.nullcontext, 0)
+        assert seen.pop() == want
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
+    _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    args.max_num_seqs = 5                      # one problem's 4 samples at a time: the same samples
+    _, r2 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    prompts = [data.PromptFormatter(tok)(r["prompt"]) for r in rows]
+    assert r1 == r2 and seen[-1] == 5 and seen[0] == sampler.num_seqs_within(model, prompts, 4, 10, 8.0) >= 48
+
+
 def test_rollout_select_and_cat():
     r = _fake_rollout([[1, 0], [0, 0], [1, 1]])
     s = r.select_groups(torch.tensor([True, False, True]))

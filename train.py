@@ -42,7 +42,7 @@ import variants
 import verifier
 from evaluate import flag as _f
 from evaluate import shared
-from sampler import Rollout, sample_groups
+from sampler import Rollout, num_seqs_within, sample_groups
 
 
 @dataclass
@@ -68,6 +68,8 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     prompts_per_step: int | None = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
     group_size: int = _f(8, "G, responses sampled per prompt")
     max_new_tokens: int | None = shared("max_new_tokens")
+    max_num_seqs: int | None = shared("max_num_seqs")
+    kv_cache_gb: float = shared("kv_cache_gb")
     temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, --eval-temperature)")
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
     eval_every: int = _f(20, "evaluate every this many steps (and before the first and after the last)")
@@ -149,6 +151,8 @@ def parse_args(argv=None) -> Args:
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
+              (ns.max_num_seqs is None or ns.max_num_seqs >= ns.group_size,
+               "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
               (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
               (ns.mini_batches >= 1, "--mini-batches must be >= 1"), (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
@@ -190,10 +194,12 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
     mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
+    prompts = [task.encode(r["prompt"]) for _, r in mine]
     with amp(), parallel.unsharded(model):
-        roll = sample_groups(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
-                             task.eos, task.pad, args.temperature, args.top_p,
-                             generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
+        roll = sample_groups(model, prompts, args.group_size, args.max_new_tokens, task.eos, task.pad, args.temperature,
+                             args.top_p, generator=[data.prompt_generator(args.seed, j) for j, _ in mine],
+                             max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, args.group_size,
+                                                                               args.max_new_tokens, args.kv_cache_gb))
     t1 = time.time()
     answers = [r["answer"] for _, r in mine for _ in range(args.group_size)]
     texts = [task.decode(roll, i) for i in range(len(answers))]
