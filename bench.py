@@ -1,4 +1,5 @@
-"""Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step,
+"""Speed and memory: sample_groups vs HF generate, its memory and continuous batching at max_num_seqs,
+token_logprobs vs the naive form, one training step,
 the shared-prefix training forward, a GRPO step vs TRL, one update on long responses with and without
 gradient checkpointing, and the built-in warm start packed vs padded.
 
@@ -219,15 +220,16 @@ def bench_slots(device: str, repeats: int, small: int = 16) -> None:
         how = "peak allocated above the model"
     elif os.path.exists("/proc/self/clear_refs"):
         here = os.path.abspath(__file__)
-        peak = {n: statistics.median(int(subprocess.run([sys.executable, here, "--slots-child", str(n or "all")], check=True,
-                                                         capture_output=True, text=True, cwd=os.path.dirname(here)).stdout.split()[-1])
-                                     for _ in range(repeats)) for n in (small, None)}
+        child = lambda n: int(subprocess.run(  # noqa: E731
+            [sys.executable, here, "--slots-child", str(n or "all"), json.dumps(SLOTS_SETUP)], check=True,
+            capture_output=True, text=True, cwd=os.path.dirname(here)).stdout.split()[-1])
+        peak = {n: statistics.median(child(n) for _ in range(repeats)) for n in (small, None)}
         how = "peak RSS of a fresh process above the model"
     else:
         peak, how = None, "(not measured: on CPU the measurement reads Linux's /proc/self)"
     if peak:
         print(f"rollout memory, {how}: N = {small}: {peak[small] / 2**20:.0f} MB, all {rows} rows: {peak[None] / 2**20:.0f} MB "
-              f"(ratio {peak[None] / peak[small]:.1f}x)")
+              f"(ratio {peak[None] / max(peak[small], 1):.1f}x)")
     else:
         print(how)
     ref = run(None)
@@ -704,7 +706,7 @@ def main(argv=None) -> None:
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--gc-child", help=argparse.SUPPRESS)
-    p.add_argument("--slots-child", help=argparse.SUPPRESS)
+    p.add_argument("--slots-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mem_child:
         variant, dtype_name, backward = args.mem_child
@@ -713,7 +715,8 @@ def main(argv=None) -> None:
         return trl_child(args.trl_child[0], int(args.trl_child[1]))
     if args.slots_child:
         torch.set_num_threads(1)
-        return slots_child(args.slots_child)
+        SLOTS_SETUP.update(json.loads(args.slots_child[1]))
+        return slots_child(args.slots_child[0])
     if args.gc_child:
         torch.set_num_threads(1)
         return gc_child(args.gc_child == "1")

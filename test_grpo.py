@@ -934,6 +934,17 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     assert r1 == r2 and seen[-1] == 5 and seen[0] == sampler.num_seqs_within(model, prompts, 4, 10, 8.0) >= 48
 
 
+@pytest.mark.slow
+def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
+    """bench.py --only slots, shrunk: memory in fresh processes at N and all rows, continuous vs static batches."""
+    import bench
+    monkeypatch.setattr(bench, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
+    bench.bench_slots("cpu", 1, small=4)
+    out = capsys.readouterr().out
+    assert "rollout memory, peak RSS of a fresh process" in out and "all 12 rows" in out
+    assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
+
+
 def test_rollout_select_and_cat():
     r = _fake_rollout([[1, 0], [0, 0], [1, 1]])
     s = r.select_groups(torch.tensor([True, False, True]))
