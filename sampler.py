@@ -308,11 +308,12 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
             continue
         at = P + t - 1                                                        # [n] the column of each row's new token
         attn[torch.arange(n, device=device), at] = 1
-        for layer in cache.layers:                                            # attention sees columns [0, L)
-            layer.at, layer.seen = at, P + step - min(born)                   # L - 1: the oldest row's last column
+        L = P + step + 1 - born[0]                # columns in use: the oldest row's (rows keep their admission order)
+        for layer in cache.layers:
+            layer.at, layer.seen = at, L - 1                                  # write at `at`, attend to [0, L)
         pos = plen[rows // G] + t - 1                                         # [n] counted from the prompt's first token
-        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :P + step + 1 - min(born)],
-                       position_ids=pos[:, None], **kw).logits[:, -1]         # [n, V]
+        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L], position_ids=pos[:, None],
+                       **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
     return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
 
