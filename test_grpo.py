@@ -845,10 +845,20 @@ def _tiny_gpt2_sampler():
 MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4], [13, 14, 15, 16, 17], [18, 19]]
 
 
-@pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("gpt2", 3), ("gpt2", 1)])
+def _tiny_mistral_wide():
+    """Sliding-window layers whose window (32) covers P + T here: continuous batching, the window by the mask."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(1)
+    return MistralForCausalLM(MistralConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                            pad_token_id=0, eos_token_id=1, bos_token_id=None, sliding_window=32)).eval()
+
+
+@pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("mistral-wide", 3), ("gpt2", 3), ("gpt2", 1)])
 def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkeypatch):
     import sampler
-    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler}.get(kind, lambda: _tiny(kind, torch.float32))()
+    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler, "mistral-wide": _tiny_mistral_wide}.get(
+        kind, lambda: _tiny(kind, torch.float32))()
     ends, T = [1, 2, 3, 20], 20                # several end ids: lengths roughly geometric, some rows truncated
     made, make = [], sampler._make_cache
     monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
