@@ -1,4 +1,5 @@
-"""Speed and memory: sample_groups vs HF generate, token_logprobs vs the naive form, one training step,
+"""Speed and memory: sample_groups vs HF generate, its memory and continuous batching at max_num_seqs,
+token_logprobs vs the naive form, one training step,
 the shared-prefix training forward, a GRPO step vs TRL, one update on long responses with and without
 gradient checkpointing, the built-in warm start packed vs padded, and the two rollout engines (sample_groups vs vLLM).
 
@@ -157,6 +158,94 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
               f"(a large {short} matmul runs at {statistics.median(flops) / 1e9:.0f} GFLOP/s here)")
         print(f"{short + f' matmuls alone, {B * G}-row decode steps':46s}{B * G / step:9.0f}   "
               f"({2 * params * B * G / step / 1e9:.0f} GFLOP/s: the model's matrix multiplies at the decode shape)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. max_num_seqs: the rollout's peak memory at a few slots vs all rows, continuous vs static batches
+# ---------------------------------------------------------------------------------------------
+
+SLOTS_SETUP = dict(B=32, G=4, T=512, vocab=512, ends=16)  # 16 of 512 ids end a response: lengths ~ geometric, mean ~32
+
+
+def _slots_rollout(device: str, max_num_seqs, continuous: bool = True):
+    """The long-tailed rollout of SLOTS_SETUP on a random Qwen2 (hidden 256, 4 layers, 2 KV heads of 64):
+    the model, the prompts, and a function that samples them and returns the Rollout."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    c = SLOTS_SETUP
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=c["vocab"], hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(c["ends"] + 1, c["vocab"], (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 49, (c["B"],), generator=g)]                # 16 to 48 tokens
+    return model, prompts, lambda n=max_num_seqs, cont=continuous: sample_groups(
+        model, prompts, c["G"], c["T"], list(range(1, c["ends"] + 1)), 0,
+        generator=[torch.Generator().manual_seed(i) for i in range(c["B"])], max_num_seqs=n, continuous=cont)
+
+
+def slots_child(n: str) -> None:
+    """Run in a fresh process: print the peak resident memory one rollout adds above the model, in bytes."""
+    _, _, run = _slots_rollout("cpu", None if n == "all" else int(n))
+    run(8) if n == "all" else run(None)                                      # load the kernels first, at the other size
+    with open("/proc/self/clear_refs", "w") as fh:                           # peak RSS := current RSS (Linux)
+        fh.write("5")
+    before = _status_kib("VmRSS")
+    run()
+    print((_status_kib("VmHWM") - before) * 1024)
+
+
+def bench_slots(device: str, repeats: int, small: int = 16) -> None:
+    c = SLOTS_SETUP
+    rows = c["B"] * c["G"]
+    print(f"\n## max_num_seqs: B={c['B']} prompts of 16-48 tokens, G={c['G']}, T={c['T']}, {c['ends']} of {c['vocab']} ids end "
+          f"a response (lengths ~ geometric), random Qwen2 (hidden 256, 4 layers, 2 KV heads), {device}")
+    model, prompts, run = _slots_rollout(device, None)
+    kv = 4 * 2 * 64 * 2 * next(model.parameters()).element_size()           # bytes per position: layers x KV heads x dim x 2 x 4
+    P = max(len(p) for p in prompts)
+    print(f"KV cache: {kv} bytes per position x N x (P + T), P = {P}: N = {rows} (all rows) "
+          f"{kv * rows * (P + c['T']) / 2**20:.0f} MB, N = {small}: {kv * small * (P + c['T']) / 2**20:.0f} MB")
+    if device.startswith("cuda"):
+        peak = {}
+        for n in (small, None):
+            run(n)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            run(n)
+            torch.cuda.synchronize()
+            peak[n] = torch.cuda.max_memory_allocated() - base
+        how = "peak allocated above the model"
+    elif os.path.exists("/proc/self/clear_refs"):
+        here = os.path.abspath(__file__)
+        child = lambda n: int(subprocess.run(  # noqa: E731
+            [sys.executable, here, "--slots-child", str(n or "all"), json.dumps(SLOTS_SETUP)], check=True,
+            capture_output=True, text=True, cwd=os.path.dirname(here)).stdout.split()[-1])
+        peak = {n: statistics.median(child(n) for _ in range(repeats)) for n in (small, None)}
+        how = "peak RSS of a fresh process above the model"
+    else:
+        peak, how = None, "(not measured: on CPU the measurement reads Linux's /proc/self)"
+    if peak:
+        print(f"rollout memory, {how}: N = {small}: {peak[small] / 2**20:.0f} MB, all {rows} rows: {peak[None] / 2**20:.0f} MB "
+              f"(ratio {peak[None] / max(peak[small], 1):.1f}x)")
+    else:
+        print(how)
+    ref = run(None)
+    times, tokens = {True: [], False: []}, int(ref.lengths.sum())
+    for _ in range(repeats):
+        for cont in (True, False):                                           # interleaved
+            dt, roll = _timed(lambda cont=cont: run(small, cont), device)
+            times[cont].append(dt)
+            assert torch.equal(roll.response_ids, ref.response_ids)         # the same rollout, whatever the schedule
+    lens = ref.lengths.float()
+    print(f"{tokens} tokens, lengths mean {lens.mean():.0f}, median {lens.median():.0f}, max {lens.max():.0f}; "
+          f"the same response ids at N = {small} (both modes) and N = all")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for cont, name in ((False, "static batches (admit N, wait for all, admit the next)"), (True, "continuous batching")):
+        print(f"  N = {small}, {name:52s} {tokens / med[cont]:7.0f} tokens/s {med[cont]:7.2f} s")
+    print(f"  continuous / static tokens/s: {med[False] / med[True]:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,7 +746,8 @@ def main(argv=None) -> None:
                    help="torch intra-op threads on CPU, 0 = torch's default. 1 by default: on cores shared with other "
                         "jobs, threads spin-waiting for a busy core make times vary tenfold")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--only", choices=["rollouts", "logprobs", "step", "forward", "checkpointing", "warmstart", "engines"], default=None,
+    p.add_argument("--only", choices=["rollouts", "slots", "logprobs", "step", "forward", "checkpointing", "warmstart", "engines"],
+                   default=None,
                    help="run one section")
     p.add_argument("--vs-trl", action="store_true",
                    help="only the GRPO step of train.py vs TRL's GRPOTrainer (needs trl installed for this Python)")
@@ -666,12 +756,17 @@ def main(argv=None) -> None:
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--gc-child", help=argparse.SUPPRESS)
+    p.add_argument("--slots-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mem_child:
         variant, dtype_name, backward = args.mem_child
         return mem_child(variant, dtype_name, backward == "1")
     if args.trl_child:
         return trl_child(args.trl_child[0], int(args.trl_child[1]))
+    if args.slots_child:
+        torch.set_num_threads(1)
+        SLOTS_SETUP.update(json.loads(args.slots_child[1]))
+        return slots_child(args.slots_child[0])
     if args.gc_child:
         torch.set_num_threads(1)
         return gc_child(args.gc_child == "1")
@@ -690,6 +785,8 @@ def main(argv=None) -> None:
         return print(f"\n({time.perf_counter() - t0:.0f} s in all)")
     if args.only in (None, "rollouts"):
         bench_rollouts(device, args.repeats)
+    if args.only in (None, "slots"):
+        bench_slots(device, args.repeats)
     if args.only in (None, "logprobs"):
         bench_logprobs(device, args.repeats)
     if args.only in (None, "forward"):

@@ -33,7 +33,7 @@ import torch
 
 import data
 import verifier
-from sampler import sample_groups
+from sampler import num_seqs_within, sample_groups
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -141,12 +141,12 @@ class OneProcess:
 
 
 @torch.no_grad()
-def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None, sample=sample_groups) -> tuple[dict, list[dict]]:
+def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None, sample=None) -> tuple[dict, list[dict]]:
     """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
 
     Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores the responses:
     a data.Reward, or one function f(response, answer) (default: the --reward functions and weights). `sample`
-    draws the responses: sample_groups, or a vLLM engine's (train.py --rollout vllm), which holds its own
+    draws the responses: None for sampler.sample_groups, or a vLLM engine's (train.py --rollout vllm), which holds its own
     weights and runs without autocast."""
     n, ks = args.eval_samples, pass_ks(args.eval_samples)
     greedy = n == 1
@@ -158,12 +158,17 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     mine = list(range(ddp.rank, len(rows), ddp.world))
     per = max(1, EVAL_BATCH // n)
     records = []
+    hf = sample is None  # sampler.sample_groups; an engine holds its own weights and --max-num-seqs: no autocast
+    sample = sample or sample_groups
     for start in range(0, len(mine), per):
         idx = mine[start:start + per]
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and sample is sample_groups):
-            roll = sample(model, [encode(rows[i]["prompt"]) for i in idx], n, args.max_new_tokens, eos, pad,
+        prompts = [encode(rows[i]["prompt"]) for i in idx]
+        bound = dict(max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, n, args.max_new_tokens,
+                                                                        args.kv_cache_gb)) if hf else {}
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and hf):
+            roll = sample(model, prompts, n, args.max_new_tokens, eos, pad,
                           0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
-                          generator=None if greedy else [eval_generator(args.seed, i) for i in idx])
+                          generator=None if greedy else [eval_generator(args.seed, i) for i in idx], **bound)
         lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
         for b, i in enumerate(idx):
             rs = range(b * n, (b + 1) * n)                                         # problem i's rows
@@ -208,6 +213,10 @@ class EvalArgs:
     reward_weights: list[float] | None = flag(None, "one weight per --reward, the score being their weighted sum (default: all 1)")
     trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only for models you trust)")
     max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
+    max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; continuous batching): the KV "
+                                          "cache holds N x (P + T) positions (default: as many as --kv-cache-gb holds)")
+    kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: layers x KV heads x "
+                                   "head_dim x 2 x bytes x N x (P + T) <= this, N a multiple of G and at least G")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
     eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy (eval/accuracy); n > 1 logs "
                                 "mean@n, pass@k, maj@n")
@@ -262,7 +271,9 @@ def resolve(ns, error, builtin: bool) -> None:
     checks = [(ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.eval_size >= 1, "--eval-size must be >= 1"),
               ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
               (ns.eval_samples >= 1, "--eval-samples must be >= 1"), (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
-              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"), (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
+              (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
+               "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)"),
               (ns.reward_weights is None or len(ns.reward_weights) == len(ns.reward), "--reward-weights needs one weight per --reward")]
     for ok, msg in checks:
         if not ok:

@@ -7,7 +7,8 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 - each prompt is prefilled once and its KV cache repeated for its G samples (generate prefills G copies);
 - the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it with
   torch.cat at every step);
-- finished rows leave the batch and the cache, so they stop costing compute;
+- finished rows leave the batch and the cache, so they stop costing compute, and with max_num_seqs
+  (continuous batching) their slots go to waiting groups, so at most that many rows decode at once;
 - sampling is inverse-CDF on uniforms drawn up front, walking block masses then one block (no
   vocabulary-sized running sum), where generate draws a vocabulary of exponentials per row
   (torch.multinomial); only top-p sorts.
@@ -18,11 +19,12 @@ never on which other prompts share the batch (this is what makes 1 rank and N ra
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 @dataclass
@@ -68,47 +70,66 @@ class Rollout:
 
 
 class _BufferedLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values live in buffers of `capacity` positions, allocated once.
+    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity` positions, allocated once.
 
     DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor (O(T^2)
-    copying per rollout). Here a step writes its position in place and attention reads a view.
+    copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one column per row,
+    row i at its own column at[i] (rows admitted at different steps have different lengths); attention
+    reads a view of the first `seen` columns, and the attention mask hides the columns a row has not written.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, rows: int | None = None):
         super().__init__()
-        self.capacity, self.length, self.kbuf = capacity, 0, None
+        self.capacity, self.rows, self.seen, self.kbuf, self.at = capacity, rows, 0, None, None
 
-    def _use(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
-        self.kbuf, self.vbuf = kbuf, vbuf                                     # [n, H, capacity, D]
-        self.keys, self.values = kbuf[:, :, :self.length], vbuf[:, :, :self.length]  # [n, H, length, D] views
+    def get_seq_length(self) -> int:                                          # the masks' query position
+        return self.seen
+
+    def _alloc(self, like: torch.Tensor, n: int) -> None:
+        self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
+        # zeros, not empty: a column a row never wrote is masked, and 0 x NaN garbage would still be NaN
+        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity, like.shape[-1]) for _ in "kv")
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.kbuf is None:                                                 # the prefill
-            self.is_initialized, self.dtype, self.device = True, key_states.dtype, key_states.device
-            self._use(*(x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (key_states, value_states)))
-        start, self.length = self.length, self.length + key_states.shape[-2]
-        if self.length > self.capacity:
-            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.length} were written")
-        self.kbuf[:, :, start:self.length] = key_states                       # [n, H, t, D]
-        self.vbuf[:, :, start:self.length] = value_states
-        self._use(self.kbuf, self.vbuf)
+        n, t = key_states.shape[0], key_states.shape[-2]                      # [n, H, t, D]
+        if self.kbuf is None:
+            self._alloc(key_states, n)
+        if self.seen + t > self.capacity:
+            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} were written")
+        if self.at is None:                                                   # a prefill: columns [0, t)
+            self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
+        else:                                                                 # a decode step: row i at column at[i]
+            rows = torch.arange(n, device=self.kbuf.device)
+            self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = key_states[:, :, 0], value_states[:, :, 0]
+        self.seen += t
+        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]  # [n, H, seen, D] views
         return self.keys, self.values
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._use(self.kbuf.repeat_interleave(repeats, 0), self.vbuf.repeat_interleave(repeats, 0))
+    def put(self, start: int, prompt: _BufferedLayer, G: int) -> None:
+        """Rows [start, start + k*G) take the KV of k prefilled prompts (columns [0, P)), each for its G rows."""
+        k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
+        if self.kbuf is None:
+            self._alloc(prompt.kbuf, k * G)
+        for buf, src in ((self.kbuf, prompt.kbuf), (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
+            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = src[:, None, :, :P]
+        self.seen = max(self.seen, P)                                         # keep_rows copies what was written
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        n, L = indices.shape[0], self.length                                  # kept rows move to [0, n), in place
+    def keep_rows(self, indices: torch.Tensor) -> None:
+        n, L = indices.shape[0], self.seen                                    # kept rows move to [0, n), in place
         self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = self.kbuf[indices, :, :L], self.vbuf[indices, :, :L]
-        self._use(self.kbuf[:n], self.vbuf[:n])
 
 
-def _make_cache(model, capacity: int) -> DynamicCache:
-    """The cache generate would build (sliding-window layers and all), plain layers made _BufferedLayer."""
-    with_config = "config" in inspect.signature(DynamicCache).parameters     # transformers >= 4.56
-    cache = DynamicCache(config=model.config) if with_config else DynamicCache()  # lazy plain layers if no types
-    cache.layers = [_BufferedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
+def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
+    """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest sliding window.
+
+    A sliding-window layer keeps all positions here: the model's mask applies the window (by column index)."""
+    cache = DynamicCache(config=model.config)                                 # one layer per decoder layer, by type
+    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
+    if other:
+        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not {sorted(other)}")
+    window = min((la.sliding_window for la in cache.layers if isinstance(la, DynamicSlidingWindowLayer)), default=None)
+    cache.layers = [_BufferedLayer(capacity, rows) for _ in cache.layers]
+    return cache, window
 
 
 def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
@@ -189,18 +210,39 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     return (b * SAMPLE_BLOCK + i).squeeze(-1), inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log()
 
 
+def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int, budget_gb: float) -> int:
+    """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in budget_gb:
+    one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes (autocast's dtype if on)."""
+    c, device = model.config.get_text_config(), next(model.parameters()).device
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    amp = torch.is_autocast_enabled(device.type)
+    nbytes = (torch.get_autocast_dtype(device.type) if amp else next(model.parameters()).dtype).itemsize
+    per_row = c.num_hidden_layers * heads * head_dim * 2 * nbytes * (max(map(len, prompts), default=0) + max_new_tokens)
+    return max(G, int(budget_gb * 2**30 // per_row) // G * G)
+
+
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
-                  pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None) -> Rollout:
+                  pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
+                  max_num_seqs: int | None = None, continuous: bool = True) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache -> Rollout.
 
     eos_token_id: one id or several (chat models end a turn with one token and a document with another);
     a response ends at the first of them, which it keeps.
+    max_num_seqs: at most this many rows decode at once (None: all B*G), so the KV cache holds
+    max_num_seqs x (P + T) positions, P the longest prompt. A group is admitted whole (its prompt prefilled
+    once for its G rows) when G slots are free, so max_num_seqs must be >= G.
+    continuous=False: static batches (admit what fits, wait until all of it has ended, admit the next), the
+    baseline bench.py measures; a model whose sliding window is shorter than P + T always gets it (below).
+    The rollout is the same for every max_num_seqs and either mode: each row's uniforms are drawn up front.
     """
     if G < 1 or max_new_tokens < 1:
         raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if max_num_seqs is not None and max_num_seqs < G:
+        raise ValueError(f"max_num_seqs={max_num_seqs} < G={G}: a group's G rows decode together")
     device = next(model.parameters()).device
     B, N, T = len(prompts), len(prompts) * G, max_new_tokens
     eos = torch.tensor(eos_token_id, device=device).reshape(-1)              # [E]
@@ -215,39 +257,77 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     was_training = model.training
     model.eval()
     ids, pmask = _left_padded(prompts, pad_token_id, device)                 # [B, P] each
-    P = ids.shape[1]
-    attn = torch.cat([pmask, pmask.new_ones(B, T)], 1)                        # [B, P + T]
-    pos = (pmask.cumsum(-1) - 1).clamp_min(0)                                 # [B, P] counted from the first real token
-    cache = _make_cache(model, P + T)
+    P, plen = ids.shape[1], pmask.sum(-1)                                     # plen [B]
+    S = N if max_num_seqs is None else min(max_num_seqs, N)                   # slots: rows decoding at once
+    cache, window = _make_cache(model, P + T, rows=S)
+    # the model's mask applies a sliding window at one query column for all rows: exact only when the rows
+    # are aligned, as in a static batch (or when the window never bites)
+    continuous = continuous and (window is None or P + T <= window)
     kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, **kw).logits[:, -1]  # [B, V]: one prefill per prompt
-    cache.batch_repeat_interleave(G)                                          # prompt KV shared by its G rows
-    logits = logits.repeat_interleave(G, dim=0)                               # [N, V]
-    attn = attn.repeat_interleave(G, dim=0)                                   # [N, P + T]
-    next_pos = attn[:, :P].sum(-1)                                            # [N]
-    active = torch.arange(N, device=device)                                   # rows still decoding
-    work = sample_workspace(N, logits.shape[-1], device)                      # [N, V up to a block], reused each step
+    attn = torch.zeros(S, P + T, dtype=torch.long, device=device)             # [S, P + T] the columns each slot sees
+    rows = torch.zeros(0, dtype=torch.long, device=device)                    # [n] the response row in each slot
+    t = torch.zeros_like(rows)                                                # [n] tokens it has sampled
+    born, admitted, logits, work = [], 0, None, None                          # born: the step each slot's row came in
 
-    for t in range(T):
-        tok, lp = sample_token(logits, u[active, t], temperature, top_p, work)  # [n], [n]
-        response[active, t] = tok
-        logprobs[active, t] = lp
-        done = torch.isin(tok, eos)                                           # [n]
-        n_done = int(done.sum())                                              # the step's one host sync
-        if n_done:
-            lengths[active[done]] = t + 1
-            truncated[active[done]] = False
-        if t == T - 1 or n_done == active.shape[0]:
+    # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G slots
+    # are free), instead of the batch shrinking until its longest row ends. With long-tailed lengths (most
+    # answers short, a few at max_new_tokens) a static batch spends its last steps on a handful of rows; here
+    # every step decodes up to S rows, and the cache stays S x (P + T) whatever the number of prompts.
+    # Slot i's row writes its token t at column P + t (its prompt, left-padded, at [0, P)), and sees only
+    # the columns of its own prompt and tokens (attn), so what an earlier row left in the slot is never read.
+    for step in itertools.count():
+        n = rows.shape[0]
+        k = min(B - admitted, (S - n) // G) if continuous or n == 0 else 0   # whole groups that fit now
+        if k:
+            g = slice(admitted, admitted + k)
+            new = _prefill(model, cache, ids[g], pmask[g], n, G).repeat_interleave(G, 0)  # [k*G, V]
+            attn[n:n + k * G] = torch.nn.functional.pad(pmask[g], (0, T)).repeat_interleave(G, 0)
+            rows = torch.cat([rows, torch.arange(admitted * G, (admitted + k) * G, device=device)])
+            t, born = torch.cat([t, t.new_zeros(k * G)]), born + [step] * (k * G)
+            logits = new if logits is None else torch.cat([logits, new])
+            admitted, n = admitted + k, n + k * G
+        if n == 0:
             break
-        if n_done:                                                            # compact: finished rows leave
-            keep = (~done).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
-        logits = model(input_ids=tok[:, None], attention_mask=attn[:, :P + t + 1], position_ids=next_pos[:, None],
-                       **kw).logits[:, -1]                                   # [n, V]
-        next_pos = next_pos + 1
+        work = sample_workspace(S, logits.shape[-1], device) if work is None else work  # reused each step
+        tok, lp = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n], [n]
+        response[rows, t], logprobs[rows, t] = tok, lp
+        hit = torch.isin(tok, eos)                                            # [n]
+        lengths[rows] = torch.where(hit, t + 1, lengths[rows])
+        truncated[rows] &= ~hit
+        t = t + 1
+        keep = (~hit & (t < T)).tolist()                                      # the step's one host sync
+        if not all(keep):                                                     # compact: finished rows leave
+            idx = [i for i, k_ in enumerate(keep) if k_]
+            keep_i = torch.tensor(idx, dtype=torch.long, device=device)
+            for layer in cache.layers:
+                layer.keep_rows(keep_i)
+            attn[:len(idx)] = attn[keep_i]
+            rows, t, tok, born = rows[keep_i], t[keep_i], tok[keep_i], [born[i] for i in idx]
+            n, logits = len(idx), logits[:0]
+        if n == 0:
+            continue
+        at = P + t - 1                                                        # [n] the column of each row's new token
+        attn[torch.arange(n, device=device), at] = 1
+        L = P + step + 1 - born[0]                # columns in use: the oldest row's (rows keep their admission order)
+        for layer in cache.layers:
+            layer.at, layer.seen = at, L - 1                                  # write at `at`, attend to [0, L)
+        pos = plen[rows // G] + t - 1                                         # [n] counted from the prompt's first token
+        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L], position_ids=pos[:, None],
+                       **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
     return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
+
+
+def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor, start: int, G: int) -> torch.Tensor:
+    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows [start, start + k*G),
+    each prompt's to its G rows. Returns the logits at each prompt's last position, [k, V]."""
+    prompt_cache, _ = _make_cache(model, ids.shape[1])
+    pos = (pmask.cumsum(-1) - 1).clamp_min(0)                                 # [k, P] counted from the first real token
+    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                   **{_cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
+    for layer, prompt in zip(cache.layers, prompt_cache.layers):
+        layer.put(start, prompt, G)
+    return logits
 
 
 def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) -> Rollout:

@@ -333,8 +333,8 @@ def _tiny(kind, dtype):
 def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype):
     import sampler
     model, G, T = _tiny(kind, dtype), 3, 24
-    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8).layers}
-    assert layers == ({"_BufferedLayer"} if kind == "qwen2" else {"DynamicSlidingWindowLayer"})
+    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8)[0].layers}
+    assert layers == {"_BufferedLayer"} and sampler._make_cache(model, 8)[1] == (None if kind == "qwen2" else 5)
     # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
     free = sample_groups(model, PROMPTS[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     eos = int(free.response_ids[0, 3])
@@ -908,6 +908,128 @@ def test_sampler_top_p_keeps_the_top_token(tiny_model):
     greedy = sample_groups(tiny_model, PROMPTS, 1, 6, 1, 0, temperature=0.0)
     for i in range(len(PROMPTS)):
         assert torch.equal(roll.response_ids[2 * i], greedy.response_ids[i, :roll.response_ids.shape[1]])
+
+
+def _tiny_gpt2_sampler():
+    """Absolute learned positions: a position counted from the wrong origin changes the logits (RoPE hides a
+    constant offset within a row)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(2)
+    cfg = GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4], [13, 14, 15, 16, 17], [18, 19]]
+
+
+def _tiny_mistral_wide():
+    """Sliding-window layers whose window (32) covers P + T here: continuous batching, the window by the mask."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(1)
+    return MistralForCausalLM(MistralConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                            pad_token_id=0, eos_token_id=1, bos_token_id=None, sliding_window=32)).eval()
+
+
+@pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("mistral-wide", 3), ("gpt2", 3), ("gpt2", 1)])
+def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkeypatch):
+    import sampler
+    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler, "mistral-wide": _tiny_mistral_wide}.get(
+        kind, lambda: _tiny(kind, torch.float32))()
+    ends, T = [1, 2, 3, 20], 20                # several end ids: lengths roughly geometric, some rows truncated
+    made, make = [], sampler._make_cache
+    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(MIXED_PROMPTS))]  # noqa: E731
+    run = lambda n, **k: sample_groups(model, MIXED_PROMPTS, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=n, **k)  # noqa: E731
+    full = run(None)
+    assert full.truncated.any() and (~full.truncated).any() and len(set(full.lengths.tolist())) > 3
+    P, N = max(map(len, MIXED_PROMPTS)), len(MIXED_PROMPTS) * G
+    sizes = [1, 3, 4] if G == 1 else [3, 7, 11]     # 7 slots for groups of 3: one slot idle, groups enter whole
+    # (mistral's window 5 < P + T: static batches whatever `continuous` says, see sample_groups)
+    for n, continuous in [(sizes[0], False), (sizes[2], True), (sizes[0], True), (sizes[1], True)]:  # mistral: static
+        made.clear()
+        roll = run(n, continuous=continuous)
+        assert made[0][0].layers[0].kbuf.shape[0] == min(n, N) and made[0][0].layers[0].kbuf.shape[2] == P + T
+        assert torch.equal(roll.response_ids, full.response_ids) and torch.equal(roll.lengths, full.lengths)
+        assert torch.equal(roll.truncated, full.truncated)
+        assert torch.allclose(roll.logprobs, full.logprobs, atol=1e-5)
+    for i in range(N):                         # and the rows are right: the log-probs of a plain full forward
+        L = int(roll.lengths[i])
+        with torch.no_grad():
+            want = _full_forward_logprobs(model, MIXED_PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.9)
+        assert torch.allclose(roll.logprobs[i, :L], want, atol=1e-4)
+    if G > 1:
+        with pytest.raises(ValueError, match="max_num_seqs=2 < G=3"):
+            run(2)
+
+
+def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
+    import sampler
+    made, make = [], sampler._make_cache
+    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4), (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
+        # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all heads) x 8
+        per_row = per_pos * (6 + 20)                         # the longest of MIXED_PROMPTS, 6, + T = 20
+        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9   # a multiple of G
+        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3                     # at least G
+        with torch.autocast("cpu", torch.bfloat16):          # bf16 keys: half the bytes, twice the rows
+            assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 21
+        made.clear()
+        sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0), max_num_seqs=9)
+        layers = made[0][0].layers
+        assert sum(la.kbuf.nbytes + la.vbuf.nbytes for la in layers) == 9 * per_row   # what was allocated
+
+
+def test_max_num_seqs_flags_are_checked(capsys):
+    import evaluate
+    import train
+    assert train.parse_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and train.parse_args([]).kv_cache_gb == 8.0
+    for parse, bad in ((train.parse_args, ["--max-num-seqs", "4"]), (train.parse_args, ["--kv-cache-gb", "0"]),
+                       (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
+        with pytest.raises(SystemExit) as e:
+            parse(bad)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: --") and len(err.strip().splitlines()) == 1, err
+
+
+def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
+    import contextlib
+
+    import evaluate
+    import sampler
+    import train
+    seen = []
+
+    def recording(*a, max_num_seqs=None, **k):
+        seen.append(max_num_seqs)
+        return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
+    monkeypatch.setattr(train, "sample_groups", recording)
+    monkeypatch.setattr(evaluate, "sample_groups", recording)
+    model = _tiny("qwen2", torch.float32)
+    task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
+                      reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
+    one = type("One", (), {"rank": 0, "world": 1})()
+    for flags, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
+        args = train.parse_args(["--prompts-per-step", "4", *flags])
+        train.draw_round(model, task, args, one, contextlib.nullcontext, 0)
+        assert seen.pop() == want
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
+    _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    args.max_num_seqs = 5                      # one problem's 4 samples at a time: the same samples
+    _, r2 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    prompts = [data.PromptFormatter(tok)(r["prompt"]) for r in rows]
+    assert r1 == r2 and seen[-1] == 5 and seen[0] == sampler.num_seqs_within(model, prompts, 4, 10, 8.0) >= 48
+
+
+@pytest.mark.slow
+def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
+    """bench.py --only slots, shrunk: memory in fresh processes at N and all rows, continuous vs static batches."""
+    import bench
+    monkeypatch.setattr(bench, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
+    bench.bench_slots("cpu", 1, small=4)
+    out = capsys.readouterr().out
+    assert "rollout memory, peak RSS of a fresh process" in out and "all 12 rows" in out
+    assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
 
 
 def test_rollout_select_and_cat():

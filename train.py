@@ -50,7 +50,7 @@ import verifier
 import vllm_rollout
 from evaluate import flag as _f
 from evaluate import shared
-from sampler import Rollout, sample_groups
+from sampler import Rollout, num_seqs_within, sample_groups
 
 
 @dataclass
@@ -80,6 +80,8 @@ class Args:  # the flags evaluation shares with evaluate.py (same names and mean
     prompts_per_step: int | None = _f(None, "prompts (groups) per step, over all ranks (default: 32 builtin, 512 otherwise)")
     group_size: int = _f(8, "G, responses sampled per prompt")
     max_new_tokens: int | None = shared("max_new_tokens")
+    max_num_seqs: int | None = shared("max_num_seqs")
+    kv_cache_gb: float = shared("kv_cache_gb")
     temperature: float = _f(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, --eval-temperature)")
     top_p: float = _f(1.0, "nucleus sampling of rollouts")
     rollout: str = _f("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a colocated vLLM engine per rank, "
@@ -183,6 +185,8 @@ def parse_args(argv=None) -> Args:
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [(ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
+              (ns.max_num_seqs is None or ns.max_num_seqs >= ns.group_size,
+               "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
               (ns.steps >= 0, "--steps must be >= 0"),
               (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"), (ns.mu >= 1, "--mu must be >= 1"),
               (ns.mini_batches >= 1, "--mini-batches must be >= 1"), (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
@@ -219,7 +223,7 @@ class Task:
     reward_fn: data.Reward                      # (prompts, responses, rows) -> (scores [N], components), 1 for right
     eos: list[int]
     pad: int
-    sample: Callable = sample_groups            # Step 1: sampler.sample_groups, or vllm_rollout.Engine.sample_groups
+    sample: Callable | None = None              # Step 1: None for sampler.sample_groups, or vllm_rollout.Engine.sample_groups
 
 
 def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
@@ -232,11 +236,14 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
     mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
-    hf = task.sample is sample_groups  # an engine holds its own weights: no autocast, no FSDP gather
-    with amp() if hf else contextlib.nullcontext(), parallel.unsharded(model if hf else None):
-        roll = task.sample(model, [task.encode(r["prompt"]) for _, r in mine], args.group_size, args.max_new_tokens,
-                           task.eos, task.pad, args.temperature, args.top_p,
-                           generator=[data.prompt_generator(args.seed, j) for j, _ in mine])
+    prompts = [task.encode(r["prompt"]) for _, r in mine]
+    hf = task.sample is None  # sampler.sample_groups; an engine holds its own weights and --max-num-seqs
+    sample = task.sample or sample_groups
+    bound = dict(max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, args.group_size, args.max_new_tokens,
+                                                                    args.kv_cache_gb)) if hf else {}
+    with amp() if hf else contextlib.nullcontext(), parallel.unsharded(model if hf else None):  # engine: no autocast, no gather
+        roll = sample(model, prompts, args.group_size, args.max_new_tokens, task.eos, task.pad, args.temperature,
+                      args.top_p, generator=[data.prompt_generator(args.seed, j) for j, _ in mine], **bound)
     t1 = time.time()
     rows = [r for _, r in mine for _ in range(args.group_size)]
     texts = [task.decode(roll, i) for i in range(len(rows))]
@@ -373,9 +380,9 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     ref = None  # the KL term's reference: a frozen copy, or with LoRA the model itself with its adapters off (no copy)
     if args.beta > 0:
         ref = model if args.lora_r else copy.deepcopy(model).eval().requires_grad_(False)
-    engine = vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed, args.vllm_gpu_memory_utilization) \
-        if args.rollout == "vllm" else None
-    sample = engine.sample_groups if engine else sample_groups
+    engine = vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed, args.vllm_gpu_memory_utilization,
+                                 args.max_num_seqs) if args.rollout == "vllm" else None
+    sample = engine.sample_groups if engine else None  # Step 1's sampler: None for sampler.sample_groups
     if ref is not None and args.fsdp:
         parallel.shard(ref, ddp.device)
     policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
