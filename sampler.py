@@ -100,7 +100,8 @@ class _BufferedLayer(DynamicLayer):
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                                 # a decode step: row i at column at[i]
             rows = torch.arange(n, device=self.kbuf.device)
-            self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = key_states[:, :, 0], value_states[:, :, 0]
+            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))  # autocast: prefill's dtype
+            self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
         self.seen += t
         self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]  # [n, H, seen, D] views
         return self.keys, self.values

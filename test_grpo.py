@@ -1032,6 +1032,15 @@ def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
 
 
+def test_sampler_under_bf16_autocast_gives_the_same_rollout_for_every_n(tiny_model):
+    # under CPU autocast a decode step's keys may come out in another dtype than the prefill's: the write into
+    # the slots' buffer takes the buffer's dtype (an indexed write does not cast), as train.py --bf16 samples
+    with torch.autocast("cpu", torch.bfloat16):
+        rolls = [sample_groups(tiny_model, PROMPTS, 2, 12, eos_token_id=1, pad_token_id=0, temperature=0.0,
+                               max_num_seqs=n) for n in (2, None)]
+    assert torch.equal(rolls[0].response_ids, rolls[1].response_ids) and torch.equal(rolls[0].lengths, rolls[1].lengths)
+
+
 def test_rollout_select_and_cat():
     r = _fake_rollout([[1, 0], [0, 0], [1, 1]])
     s = r.select_groups(torch.tensor([True, False, True]))
