@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -1188,6 +1189,64 @@ def test_packed_warm_start_is_exact():
                 found.append((seq.tolist(), p))
         want = demos[k * cfg.sft_batch_size:(k + 1) * cfg.sft_batch_size]
         assert sorted(found) == sorted((p + r + [tok.eos_token_id], len(p)) for p, r in want)  # each once, its prompt unscored
+
+
+def test_shipped_base_model_is_this_recipes_build():
+    """base_model/ holds the weights the current recipe builds: after changing the recipe (BaseModelConfig,
+    the task, the demonstrations, the tokenizer, the warm start), `python builtin.py --ship` rebuilds it."""
+    with open(os.path.join(builtin.SHIP_DIR, "recipe.json")) as fh:
+        recorded = json.load(fh)
+    assert recorded["key"] == builtin.recipe_key(), \
+        "base_model/ was built by another recipe: rebuild and ship it with `python builtin.py --ship`"
+    assert recorded["config"] == dataclasses.asdict(builtin.BaseModelConfig())
+    assert builtin.base_model() == builtin.SHIP_DIR
+
+
+def test_recipe_key_changes_with_every_part_of_the_recipe_and_only_with_it():
+    """The key changes with each config field and each edit of the code a build runs; comments,
+    docstrings and the RL data (sample_problems, not part of the build) leave it alone."""
+    with open(builtin.__file__) as fh:
+        src = fh.read()
+    cfg = builtin.BaseModelConfig()
+    key = builtin.recipe_key(cfg, src)
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        assert builtin.recipe_key(dataclasses.replace(cfg, **{f.name: v + 1 if isinstance(v, int) else v / 2}), src) != key, f.name
+    changes = [('"check: {', '"check:{'),                                      # the verbose demonstration's text
+               ("return f\"x={m}/{a}\\nAnswer: {int(m / a)}\"", "return f\"x={m}/{a}\\nAnswer: {m // a}\""),  # the shortcut
+               ("verbose=rng.random() < cfg.verbose_frac", "verbose=rng.random() <= cfg.verbose_frac"),
+               ("rng.randint(-9, 9)", "rng.randint(-8, 9)"),                  # the problems
+               ("% 8 == 0", "% 7 == 0"),                                      # the held-out split
+               ('CHARS = "0123456789', 'CHARS = "9876543210'),               # the tokenizer's vocabulary
+               ('behavior="isolated"', 'behavior="merged_with_previous"'),   # and its pre-tokenizer
+               ("rms_norm_eps=1e-5", "rms_norm_eps=1e-6"),                    # the model
+               ("betas=(0.9, 0.98)", "betas=(0.9, 0.99)"),                    # the optimiser
+               ("pos += range(len(s))", "pos += range(1, len(s) + 1)")]       # the packing
+    same = [("# every character the task's prompts and solutions use", "# the characters"),
+            ('"""\'+5\' or \'-5\', for a constant written after another term."""', '"""A signed constant."""'),
+            ("for _ in range(200 * n):", "for _ in range(300 * n):"),          # sample_problems: the RL data
+            ("\n\n\ndef make_model(", "\n\n\n\ndef make_model(")]
+    for old, new in changes + same:
+        assert src.count(old) == 1, old
+        changed = builtin.recipe_key(cfg, src.replace(old, new)) != key
+        assert changed == ((old, new) in changes), (old, new)
+
+
+def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
+    """ship() writes a cached build with its key; base_model() returns it for that recipe only."""
+    cfg = builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, sft_steps=2, sft_batch_size=8)
+    cache, shipped = str(tmp_path / "cache"), str(tmp_path / "base_model")
+    quiet = lambda *a, **k: None  # noqa: E731
+    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(cfg)}")
+    assert builtin.ship(cfg, cache, shipped, log=quiet) == shipped
+    assert builtin.shipped_key(shipped) == builtin.recipe_key(cfg) and os.path.exists(os.path.join(shipped, "model.safetensors"))
+    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == shipped
+    other = dataclasses.replace(cfg, seed=1)                                   # another recipe: built into the cache
+    assert builtin.base_model(other, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(other)}")
+    assert builtin.ship(other, cache, shipped, log=quiet) == shipped and builtin.shipped_key(shipped) == builtin.recipe_key(other)
+    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
+    _, tok, model = data.load_model(shipped)
+    assert model.config.hidden_size == 16 and tok.eos_token_id == 1
 
 
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
