@@ -1958,6 +1958,96 @@ def test_ablation_table_and_curves_from_metrics():
                             " 0.250 ± 0.000 | 2.00% / 0.05% | 2 |")
 
 
+def test_experiment_arms_change_only_their_fix():
+    """Each experiment's arms are the baseline plus the one fix they test (all flags parse)."""
+    import ablate
+    import train
+    fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
+             "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}], "token-level-loss": [{"reduction"}],
+             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
+    assert [e.name for e in ablate.EXPERIMENTS] == list(fixes)
+    for e in ablate.EXPERIMENTS:
+        base = vars(train.parse_args([*e.flags, *e.arms[0][1]]))
+        assert (base["beta"], base["eps_high"], base["reduction"], base["dynamic_sampling"], base["overlong_filter"],
+                base["overlong_penalty"]) == (0.0, 0.2, "sequence", False, False, False)   # naive GRPO
+        changed = [{k for k, v in vars(train.parse_args([*e.flags, *flags])).items() if v != base[k]} for _, flags in e.arms[1:]]
+        assert changed == fixes[e.name], e.name
+
+
+def test_experiment_measures_by_hand():
+    import ablate
+    c = lambda resp, trunc=False, prompt="3x+5=x+9\n", step=1: {"prompt": prompt, "response": resp, "truncated": trunc,  # noqa: E731
+                                                               "length": len(resp), "step": step}
+    assert ablate.solution("3x+5=x+9\n") == 2 and ablate.solution("2x-4=-10") == -3 and ablate.solution("4x+1=2x-5\n") == -3
+    assert ablate.right(c("3x-x=9-5\n2x=4\nx=4/2\nAnswer: 2")) and not ablate.right(c("x=9/3\nAnswer: 3"))
+    assert ablate.on_the_way(c("3x-x=9-5\n2x=4\nx=4/2\nche", True))          # the verbose solution, cut
+    assert ablate.on_the_way(c("3x-x=9-5\n2x=", True)) and not ablate.on_the_way(c("3x-x=9-5\n2x=", False))
+    assert not ablate.on_the_way(c("3x-x=9-5\n2x=5", True))                     # a wrong step
+    assert ablate.repeats(c("x=1\nx=2\nx=1")) and not ablate.repeats(c("x=1\n\nx=2"))
+    cs = [c("Answer: 1"), c("Answer: 2"), c("Answer: 1"), c("Answer: 5", prompt="2x=4\n")]
+    assert ablate.distinct_answers(cs) == 1.5                                    # 2 answers in one group, 1 in the other
+    assert ablate.share(ablate.right)(cs) == 0.25 and ablate.share(ablate.right, lambda c: False)(cs) is None
+    assert ablate.mean_length(lambda c: c["prompt"] == "2x=4\n")(cs) == 9
+    run = ablate.Run({"prompts_per_step": 16, "steps": 2, "group_size": 4},
+                     [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "loss": 0, "samples": 64, "reward/frac_zero_std": 0.25},
+                      {"step": 2, "loss": 0, "samples": 192, "reward/frac_zero_std": 0.5, "sampling/groups_kept": 16.0},
+                      {"step": 2, "eval/accuracy": 0.75}], cs[:2] + [{**cs[3], "step": 2}])
+    assert ablate.informative_groups(run) == [(1, 12.0), (2, 16.0)]             # 16 x (1 - 0.25), then what was kept
+    acc = lambda r: ablate.curve(r.metrics, "eval/accuracy")  # noqa: E731
+    assert ablate.equal_budget(run) == 128 and ablate.at_samples(acc, ablate.equal_budget)(run) == 0.5
+    assert ablate.at_samples(acc, lambda r: 192)(run) == 0.75 and ablate.final("eval/accuracy")(run) == 0.75
+    assert ablate.by_step(ablate.mean_length(lambda c: True))(run) == [(1, 9), (2, 9)]
+    assert ablate.end(ablate.logged("reward/frac_zero_std"), k=1)(run) == 0.5
+    assert ablate.over_run(ablate.informative_groups)(run) == 14.0
+    d, se = ablate.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
+    assert d == 1.0 and se == pytest.approx(math.sqrt(1 / 3 + 1 / 3))          # sd 1 on each side, 3 seeds
+    assert ablate.difference([1.0], [2.0, 3.0]) == (1.5, None)
+    random.seed(0)
+    coins = [ablate.random_reward("x", "1") for _ in range(2000)]
+    random.seed(0)
+    assert coins == [ablate.random_reward("y", "2") for _ in range(2000)] and 0.45 < sum(coins) / 2000 < 0.55
+
+
+def test_experiment_table_says_what_is_beyond_noise():
+    import ablate
+    exp = ablate.Experiment("x", "claim", (), (("off", ()), ("on", ("--dynamic-sampling",))),
+                            (("acc", lambda r: r.config["acc"]), ("len", lambda r: r.config["len"])), ())
+    runs = {"off": [ablate.Run({"acc": a, "len": n}, [], []) for a, n in ((0.5, 20), (0.6, 30), (0.7, 25))],
+            "on": [ablate.Run({"acc": a, "len": n}, [], []) for a, n in ((0.9, 21), (0.8, 31), (1.0, 26))]}
+    md = ablate.experiment_table(exp, runs).splitlines()
+    assert md[0] == "| measure | off | on | on − off (± 2 SE) |"
+    assert md[2] == "| acc | 0.600 ± 0.100 | 0.900 ± 0.100 | +0.3 ± 0.16: **beyond noise** |"  # 2 SE = 2 sqrt(.01/3 + .01/3)
+    assert md[3] == "| len | 25.0 ± 5.0 | 26.0 ± 5.0 | +1 ± 8.2: within noise |"
+    assert md[-1] == "mean ± sd over 3 seeds per arm."
+    one = {k: v[:1] for k, v in runs.items()}
+    assert "one seed: no spread" in ablate.experiment_table(exp, one)
+
+
+@pytest.mark.slow
+def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    """ablate.py's experiments drive train.main: each arm x seed a run, then RESULTS/NAME.md from their logs."""
+    import ablate
+    d = tiny_run_inputs
+    monkeypatch.syspath_prepend(str(d))
+    exp = ablate.Experiment(
+        "tiny", "claim", ablate.NAIVE + tuple(_tiny_flags(d, "unused")[:-4])
+        + ("--steps", "2", "--eval-every", "2", "--eval-size", "2", "--log-completions", "999"),
+        (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
+        (("groups with a gradient", ablate.over_run(ablate.informative_groups)),
+         ("responses", lambda r: len(r.completions))), (("length", "step", ablate.by_step(ablate.mean_length(lambda c: True))),))
+    monkeypatch.setattr(ablate, "EXPERIMENTS", (exp,))
+    ablate.main(["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results", str(tmp_path)])
+    md = (tmp_path / "tiny.md").read_text()
+    assert "| responses | 32.0 ± 0.0 | 32.0 ± 0.0 |" in md and "mean ± sd over 2 seeds per arm." in md  # 2 steps x 4 x 4, all logged
+    assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == \
+        ["off-seed0", "off-seed1", "on-dynamic-sampling-seed0", "on-dynamic-sampling-seed1"]
+    metrics = ablate.load_run(str(tmp_path / "runs" / "tiny" / "on-dynamic-sampling-seed1")).metrics
+    assert all("sampling/groups_kept" in r for r in metrics if "loss" in r)
+    assert not any("sampling/groups_kept" in r for r in ablate.load_run(str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
+    assert ("tiny.png" in os.listdir(tmp_path)) == ("figure:" in capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        ablate.main(["--train-flags", "--mu 2"])                              # a --rows flag without --rows
+
 # ---------------------------------------------------------------------------------------------
 # Runs through train.main and evaluate.main: the loss flags reach the update, the evaluate command
 # ---------------------------------------------------------------------------------------------
