@@ -1,17 +1,26 @@
-"""The article's DAPO ablation ("DAPO 递进增益"), rerun in miniature on the built-in task.
+"""The article's DAPO fixes, each shown on the problem it names; and its ablation, rerun in miniature.
 
-Article section: "DAPO 递进增益" (Qwen2.5-32B, AIME 2024: naive GRPO 30, + overlong filtering 36,
-+ clip-higher 38, + soft overlong punishment 41, + token-level loss 42, + dynamic sampling 50).
+Article section: "DAPO：四项修正" (each fix a 问题 and its DAPO 修正) and "DAPO 递进增益" (Qwen2.5-32B,
+AIME 2024: naive GRPO 30, + overlong filtering 36, + clip-higher 38, + soft overlong punishment 41,
++ token-level loss 42, + dynamic sampling 50).
 
-Six rows, each adding one fix to the row above, the last being exactly `train.py --algo dapo`. Every run
-gets the same budget of sampled responses (`--max-samples`): dynamic sampling's extra samples count
-against it, so that row takes fewer optimizer steps. All rows use beta = 0 and +-1 rewards, as DAPO does, so
-that only the four fixes differ. Writes OUT/ablation.md (the table) and OUT/ablation.png (the curves; needs matplotlib).
+`python ablate.py` runs EXPERIMENTS: one per fix, in a regime where its problem appears on the built-in
+task (a smaller group, a tighter or a looser token budget, several updates per step at a higher sampling
+temperature), naive GRPO with the fix off vs on, several seeds, each arm a run of train.py. It writes
+RESULTS/NAME.md (each measure's mean ± sd over seeds, and each difference with 2 standard errors) and
+RESULTS/NAME.png (the curves, mean over seeds and the seeds' range; needs matplotlib) per experiment.
 
-    python ablate.py                          # 6 rows x 3 seeds: 18 runs of a few minutes each on 2 CPU cores
-    python ablate.py --seeds 0 --budget 2560  # a quick look
-    python ablate.py --train-flags "--mu 4" --out runs/ablation-mu4  # each batch reused for 4 updates
-    python ablate.py --train-flags "--mini-batches 4" --variant "+ GSPO=--loss gspo --eps-high 4e-4" \
+    python ablate.py                              # every experiment, 3 seeds per arm
+    python ablate.py --quick                      # one seed per arm: a look, no spread
+    python ablate.py --only dynamic-sampling      # one experiment
+
+`python ablate.py --rows` is the progressive ablation instead: six rows, each adding one fix to the row
+above, the last being exactly `train.py --algo dapo`, at the same budget of sampled responses
+(`--max-samples`: dynamic sampling's extra samples count against it, so that row takes fewer optimizer
+steps); all rows use beta = 0 and +-1 rewards, as DAPO does. Writes OUT/ablation.md and OUT/ablation.png.
+
+    python ablate.py --rows --seeds 0 --budget 2560  # a quick look
+    python ablate.py --rows --train-flags "--mini-batches 4" --variant "+ GSPO=--loss gspo --eps-high 4e-4" \
         --variant "+ CISPO=--loss cispo --eps-high 4"   # DAPO + another objective, off-policy updates
 
 A --variant NAME=FLAGS row is the last row (DAPO) plus FLAGS: any objective of variants.py, or any flag.
@@ -20,13 +29,21 @@ The clip-higher row passes --eps-high 0.28 on the command line, so a variant row
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import random
+import re
 import shlex
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import builtin
 import dapo
 import train
-from curves import curve, plot_runs, read_metrics
+import verifier
+from curves import curve, plot_panels, plot_runs, read_metrics
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
     ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
@@ -84,17 +101,264 @@ def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = RO
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per row")
-    p.add_argument("--budget", type=int, default=10240, help="responses sampled per run (40 steps of 32 x 8 without dynamic sampling)")
-    p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every this many steps")
-    p.add_argument("--out", default="runs/ablation", help="output folder")
-    p.add_argument("--train-flags", default="", help="train.py flags added to every run, e.g. '--mu 4' (with --mu 1, "
-                   "the default, the ratio is exactly 1 and clip-higher cannot act)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="add a row: DAPO (the last row) plus FLAGS, e.g. '+ CISPO=--loss cispo' (repeatable)")
-    a = p.parse_args()
+# ---------------------------------------------------------------------------------------------
+# One experiment per fix, in the regime where its problem appears: the fix off vs on, several seeds
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One finished train.py run: its config.json, metrics.jsonl and completions.jsonl (every response
+    trained on: the experiments pass --log-completions with room for all of them)."""
+    config: dict
+    metrics: list[dict]
+    completions: list[dict]
+
+
+def load_run(out: str) -> Run:
+    with open(os.path.join(out, "config.json")) as fh:
+        config = json.load(fh)
+    return Run(config, read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(out, "completions.jsonl")))
+
+
+def solution(prompt: str) -> int:
+    """x of a built-in equation, 'ax+b=c' or 'ax+b=cx+d' (a prompt as builtin.make_problem writes it)."""
+    lhs, rhs = prompt.strip().split("=")
+    a, b = (int(v) for v in builtin._split_linear(lhs))
+    c, d = (int(v) for v in builtin._split_linear(rhs)) if "x" in rhs else (0, int(rhs))
+    return (d - b) // (a - c)
+
+
+def right(c: dict) -> bool:
+    """A logged completion answers its prompt right (the verifier's score, whatever the run's reward)."""
+    return verifier.verify(c["response"], str(solution(c["prompt"]))) == 1.0
+
+
+def on_the_way(c: dict) -> bool:
+    """A truncated completion that is the start of a right worked solution (plain, or with its check line)."""
+    eq, x = c["prompt"].strip(), solution(c["prompt"])
+    return c["truncated"] and any(builtin.solve_steps(eq, x, v).startswith(c["response"]) for v in (False, True))
+
+
+def repeats(c: dict) -> bool:
+    """A response that writes some line twice."""
+    lines = [x for x in c["response"].split("\n") if x.strip()]
+    return len(set(lines)) < len(lines)
+
+
+def distinct_answers(cs: list[dict]) -> float:
+    """The mean number of distinct final answers in a step's groups (its completions grouped by prompt)."""
+    groups: dict[str, set] = {}
+    for c in cs:
+        groups.setdefault(c["prompt"], set()).add(verifier.extract_answer(c["response"]))
+    return statistics.mean(len(g) for g in groups.values())
+
+
+def share(pred: Callable[[dict], bool], among: Callable[[dict], bool] = lambda c: True):
+    """completions -> the share of those `among` that `pred` holds for (None if there are none)."""
+    def fn(cs: list[dict]) -> float | None:
+        pool = [pred(c) for c in cs if among(c)]
+        return sum(pool) / len(pool) if pool else None
+    return fn
+
+
+def mean_length(among: Callable[[dict], bool]):
+    """completions -> the mean length in tokens of those `among` (None if there are none)."""
+    def fn(cs: list[dict]) -> float | None:
+        pool = [c["length"] for c in cs if among(c)]
+        return statistics.mean(pool) if pool else None
+    return fn
+
+
+def by_step(fn: Callable[[list[dict]], float | None]) -> Callable[[Run], list[tuple[int, float]]]:
+    """A curve over training: (step, fn(the completions trained on at that step)) where fn gives a value."""
+    def points(run: Run) -> list[tuple[int, float]]:
+        steps: dict[int, list[dict]] = {}
+        for c in run.completions:
+            steps.setdefault(c["step"], []).append(c)
+        return [(s, v) for s, v in ((s, fn(cs)) for s, cs in sorted(steps.items())) if v is not None]
+    return points
+
+
+def logged(key: str) -> Callable[[Run], list[tuple[int, float]]]:
+    """A curve of a metric of metrics.jsonl over training steps (eval/* at the step it was taken)."""
+    return lambda run: [(r["step"], r[key]) for r in run.metrics if key in r]
+
+
+def informative_groups(run: Run) -> list[tuple[int, float]]:
+    """Groups with unequal rewards (a gradient) in what each step trains on: all the groups dynamic
+    sampling kept, else the step's groups less its zero-std ones."""
+    return [(r["step"], r.get("sampling/groups_kept", run.config["prompts_per_step"] * (1 - r["reward/frac_zero_std"])))
+            for r in run.metrics if "loss" in r]
+
+
+def at_samples(points: Callable[[Run], list[tuple[float, float]]], samples: Callable[[Run], float]) -> Callable[[Run], float | None]:
+    """Run -> the curve's last value taken with at most samples(run) responses drawn (x: responses sampled)."""
+    def fn(run: Run) -> float | None:
+        pts = [v for s, v in points(run) if s <= samples(run)]
+        return pts[-1] if pts else None
+    return fn
+
+
+def end(points: Callable[[Run], list[tuple[float, float]]], k: int = 5) -> Callable[[Run], float | None]:
+    """Run -> the mean of a curve's last k points (the end of training)."""
+    return lambda run: statistics.mean(v for _, v in points(run)[-k:]) if points(run) else None
+
+
+def over_run(points: Callable[[Run], list[tuple[float, float]]]) -> Callable[[Run], float | None]:
+    """Run -> the mean of a curve over the whole run."""
+    return lambda run: statistics.mean(v for _, v in points(run)) if points(run) else None
+
+
+def random_reward(response: str, answer: str) -> float:
+    """The random-reward control (--reward ablate:random_reward): 1 or 0 by a fair coin, whatever the
+    response. Python's global RNG, which nothing else in a run draws from; run_experiment seeds it per run."""
+    return float(random.random() < 0.5)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str                                      # results/NAME.md and results/NAME.png
+    claim: str                                     # the article's problem and its fix, in a sentence
+    flags: tuple[str, ...]                         # train.py flags of every arm: the regime
+    arms: tuple[tuple[str, tuple[str, ...]], ...]  # (label, flags); the first is the baseline (the fix off)
+    measures: tuple[tuple[str, Callable[[Run], float | None]], ...]  # the table: one value per run
+    panels: tuple[tuple[str, str, Callable[[Run], list[tuple[float, float]]]], ...]  # the figure: (title, x, curve)
+
+
+def difference(base: list[float], other: list[float]) -> tuple[float, float | None]:
+    """mean(other) - mean(base) and its standard error (Welch: sqrt(s1^2/n1 + s2^2/n2); None with one seed)."""
+    d = statistics.mean(other) - statistics.mean(base)
+    if len(base) < 2 or len(other) < 2:
+        return d, None
+    return d, math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other))
+
+
+def num(mean: float, sd: float) -> str:
+    """'mean ± sd', with 1 decimal from 10 up, else 3."""
+    digits = 1 if abs(mean) >= 10 else 3
+    return f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+
+def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
+    """Each measure: mean ± sd over seeds per arm, and each arm's difference from the baseline with 2 SE."""
+    labels = [label for label, _ in exp.arms]
+    lines = ["| measure | " + " | ".join(labels) + " | " + " | ".join(f"{x} − {labels[0]} (± 2 SE)" for x in labels[1:]) + " |",
+             "|" + " --- |" * (2 * len(labels))]
+    for name, fn in exp.measures:
+        values = {x: [v for v in map(fn, runs[x]) if v is not None] for x in labels}
+        cells = [num(statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) if v else "-" for v in values.values()]
+        for x in labels[1:]:
+            if not values[x] or not values[labels[0]]:
+                cells.append("-")
+                continue
+            d, se = difference(values[labels[0]], values[x])
+            cells.append(f"{d:+.3g} (one seed: no spread)" if se is None else
+                         f"{d:+.3g} ± {2 * se:.2g}: {'**beyond noise**' if abs(d) > 2 * se else 'within noise'}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    seeds = {len(v) for v in runs.values()}
+    return "\n".join(lines) + f"\n\nmean ± sd over {'/'.join(map(str, sorted(seeds)))} seeds per arm."
+
+
+def run_experiment(exp: Experiment, seeds: list[int], out: str) -> dict[str, list[Run]]:
+    """Every arm x seed as a train.py run (a finished run is kept: rerunning resumes the experiment)."""
+    runs: dict[str, list[Run]] = {label: [] for label, _ in exp.arms}
+    for seed in seeds:  # seed after seed, so that an experiment stopped early has as many seeds in each arm
+        for label, flags in exp.arms:
+            folder = os.path.join(out, exp.name, f"{re.sub(r'[^a-z0-9.]+', '-', label.lower()).strip('-')}-seed{seed}")
+            if not os.path.exists(os.path.join(folder, "final", "config.json")):
+                print(f"{exp.name}: {label}, seed {seed}", flush=True)
+                random.seed(seed)  # random_reward's coin
+                train.main([*exp.flags, *flags, "--seed", str(seed), "--out", folder])
+            runs[label].append(load_run(folder))
+    return runs
+
+
+def equal_budget(run: Run) -> float:
+    """The responses a run without dynamic sampling draws in its steps: steps x prompts x G."""
+    c = run.config
+    return c["steps"] * c["prompts_per_step"] * c["group_size"]
+
+
+def final(key: str) -> Callable[[Run], float | None]:
+    """Run -> the last logged value of a metric (eval/accuracy: the evaluation after the last step)."""
+    return lambda run: logged(key)(run)[-1][1] if logged(key)(run) else None
+
+
+NAIVE = ("--algo", "grpo", "--beta", "0", "--wrong-reward", "-1")  # naive GRPO with DAPO's +-1 rewards (ROWS[0])
+SMALL = ("--prompts-per-step", "16", "--steps", "16", "--eval-every", "16", "--eval-size", "128",  # held-out: before, after
+         "--log-completions", "100000")                                                           # every response trained on
+WRONG = lambda c: not right(c)  # noqa: E731
+SAMPLED = (("accuracy of the sampled responses", "step", logged("reward/correct")),)
+ENTROPY = (("entropy, last 5 steps", end(logged("entropy"))),
+           ("distinct answers per group, last 5 steps", end(by_step(distinct_answers))),
+           ("tokens clipped at the upper bound", over_run(logged("clip/high_frac"))))
+ENTROPY_PANELS = (("entropy (nats/token)", "step", logged("entropy")),
+                  ("distinct answers per group", "step", by_step(distinct_answers)),
+                  ("tokens clipped high", "step", logged("clip/high_frac")))
+CLIP_ARMS = (("eps_high 0.2", ()), ("eps_high 0.28", ("--eps-high", str(dapo.EPS_HIGH))))
+CLIP_REGIME = ("--mini-batches", "4", "--temperature", "1.5")  # off-policy updates; a sampling temperature with spread
+
+EXPERIMENTS = (
+    Experiment(
+        "dynamic-sampling",
+        "问题: a group whose answers are all right (or all wrong) has zero advantages and gives no gradient, and "
+        "such groups grow as accuracy rises. DAPO 修正: resample until every group in the batch is mixed (Eq. 11).",
+        NAIVE + SMALL + ("--group-size", "4"),
+        (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
+        (("sampled groups all right or all wrong, last 5 steps", end(logged("reward/frac_zero_std"))),
+         ("groups with a gradient per update (of 16)", over_run(informative_groups)),
+         ("accuracy of the sampled responses, last 5 updates", end(logged("reward/correct"))),
+         ("accuracy of the sampled responses at 16 x 16 x 4 = 1,024 responses",
+          at_samples(lambda r: curve(r.metrics, "reward/correct"), equal_budget)),
+         ("responses sampled in 16 updates", final("samples")),
+         ("held-out greedy accuracy after 16 updates", final("eval/accuracy"))),
+        (("sampled groups all right / all wrong", "step", logged("reward/frac_zero_std")),
+         ("groups with a gradient per update", "step", informative_groups),
+         ("sampled accuracy per update", "optimizer update", logged("reward/correct")),
+         ("sampled accuracy per sampled response", "responses sampled", lambda r: curve(r.metrics, "reward/correct")))),
+    Experiment(
+        "overlong-shaping",
+        "问题: a truncated response gets the reward of a wrong one, though its reasoning may be sound, which "
+        "confuses training. DAPO 修正: mask truncated responses out of the loss (overlong filtering), and punish "
+        "length softly over the last L_cache tokens (Eq. 13).",
+        NAIVE + SMALL + ("--group-size", "4", "--max-new-tokens", "40"),
+        (("hard: truncated = wrong", ()), ("filter", ("--overlong-filter",)),
+         ("filter + soft penalty", ("--overlong-filter", "--overlong-penalty"))),
+        (("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
+         ("truncated on the way to a right answer, share of the truncated",
+          over_run(by_step(share(on_the_way, lambda c: c["truncated"])))),
+         ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
+         ("held-out greedy accuracy at the end", final("eval/accuracy"))),
+        (("truncated responses", "step", logged("len/truncated_frac")),
+         ("truncated on the way to right (of all)", "step", by_step(share(on_the_way))), *SAMPLED)),
+    Experiment(
+        "token-level-loss",
+        "问题: the per-response mean gives each token of a long response less weight, so long wrong responses "
+        "(rambling, repetition) are pushed down less. DAPO 修正: average over all tokens of the batch (Eq. 12).",
+        NAIVE + SMALL + ("--group-size", "4", "--max-new-tokens", "96"),
+        (("sequence", ()), ("token", ("--reduction", "token"))),
+        (("length of wrong responses, last 5 steps", end(by_step(mean_length(WRONG)))),
+         ("wrong responses that repeat a line, last 5 steps", end(by_step(share(repeats, WRONG)))),
+         ("length of all responses, last 5 steps", end(logged("len/mean"))),
+         ("held-out greedy accuracy at the end", final("eval/accuracy"))),
+        (("length of wrong responses", "step", by_step(mean_length(WRONG))),
+         ("wrong responses that repeat a line", "step", by_step(share(repeats, WRONG))), *SAMPLED)),
+    Experiment(
+        "clip-higher",
+        "问题: with symmetric clipping a low-probability token's ratio is capped at 1 + eps early, so exploration "
+        "dies: entropy collapses. DAPO 修正: decouple the bounds and raise the upper one (eps_high 0.28, Eq. 10).",
+        NAIVE + SMALL + CLIP_REGIME, CLIP_ARMS, ENTROPY + (("held-out greedy accuracy at the end", final("eval/accuracy")),),
+        ENTROPY_PANELS + SAMPLED),
+    Experiment(
+        "clip-higher-random-reward",
+        "The control: a fair coin for reward leaves nothing to learn, and symmetric clipping alone is published to "
+        "lower entropy (arXiv 2509.26114); clip-higher should lower it less.",
+        NAIVE + SMALL + CLIP_REGIME + ("--reward", "ablate:random_reward"), CLIP_ARMS, ENTROPY, ENTROPY_PANELS),
+)
+
+
+def rows_main(a) -> None:
+    """--rows: the progressive ablation (ROWS, each adding one fix) at an equal sample budget."""
     rows = ROWS + [variant_row(v) for v in a.variant]
     runs: dict[str, list[list[dict]]] = {}
     for i, (name, _, _) in enumerate(rows):
@@ -111,6 +375,48 @@ def main() -> None:
     print(md)
     if plot_runs(runs, os.path.join(a.out, "ablation.png")):
         print(f"plots: {os.path.join(a.out, 'ablation.png')}")
+
+
+def experiments_main(a) -> None:
+    """The experiments (EXPERIMENTS, or --only some): runs, then results/NAME.md and results/NAME.png each."""
+    seeds = [0] if a.quick else a.seeds
+    for exp in EXPERIMENTS:
+        if a.only and exp.name not in a.only:
+            continue
+        runs = run_experiment(exp, seeds, a.out)
+        md = (f"# {exp.name}\n\n{exp.claim}\n\n`python ablate.py --only {exp.name}`: train.py "
+              f"{' '.join(exp.flags)}, then per arm: " + "; ".join(f"{x}: `{' '.join(f) or '(nothing)'}`" for x, f in exp.arms)
+              + f"; seeds {' '.join(map(str, seeds))}.\n\n{experiment_table(exp, runs)}\n")
+        with open(os.path.join(a.results, f"{exp.name}.md"), "w") as fh:
+            fh.write(md)
+        print(md)
+        panels = [(title, x, {label: [points(r) for r in rs] for label, rs in runs.items()}) for title, x, points in exp.panels]
+        if plot_panels(panels, os.path.join(a.results, f"{exp.name}.png"), exp.name):
+            print(f"figure: {os.path.join(a.results, exp.name + '.png')}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=[e.name for e in EXPERIMENTS], help="run these experiments (default: all)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per arm (or per row)")
+    p.add_argument("--quick", action="store_true", help="one seed (seed 0): a look at each experiment, no spread")
+    p.add_argument("--results", default="results", help="where the experiments' tables and figures go")
+    p.add_argument("--out", default=None, help="the runs' folder (default: runs/experiments, with --rows runs/ablation)")
+    p.add_argument("--rows", action="store_true", help="the progressive ablation instead: ROWS, one fix added per row")
+    p.add_argument("--budget", type=int, default=10240, help="--rows: responses sampled per run (40 steps of 32 x 8 without "
+                   "dynamic sampling)")
+    p.add_argument("--eval-every", type=int, default=5, help="--rows: held-out evaluation every this many steps")
+    p.add_argument("--train-flags", default="", help="--rows: train.py flags added to every run, e.g. '--mu 4' (with --mu 1, "
+                   "the default, the ratio is exactly 1 and clip-higher cannot act)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="--rows: add a row: DAPO (the last row) plus FLAGS, e.g. '+ CISPO=--loss cispo' (repeatable)")
+    a = p.parse_args(argv)
+    rows_only = [f"--{k.replace('_', '-')}" for k in ("budget", "eval_every", "train_flags", "variant")
+                 if getattr(a, k) != p.get_default(k)]
+    if rows_only and not a.rows:
+        p.error(f"{', '.join(rows_only)}: for --rows only")
+    a.out = a.out or ("runs/ablation" if a.rows else "runs/experiments")
+    rows_main(a) if a.rows else experiments_main(a)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Nothing is downloaded. On first use `base_model()` builds a character-level toke
 parameter Llama-config causal LM, warm-starts it with a supervised phase on worked solutions, saves both
 with `save_pretrained` and returns the folder, which train.py then loads through AutoModelForCausalLM /
 AutoTokenizer exactly as it loads a real model. The folder is cached under `.cache/` next to this file,
-keyed by a hash of every setting below, so editing a setting rebuilds it.
+keyed by `recipe_key` (every setting below and the code that builds it), so editing either rebuilds it.
 
 The warm-start data imitates a sloppy solver, the way pretraining data mixes good and bad reasoning:
 - careful solutions ("3x=13-5 / 3x=8 / ... / Answer: 4"), a fifth of them verbose, with a check line
@@ -19,14 +19,19 @@ has a clear lesson to teach (work every equation out).
 Every DAPO fix has something to act on: groups all right or all wrong (dynamic sampling), truncated
 verbose answers (overlong filtering and punishment), long and short responses (token-level loss).
 
-The warm start is most of a newcomer's first run: 1,200 steps of 64 demonstrations (~2.9M tokens), each
-drawn once, packed into rows so that a step pays for 1.07x its tokens instead of 1.8x padded
-(`warm_start_batches`; `python bench.py --only warmstart` times both forms).
+The warm start (1,200 steps of 64 demonstrations, ~2.9M tokens, each drawn once, packed into rows so
+that a step pays for 1.07x its tokens instead of 1.8x padded: `warm_start_batches`, timed both ways by
+`python bench.py --only warmstart`) takes minutes on a CPU, so its result ships in the repository:
+`base_model/` holds the weights, the tokenizer and recipe.json, whose key is `recipe_key` of the recipe
+that built them. `base_model()` returns that folder while the key matches the code, and builds into the
+cache otherwise; a test fails while the shipped key is stale, so a changed recipe cannot ship old weights.
 
-    python builtin.py    # build (or find) the base model and print its folder
+    python builtin.py           # find (shipped or cached) or build the base model and print its folder
+    python builtin.py --ship    # build if needed and write it to base_model/ (after changing the recipe)
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -42,6 +47,8 @@ import torch
 CHARS = "0123456789+-*/=()x\n :Acehknrsw"  # every character the task's prompts and solutions use
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+SHIP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base_model")  # the shipped build
+RECIPE_ROOTS = ("make_tokenizer", "make_model", "supervised_warm_start")  # what a build runs, see recipe_key
 
 
 @dataclass(frozen=True)
@@ -271,14 +278,77 @@ def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, progress: bool
     model.eval()
 
 
-def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, log=print) -> str:
-    """The folder of the built-in base model, building and caching it on first use (with a progress bar)."""
-    key = hashlib.sha256(json.dumps({**asdict(cfg), "chars": CHARS, "v": 1}, sort_keys=True).encode()).hexdigest()[:12]
+# ---------------------------------------------------------------------------------------------
+# The recipe's key, the build, and the shipped copy
+# ---------------------------------------------------------------------------------------------
+
+def _canonical(node) -> str:
+    """An AST as text without positions, docstrings and empty fields: comments, formatting and docstrings
+    leave it unchanged, so does a Python version that adds an empty field; any change to the code does not."""
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(v) for v in node) + "]"
+    if not isinstance(node, ast.AST):
+        return repr(node)
+    fields = []
+    for name, value in ast.iter_fields(node):
+        documented = isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node, clean=False) is not None
+        if name == "body" and documented:
+            value = value[1:]
+        if value is not None and value != []:
+            fields.append(f"{name}={_canonical(value)}")
+    return f"{type(node).__name__}({','.join(fields)})"
+
+
+def recipe_code(source: str | None = None) -> dict[str, str]:
+    """The module-level definitions a build runs, canonical (`_canonical`): RECIPE_ROOTS and every function,
+    class and constant of this module they name, transitively (the task's generator, the demonstrations,
+    the tokenizer's characters, the packing, the optimiser). source: this file's text (default: read it)."""
+    if source is None:
+        with open(os.path.abspath(__file__), encoding="utf-8") as fh:
+            source = fh.read()
+    defs = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, ast.Assign):
+            defs.update((t.id, node) for t in node.targets if isinstance(t, ast.Name))
+    todo, code = list(RECIPE_ROOTS), {}
+    while todo:
+        name = todo.pop()
+        if name in code:
+            continue
+        code[name] = _canonical(defs[name])
+        todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name) and n.id in defs]
+    return code
+
+
+def recipe_key(cfg: BaseModelConfig = BaseModelConfig(), source: str | None = None) -> str:
+    """12 hex digits naming a build: a hash of cfg's fields and of recipe_code (what the build runs)."""
+    recipe = {"config": asdict(cfg), "code": recipe_code(source)}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def shipped_key(ship_dir: str = SHIP_DIR) -> str | None:
+    """The recipe key recorded in a shipped folder's recipe.json (None: no complete shipped folder)."""
+    path = os.path.join(ship_dir, "recipe.json")
+    if not os.path.exists(path) or not os.path.exists(os.path.join(ship_dir, "model.safetensors")):
+        return None
+    with open(path) as fh:
+        return json.load(fh)["key"]
+
+
+def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, log=print,
+               ship_dir: str | None = SHIP_DIR) -> str:
+    """The folder of the built-in base model: the shipped one if it was built by this recipe, else the
+    cached build, built on first use (with a progress bar)."""
+    key = recipe_key(cfg)
+    if ship_dir is not None and shipped_key(ship_dir) == key:
+        return ship_dir
     folder = os.path.join(cache_dir, f"base-{key}")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     t0 = time.time()
-    log(f"building the built-in base model in {folder} (once, a few minutes)", flush=True)
+    log(f"building the built-in base model in {folder} (once, a few minutes: no shipped build of this recipe)", flush=True)
     tokenizer = make_tokenizer()
     model = make_model(cfg, len(tokenizer))
     supervised_warm_start(model, tokenizer, cfg)
@@ -291,5 +361,30 @@ def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_
     return folder
 
 
+def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, ship_dir: str = SHIP_DIR,
+         log=print) -> str:
+    """Write this recipe's build (found in the cache or built there) to ship_dir, with recipe.json."""
+    import transformers
+
+    key = recipe_key(cfg)
+    if shipped_key(ship_dir) == key:
+        log(f"{ship_dir} is already this recipe's build ({key})")
+        return ship_dir
+    built = base_model(cfg, cache_dir, log, ship_dir=None)
+    tmp = ship_dir.rstrip(os.sep) + f".tmp{os.getpid()}"
+    shutil.copytree(built, tmp)
+    with open(os.path.join(tmp, "recipe.json"), "w") as fh:
+        json.dump({"key": key, "config": asdict(cfg), "torch": torch.__version__,
+                   "transformers": transformers.__version__}, fh, indent=1)
+        fh.write("\n")
+    shutil.rmtree(ship_dir, ignore_errors=True)
+    os.replace(tmp, ship_dir)
+    log(f"shipped {built} to {ship_dir} (recipe {key})")
+    return ship_dir
+
+
 if __name__ == "__main__":
-    print(base_model())
+    import argparse
+    p = argparse.ArgumentParser(description="Find (shipped or cached) or build the built-in base model; print its folder.")
+    p.add_argument("--ship", action="store_true", help=f"write this recipe's build to {SHIP_DIR} (git add it then)")
+    print(ship() if p.parse_args().ship else base_model())

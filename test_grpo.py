@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -1421,6 +1422,64 @@ def test_packed_warm_start_is_exact():
         assert sorted(found) == sorted((p + r + [tok.eos_token_id], len(p)) for p, r in want)  # each once, its prompt unscored
 
 
+def test_shipped_base_model_is_this_recipes_build():
+    """base_model/ holds the weights the current recipe builds: after changing the recipe (BaseModelConfig,
+    the task, the demonstrations, the tokenizer, the warm start), `python builtin.py --ship` rebuilds it."""
+    with open(os.path.join(builtin.SHIP_DIR, "recipe.json")) as fh:
+        recorded = json.load(fh)
+    assert recorded["key"] == builtin.recipe_key(), \
+        "base_model/ was built by another recipe: rebuild and ship it with `python builtin.py --ship`"
+    assert recorded["config"] == dataclasses.asdict(builtin.BaseModelConfig())
+    assert builtin.base_model() == builtin.SHIP_DIR
+
+
+def test_recipe_key_changes_with_every_part_of_the_recipe_and_only_with_it():
+    """The key changes with each config field and each edit of the code a build runs; comments,
+    docstrings and the RL data (sample_problems, not part of the build) leave it alone."""
+    with open(builtin.__file__) as fh:
+        src = fh.read()
+    cfg = builtin.BaseModelConfig()
+    key = builtin.recipe_key(cfg, src)
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        assert builtin.recipe_key(dataclasses.replace(cfg, **{f.name: v + 1 if isinstance(v, int) else v / 2}), src) != key, f.name
+    changes = [('"check: {', '"check:{'),                                      # the verbose demonstration's text
+               ("return f\"x={m}/{a}\\nAnswer: {int(m / a)}\"", "return f\"x={m}/{a}\\nAnswer: {m // a}\""),  # the shortcut
+               ("verbose=rng.random() < cfg.verbose_frac", "verbose=rng.random() <= cfg.verbose_frac"),
+               ("rng.randint(-9, 9)", "rng.randint(-8, 9)"),                  # the problems
+               ("% 8 == 0", "% 7 == 0"),                                      # the held-out split
+               ('CHARS = "0123456789', 'CHARS = "9876543210'),               # the tokenizer's vocabulary
+               ('behavior="isolated"', 'behavior="merged_with_previous"'),   # and its pre-tokenizer
+               ("rms_norm_eps=1e-5", "rms_norm_eps=1e-6"),                    # the model
+               ("betas=(0.9, 0.98)", "betas=(0.9, 0.99)"),                    # the optimiser
+               ("pos += range(len(s))", "pos += range(1, len(s) + 1)")]       # the packing
+    same = [("# every character the task's prompts and solutions use", "# the characters"),
+            ('"""\'+5\' or \'-5\', for a constant written after another term."""', '"""A signed constant."""'),
+            ("for _ in range(200 * n):", "for _ in range(300 * n):"),          # sample_problems: the RL data
+            ("\n\n\ndef make_model(", "\n\n\n\ndef make_model(")]
+    for old, new in changes + same:
+        assert src.count(old) == 1, old
+        changed = builtin.recipe_key(cfg, src.replace(old, new)) != key
+        assert changed == ((old, new) in changes), (old, new)
+
+
+def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
+    """ship() writes a cached build with its key; base_model() returns it for that recipe only."""
+    cfg = builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, sft_steps=2, sft_batch_size=8)
+    cache, shipped = str(tmp_path / "cache"), str(tmp_path / "base_model")
+    quiet = lambda *a, **k: None  # noqa: E731
+    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(cfg)}")
+    assert builtin.ship(cfg, cache, shipped, log=quiet) == shipped
+    assert builtin.shipped_key(shipped) == builtin.recipe_key(cfg) and os.path.exists(os.path.join(shipped, "model.safetensors"))
+    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == shipped
+    other = dataclasses.replace(cfg, seed=1)                                   # another recipe: built into the cache
+    assert builtin.base_model(other, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(other)}")
+    assert builtin.ship(other, cache, shipped, log=quiet) == shipped and builtin.shipped_key(shipped) == builtin.recipe_key(other)
+    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
+    _, tok, model = data.load_model(shipped)
+    assert model.config.hidden_size == 16 and tok.eos_token_id == 1
+
+
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
     """bench.py is not run by CI otherwise: its flags must parse, and the warm-start section must run."""
     import bench
@@ -2631,6 +2690,96 @@ def test_ablation_table_and_curves_from_metrics():
     assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.500 ± 0.000 | 200 (2/2 seeds) | 0.1500 ± 0.0000 | 9.0 ± 0.0 |"
                             " 0.250 ± 0.000 | 2.00% / 0.05% | 2 |")
 
+
+def test_experiment_arms_change_only_their_fix():
+    """Each experiment's arms are the baseline plus the one fix they test (all flags parse)."""
+    import ablate
+    import train
+    fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
+             "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}], "token-level-loss": [{"reduction"}],
+             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
+    assert [e.name for e in ablate.EXPERIMENTS] == list(fixes)
+    for e in ablate.EXPERIMENTS:
+        base = vars(train.parse_args([*e.flags, *e.arms[0][1]]))
+        assert (base["beta"], base["eps_high"], base["reduction"], base["dynamic_sampling"], base["overlong_filter"],
+                base["overlong_penalty"]) == (0.0, 0.2, "sequence", False, False, False)   # naive GRPO
+        changed = [{k for k, v in vars(train.parse_args([*e.flags, *flags])).items() if v != base[k]} for _, flags in e.arms[1:]]
+        assert changed == fixes[e.name], e.name
+
+
+def test_experiment_measures_by_hand():
+    import ablate
+    c = lambda resp, trunc=False, prompt="3x+5=x+9\n", step=1: {"prompt": prompt, "response": resp, "truncated": trunc,  # noqa: E731
+                                                               "length": len(resp), "step": step}
+    assert ablate.solution("3x+5=x+9\n") == 2 and ablate.solution("2x-4=-10") == -3 and ablate.solution("4x+1=2x-5\n") == -3
+    assert ablate.right(c("3x-x=9-5\n2x=4\nx=4/2\nAnswer: 2")) and not ablate.right(c("x=9/3\nAnswer: 3"))
+    assert ablate.on_the_way(c("3x-x=9-5\n2x=4\nx=4/2\nche", True))          # the verbose solution, cut
+    assert ablate.on_the_way(c("3x-x=9-5\n2x=", True)) and not ablate.on_the_way(c("3x-x=9-5\n2x=", False))
+    assert not ablate.on_the_way(c("3x-x=9-5\n2x=5", True))                     # a wrong step
+    assert ablate.repeats(c("x=1\nx=2\nx=1")) and not ablate.repeats(c("x=1\n\nx=2"))
+    cs = [c("Answer: 1"), c("Answer: 2"), c("Answer: 1"), c("Answer: 5", prompt="2x=4\n")]
+    assert ablate.distinct_answers(cs) == 1.5                                    # 2 answers in one group, 1 in the other
+    assert ablate.share(ablate.right)(cs) == 0.25 and ablate.share(ablate.right, lambda c: False)(cs) is None
+    assert ablate.mean_length(lambda c: c["prompt"] == "2x=4\n")(cs) == 9
+    run = ablate.Run({"prompts_per_step": 16, "steps": 2, "group_size": 4},
+                     [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "loss": 0, "samples": 64, "reward/frac_zero_std": 0.25},
+                      {"step": 2, "loss": 0, "samples": 192, "reward/frac_zero_std": 0.5, "sampling/groups_kept": 16.0},
+                      {"step": 2, "eval/accuracy": 0.75}], cs[:2] + [{**cs[3], "step": 2}])
+    assert ablate.informative_groups(run) == [(1, 12.0), (2, 16.0)]             # 16 x (1 - 0.25), then what was kept
+    acc = lambda r: ablate.curve(r.metrics, "eval/accuracy")  # noqa: E731
+    assert ablate.equal_budget(run) == 128 and ablate.at_samples(acc, ablate.equal_budget)(run) == 0.5
+    assert ablate.at_samples(acc, lambda r: 192)(run) == 0.75 and ablate.final("eval/accuracy")(run) == 0.75
+    assert ablate.by_step(ablate.mean_length(lambda c: True))(run) == [(1, 9), (2, 9)]
+    assert ablate.end(ablate.logged("reward/frac_zero_std"), k=1)(run) == 0.5
+    assert ablate.over_run(ablate.informative_groups)(run) == 14.0
+    d, se = ablate.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
+    assert d == 1.0 and se == pytest.approx(math.sqrt(1 / 3 + 1 / 3))          # sd 1 on each side, 3 seeds
+    assert ablate.difference([1.0], [2.0, 3.0]) == (1.5, None)
+    random.seed(0)
+    coins = [ablate.random_reward("x", "1") for _ in range(2000)]
+    random.seed(0)
+    assert coins == [ablate.random_reward("y", "2") for _ in range(2000)] and 0.45 < sum(coins) / 2000 < 0.55
+
+
+def test_experiment_table_says_what_is_beyond_noise():
+    import ablate
+    exp = ablate.Experiment("x", "claim", (), (("off", ()), ("on", ("--dynamic-sampling",))),
+                            (("acc", lambda r: r.config["acc"]), ("len", lambda r: r.config["len"])), ())
+    runs = {"off": [ablate.Run({"acc": a, "len": n}, [], []) for a, n in ((0.5, 20), (0.6, 30), (0.7, 25))],
+            "on": [ablate.Run({"acc": a, "len": n}, [], []) for a, n in ((0.9, 21), (0.8, 31), (1.0, 26))]}
+    md = ablate.experiment_table(exp, runs).splitlines()
+    assert md[0] == "| measure | off | on | on − off (± 2 SE) |"
+    assert md[2] == "| acc | 0.600 ± 0.100 | 0.900 ± 0.100 | +0.3 ± 0.16: **beyond noise** |"  # 2 SE = 2 sqrt(.01/3 + .01/3)
+    assert md[3] == "| len | 25.0 ± 5.0 | 26.0 ± 5.0 | +1 ± 8.2: within noise |"
+    assert md[-1] == "mean ± sd over 3 seeds per arm."
+    one = {k: v[:1] for k, v in runs.items()}
+    assert "one seed: no spread" in ablate.experiment_table(exp, one)
+
+
+@pytest.mark.slow
+def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    """ablate.py's experiments drive train.main: each arm x seed a run, then RESULTS/NAME.md from their logs."""
+    import ablate
+    d = tiny_run_inputs
+    monkeypatch.syspath_prepend(str(d))
+    exp = ablate.Experiment(
+        "tiny", "claim", ablate.NAIVE + tuple(_tiny_flags(d, "unused")[:-4])
+        + ("--steps", "2", "--eval-every", "2", "--eval-size", "2", "--log-completions", "999"),
+        (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
+        (("groups with a gradient", ablate.over_run(ablate.informative_groups)),
+         ("responses", lambda r: len(r.completions))), (("length", "step", ablate.by_step(ablate.mean_length(lambda c: True))),))
+    monkeypatch.setattr(ablate, "EXPERIMENTS", (exp,))
+    ablate.main(["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results", str(tmp_path)])
+    md = (tmp_path / "tiny.md").read_text()
+    assert "| responses | 32.0 ± 0.0 | 32.0 ± 0.0 |" in md and "mean ± sd over 2 seeds per arm." in md  # 2 steps x 4 x 4, all logged
+    assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == \
+        ["off-seed0", "off-seed1", "on-dynamic-sampling-seed0", "on-dynamic-sampling-seed1"]
+    metrics = ablate.load_run(str(tmp_path / "runs" / "tiny" / "on-dynamic-sampling-seed1")).metrics
+    assert all("sampling/groups_kept" in r for r in metrics if "loss" in r)
+    assert not any("sampling/groups_kept" in r for r in ablate.load_run(str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
+    assert ("tiny.png" in os.listdir(tmp_path)) == ("figure:" in capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        ablate.main(["--train-flags", "--mu 2"])                              # a --rows flag without --rows
 
 # ---------------------------------------------------------------------------------------------
 # Runs through train.main and evaluate.main: the loss flags reach the update, the evaluate command

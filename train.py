@@ -4,7 +4,7 @@ Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts ->
 advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family objectives
 of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
-    python train.py --algo dapo                      # built-in task and model, CPU, ~5 minutes
+    python train.py --algo dapo                      # built-in task and model (shipped in base_model/), CPU, minutes
     python train.py --algo grpo --steps 60
     torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k.jsonl
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train.py ...
