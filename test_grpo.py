@@ -833,7 +833,8 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
     refs = [copy.deepcopy(tiny_model).requires_grad_(False) if beta else None for _ in range(2)]
     learner = update.Learner(mine, mine, refs[0], torch.optim.SGD(mine.parameters(), lr=args.lr), contextlib.nullcontext)
-    first, rest, _, _ = update.update_policy(learner, roll, advantages, mask, args, parallel.Dist("cpu"))
+    stats = update.update_policy(learner, roll, advantages, mask, args, parallel.Dist("cpu"))
+    first, rest = stats.first, stats.rest
     losses = _hand_rolled_update(hand, refs[1], roll, advantages, mask, args)
     assert first["updates"] + rest["updates"] == 2 and rest["ratio/mean"] != rest["tokens"]    # the ratio left 1
     assert first["loss"] == pytest.approx(losses[0], abs=1e-5) and rest["loss"] == pytest.approx(losses[1], abs=1e-5)

@@ -462,17 +462,16 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
-        t_update = time.time()
         if engine:
             engine.sleep()                           # CUDA: the engine's memory is the update's until push
-        first, rest, mismatch_max, t_logprob = update.update_policy(learner, roll, advantages, mask, args, ddp)
+        stats = update.update_policy(learner, roll, advantages, mask, args, ddp)
         sched.step()                                 # the learning-rate schedule counts rollout steps
         if engine:
             engine.push(model)                       # the updated weights, for the next rollout or evaluation
-        t_update = time.time() - t_update - t_logprob
 
         # ---- metrics, summed over ranks ----
         d = ddp.sum_named(drawn_sums([r for r, _ in rounds]))
+        first, rest, mismatch_max = stats.first, stats.rest, stats.mismatch_max
         u = {k: first[k] + rest[k] for k in update.UPDATE_SUMS}
         off = rest if rest["tokens"] > 0 else first  # clip and ratio metrics of the off-policy updates, once there are any
         state["samples"] += int(d["samples"])
@@ -491,7 +490,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "updates": u["updates"],
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
-               "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
+               "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s, "time/step_s": time.time() - t0}
         row["memory/state_bytes"] = parallel.state_bytes(model, opt, None if ref is model else ref)  # rank 0's own: its shards under --fsdp
         log(row)
         for warning in signal(row) if ddp.master else []:  # no learning signal: once, in plain words
