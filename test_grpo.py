@@ -2045,6 +2045,58 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
 
 
+
+def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
+    zero = dict.fromkeys(update.UPDATE_SUMS, 0.0)
+    return update.UpdateStats({**zero, **first}, {**zero, **rest}, mismatch_max, logprob_s=0.0, update_s=0.0)
+
+
+def test_step_metrics_worked_by_hand():
+    # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2, one
+    # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples, "len" none
+    import train
+    d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0, "groups": 2.0,
+         "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
+         "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
+    first = {"loss": 0.5, "kl": 0.2, "tokens": 10.0, "entropy": 6.0, "entropy_tokens": 12.0, "grad_norm": 3.0,
+             "updates": 1.0, "mismatch/abs": 0.6, "mismatch/kl": 0.12, "mismatch/tokens": 12.0,
+             "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
+    rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
+            "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
+    row = train.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    assert row == pytest.approx({
+        "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
+        "reward/mean": 0.25,             # 2 / 8 samples
+        "reward/correct": 0.375,         # 3 / 8
+        "reward/frac_zero_std": 0.5,     # 1 / 2 groups
+        "groups/all_correct": 0.0,       # 0 / 2
+        "groups/all_wrong": 0.5,         # 1 / 2
+        "reward/fmt": 0.25,              # 1.5 / the 6 samples it scored ("len" scored none: no key)
+        "kl": 0.03,                      # (0.2 + 0.4) / 20 loss tokens of both updates
+        "entropy": 0.5,                  # 6 / 12 tokens, counted in the first pass only
+        "mismatch/logp_abs_mean": 0.05,  # 0.6 / 12
+        "mismatch/logp_abs_max": 0.25,   # as update_policy gave it
+        "mismatch/kl": 0.01,             # 0.12 / 12
+        "clip/low_frac": 0.1,            # 1 / the 10 tokens of the off-policy update (the first is left out)
+        "clip/high_frac": 0.2,           # 2 / 10
+        "ratio/mean": 1.05,              # 10.5 / 10
+        "clip/dual_frac": 0.05,          # 0.5 / 10 (--clip-c is on)
+        "len/mean": 5.0,                 # 40 / 8
+        "len/truncated_frac": 0.25,      # 2 / 8
+        "tokens/in_loss": 10.0,          # 20 / --mu 2: the step's loss tokens once
+        "grad_norm": 2.0,                # (3 + 1) / 2 updates
+        "updates": 2.0,
+    })
+    # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
+    row = train.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
+    assert "clip/dual_frac" not in row
+    # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
+    row = train.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
+
+
 class _TwoRanks:
     """Dist of one of two ranks: sum adds the other rank's share (what all_reduce returns)."""
     def __init__(self, other):
