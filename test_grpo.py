@@ -697,14 +697,16 @@ def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
 
 def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
     rounds = [[[1, 0], [1, 1], [0, 1], [0, 0]], [[1, 0], [1, 0], [0, 0], [0, 1]]]  # informative: 2, then 3
-    draw = lambda r: _fake_rollout(rounds[r], start=10 * r)  # noqa: E731
-    roll, st = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
+    draw = lambda r: (_fake_rollout(rounds[r], start=10 * r), {"round": r})  # noqa: E731
+    roll, st, drawn = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
     # the first two informative groups of round 0, then the first two of round 1
     assert [p[0] for p in roll.prompts] == [0, 2, 10, 11] and st["sampling/rounds"] == 2
+    # every round drawn comes back whole (all 4 groups, kept or not), with what draw returned beside it
+    assert [(r.num_groups, r.prompts[0][0], info) for r, info in drawn] == [(4, 0, {"round": 0}), (4, 10, {"round": 1})]
     assert st["sampling/groups_drawn"] == 8 and st["sampling/batch_full"] == 1.0
     # round limit: trains on what it has
-    roll, st = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
-    assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0
+    roll, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
+    assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0 and len(drawn) == 2
     # two ranks, each drawing half of each round's prompts: together they keep the same groups
     kept = []
     halves = {(r, k): _fake_rollout(rounds[r][2 * k:2 * k + 2], start=10 * r + 2 * k) for r in range(2) for k in range(2)}
@@ -713,11 +715,11 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
 
         def draw_k(r, k=k, state=state):
             state["round"] = r
-            return halves[(r, k)]
+            return halves[(r, k)], {}
 
         def gather_k(_mine, state=state):  # what all_gather would return: both ranks' flags, in rank order
             return [dapo.keep_groups(halves[(state["round"], j)].extra["correct"].view(-1, 2)) for j in range(2)]
-        roll_k, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
+        roll_k, _, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
         kept += [p[0] for p in roll_k.prompts] if roll_k is not None else []
     assert sorted(kept) == [0, 2, 10, 11]
 

@@ -467,12 +467,6 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         return m[evaluate.headline(args.eval_samples)]
 
     task = Task(train_rows, encode, decode, reward_fn, eos, pad, sample)
-    rounds: list[tuple[Rollout, dict]] = []  # this step's sampling rounds (kept or not), for its metrics
-
-    def draw(rnd: int) -> Rollout:
-        """Round rnd of this step: the prompts after the step's first data position + rnd rounds."""
-        rounds.append(draw_round(model, task, args, ddp, amp, state["data_pos"] + rnd * args.prompts_per_step))
-        return rounds[-1][0]
 
     # ---------------------------------------------------------------- the loop
     t_start = time.time()
@@ -485,11 +479,16 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     for step in bar:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling on correctness, soft overlong punishment) ----
-        rounds.clear()
-        if args.dynamic_sampling:
-            roll, sstats = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather, ddp.rank)
+        def draw(rnd: int, start: int = state["data_pos"]) -> tuple[Rollout, dict[str, float]]:
+            """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
+            return draw_round(model, task, args, ddp, amp, start + rnd * args.prompts_per_step)
+
+        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not, for the step's metrics
+            roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
+                                                         ddp.gather, ddp.rank)
         else:
-            roll, sstats = draw(0), {"sampling/rounds": 1.0}
+            rounds = [draw(0)]
+            roll, sstats = rounds[0][0], {"sampling/rounds": 1.0}
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
