@@ -2099,6 +2099,32 @@ def test_step_metrics_worked_by_hand():
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
 
 
+
+def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, monkeypatch):
+    import dataclasses as dc
+    import re
+
+    import train
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--help"])
+    assert e.value.code == 0
+    groups, where = {}, None                   # group title -> the flags listed under it, in order
+    for line in capsys.readouterr().out.splitlines():
+        if re.fullmatch(r"\S.*:", line):       # a group's heading: "how much:"
+            where = groups.setdefault(line[:-1], [])
+        elif m := re.match(r"  (?:-h, )?(--[\w-]+)", line):
+            where.append(m.group(1))
+    titles = ["options", "what to train on", "how much", "optimisation",
+              "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
+    assert list(groups) == titles and groups["options"] == ["--help"]
+    assert [flags[0] for flags in list(groups.values())[1:]] == ["--algo", "--steps", "--lr", "--beta", "--seed"]
+    assert "--data" in groups["what to train on"] and "--mini-batches" in groups["optimisation"]
+    assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
+    listed = [f for flags in list(groups.values())[1:] for f in flags]
+    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(train.Args))  # each once
+
+
 class _TwoRanks:
     """Dist of one of two ranks: sum adds the other rank's share (what all_reduce returns)."""
     def __init__(self, other):
