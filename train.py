@@ -483,7 +483,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
             return draw_round(model, task, args, ddp, amp, start + rnd * args.prompts_per_step)
 
-        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not, for the step's metrics
+        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not, for the metrics
             roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
                                                          ddp.gather, ddp.rank)
         else:
@@ -514,7 +514,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
                "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
-               "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s, "time/step_s": time.time() - t0}
+               "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
+               "time/step_s": time.time() - t0}
         row["memory/state_bytes"] = parallel.state_bytes(model, opt, None if ref is model else ref)  # rank 0's own: its shards under --fsdp
         log(row)
         for warning in signal(row) if ddp.master else []:  # no learning signal: once, in plain words

@@ -43,8 +43,8 @@ class Learner:
 
 @dataclass
 class UpdateStats:
-    """What one step's update_policy measured, summed over ranks (train.step_metrics turns it into the row)."""
-    first: dict[str, float]             # UPDATE_SUMS of the first optimizer update (on-policy: its ratio is 1)
+    """What one step's update_policy measured, summed over ranks (train.step_metrics: the row)."""
+    first: dict[str, float]             # UPDATE_SUMS of the first optimizer update (on-policy: ratio 1)
     rest: dict[str, float]              # UPDATE_SUMS of the others (off-policy: the clip acts); zeros if none
     mismatch_max: float                 # max |sampler - old log-prob| over the step's tokens, all ranks
     logprob_s: float                    # seconds of the no-grad old and reference log-prob passes
@@ -70,7 +70,8 @@ def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[sli
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 
-def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args, ddp: parallel.Dist) -> UpdateStats:
+def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args,
+                  ddp: parallel.Dist) -> UpdateStats:
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap) on this
     rank's rows of `roll` (advantages [N], loss mask [N, T]); returns its UpdateStats. `args` is train.Args.
