@@ -61,25 +61,26 @@ def keep_groups(correct: torch.Tensor) -> torch.Tensor:
 
 
 def dynamic_sampling(
-    draw: Callable[[int], Rollout],
+    draw: Callable[[int], tuple[Rollout, dict]],
     target: int,
     max_rounds: int,
     gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     rank: int = 0,
-) -> tuple[Rollout | None, dict[str, float]]:
+) -> tuple[Rollout | None, dict[str, float], list[tuple[Rollout, dict]]]:
     """Sample rounds of groups until `target` informative groups are kept, or `max_rounds` rounds ran.
 
-    draw(round) -> this rank's Rollout for that round, with extra["correct"] [N]. With several ranks,
-    gather(keep [b]) returns every rank's keep flags in rank order, and rank blocks are contiguous in the
-    round's global prompt order: all ranks then keep the same global groups (the first informative ones
-    in prompt order) however many ranks there are, and agree on when to stop. Returns the kept groups of
-    this rank (None if it kept none) and the step's sampling statistics.
+    draw(round) -> (this rank's Rollout for that round, with extra["correct"] [N]; anything the caller
+    wants back with it, train.py: the round's timings). With several ranks, gather(keep [b]) returns every
+    rank's keep flags in rank order, and rank blocks are contiguous in the round's global prompt order: all
+    ranks then keep the same global groups (the first informative ones in prompt order) however many ranks
+    there are, and agree on when to stop. Returns the kept groups of this rank (None if it kept none), the
+    step's sampling statistics, and every round draw returned, kept or not (the step's metrics count them).
     """
     gather = gather or (lambda keep: [keep])
-    kept, have, drawn_groups, rounds = [], 0, 0, 0
-    while have < target and rounds < max_rounds:
-        roll = draw(rounds)
-        rounds += 1
+    kept, have, drawn_groups, rounds = [], 0, 0, []
+    while have < target and len(rounds) < max_rounds:
+        rounds.append(draw(len(rounds)))
+        roll = rounds[-1][0]
         keep = keep_groups(roll.extra["correct"].view(-1, roll.G))           # [b]
         parts = gather(keep)                                                  # W x [b_w]
         keep_all = torch.cat(parts)                                           # [B_round], global prompt order
@@ -90,9 +91,8 @@ def dynamic_sampling(
         mine = take[start:start + keep.numel()]                               # [b]
         if bool(mine.any()):
             kept.append(roll.select_groups(mine))
-    stats = {"sampling/rounds": float(rounds), "sampling/groups_drawn": float(drawn_groups),
+    stats = {"sampling/rounds": float(len(rounds)), "sampling/groups_drawn": float(drawn_groups),
              "sampling/groups_kept": float(have), "sampling/batch_full": float(have >= target)}
     if not kept:
-        return None, stats
-    return (kept[0] if len(kept) == 1 else Rollout.cat(kept)), stats
-
+        return None, stats, rounds
+    return (kept[0] if len(kept) == 1 else Rollout.cat(kept)), stats, rounds

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
+import re
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -241,9 +243,25 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def sections(cls) -> dict[str, str]:
+    """The sections of a flag dataclass, as `# -- title` comment lines in its body mark them: {the name of
+    each section's first field: its title} (--help shows each section as an argument group)."""
+    titles, title = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if line.startswith("    # -- "):
+            title = line.removeprefix("    # -- ").strip()
+        elif title and (name := re.match(r"    (\w+):", line)):
+            titles[name.group(1)], title = title, None
+    return titles
+
+
 def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
-    """One --flag per field of the dataclass `cls` (bools as --x/--no-x); overrides: extra add_argument kwargs."""
+    """One --flag per field of the dataclass `cls` (bools as --x/--no-x), in an argument group per section
+    of its body (`sections`); overrides: extra add_argument kwargs."""
+    group, titles = p, sections(cls)
     for f in dataclasses.fields(cls):
+        if f.name in titles:
+            group = p.add_argument_group(titles[f.name])
         flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
         kind = (f.type if isinstance(f.type, str) else f.type.__name__).removesuffix(" | None")  # None: resolved later
         if kind == "bool":
@@ -255,7 +273,7 @@ def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
         else:
             kw["type"] = {"int": int, "float": float, "str": str}[kind]
             kw["choices"] = f.metadata["choices"]
-        p.add_argument(flag_, **{**kw, **overrides.get(f.name, {})})
+        group.add_argument(flag_, **{**kw, **overrides.get(f.name, {})})
 
 
 def resolve(ns, error, builtin: bool) -> None:

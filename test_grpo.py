@@ -698,14 +698,16 @@ def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
 
 def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
     rounds = [[[1, 0], [1, 1], [0, 1], [0, 0]], [[1, 0], [1, 0], [0, 0], [0, 1]]]  # informative: 2, then 3
-    draw = lambda r: _fake_rollout(rounds[r], start=10 * r)  # noqa: E731
-    roll, st = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
+    draw = lambda r: (_fake_rollout(rounds[r], start=10 * r), {"round": r})  # noqa: E731
+    roll, st, drawn = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
     # the first two informative groups of round 0, then the first two of round 1
     assert [p[0] for p in roll.prompts] == [0, 2, 10, 11] and st["sampling/rounds"] == 2
+    # every round drawn comes back whole (all 4 groups, kept or not), with what draw returned beside it
+    assert [(r.num_groups, r.prompts[0][0], info) for r, info in drawn] == [(4, 0, {"round": 0}), (4, 10, {"round": 1})]
     assert st["sampling/groups_drawn"] == 8 and st["sampling/batch_full"] == 1.0
     # round limit: trains on what it has
-    roll, st = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
-    assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0
+    roll, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
+    assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0 and len(drawn) == 2
     # two ranks, each drawing half of each round's prompts: together they keep the same groups
     kept = []
     halves = {(r, k): _fake_rollout(rounds[r][2 * k:2 * k + 2], start=10 * r + 2 * k) for r in range(2) for k in range(2)}
@@ -714,11 +716,11 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
 
         def draw_k(r, k=k, state=state):
             state["round"] = r
-            return halves[(r, k)]
+            return halves[(r, k)], {}
 
         def gather_k(_mine, state=state):  # what all_gather would return: both ranks' flags, in rank order
             return [dapo.keep_groups(halves[(state["round"], j)].extra["correct"].view(-1, 2)) for j in range(2)]
-        roll_k, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
+        roll_k, _, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
         kept += [p[0] for p in roll_k.prompts] if roll_k is not None else []
     assert sorted(kept) == [0, 2, 10, 11]
 
@@ -834,7 +836,8 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
     refs = [copy.deepcopy(tiny_model).requires_grad_(False) if beta else None for _ in range(2)]
     learner = update.Learner(mine, mine, refs[0], torch.optim.SGD(mine.parameters(), lr=args.lr), contextlib.nullcontext)
-    first, rest, _, _ = update.update_policy(learner, roll, advantages, mask, args, parallel.Dist("cpu"))
+    stats = update.update_policy(learner, roll, advantages, mask, args, parallel.Dist("cpu"))
+    first, rest = stats.first, stats.rest
     losses = _hand_rolled_update(hand, refs[1], roll, advantages, mask, args)
     assert first["updates"] + rest["updates"] == 2 and rest["ratio/mean"] != rest["tokens"]    # the ratio left 1
     assert first["loss"] == pytest.approx(losses[0], abs=1e-5) and rest["loss"] == pytest.approx(losses[1], abs=1e-5)
@@ -2110,6 +2113,84 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     assert torch.allclose(roll.extra["rewards"], want)
     s = train.drawn_sums([roll])
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
+
+
+
+def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
+    zero = dict.fromkeys(update.UPDATE_SUMS, 0.0)
+    return update.UpdateStats({**zero, **first}, {**zero, **rest}, mismatch_max, logprob_s=0.0, update_s=0.0)
+
+
+def test_step_metrics_worked_by_hand():
+    # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2, one
+    # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples, "len" none
+    import train
+    d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0, "groups": 2.0,
+         "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
+         "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
+    first = {"loss": 0.5, "kl": 0.2, "tokens": 10.0, "entropy": 6.0, "entropy_tokens": 12.0, "grad_norm": 3.0,
+             "updates": 1.0, "mismatch/abs": 0.6, "mismatch/kl": 0.12, "mismatch/tokens": 12.0,
+             "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
+    rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
+            "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
+    row = train.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    assert row == pytest.approx({
+        "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
+        "reward/mean": 0.25,             # 2 / 8 samples
+        "reward/correct": 0.375,         # 3 / 8
+        "reward/frac_zero_std": 0.5,     # 1 / 2 groups
+        "groups/all_correct": 0.0,       # 0 / 2
+        "groups/all_wrong": 0.5,         # 1 / 2
+        "reward/fmt": 0.25,              # 1.5 / the 6 samples it scored ("len" scored none: no key)
+        "kl": 0.03,                      # (0.2 + 0.4) / 20 loss tokens of both updates
+        "entropy": 0.5,                  # 6 / 12 tokens, counted in the first pass only
+        "mismatch/logp_abs_mean": 0.05,  # 0.6 / 12
+        "mismatch/logp_abs_max": 0.25,   # as update_policy gave it
+        "mismatch/kl": 0.01,             # 0.12 / 12
+        "clip/low_frac": 0.1,            # 1 / the 10 tokens of the off-policy update (the first is left out)
+        "clip/high_frac": 0.2,           # 2 / 10
+        "ratio/mean": 1.05,              # 10.5 / 10
+        "clip/dual_frac": 0.05,          # 0.5 / 10 (--clip-c is on)
+        "len/mean": 5.0,                 # 40 / 8
+        "len/truncated_frac": 0.25,      # 2 / 8
+        "tokens/in_loss": 10.0,          # 20 / --mu 2: the step's loss tokens once
+        "grad_norm": 2.0,                # (3 + 1) / 2 updates
+        "updates": 2.0,
+    })
+    # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
+    row = train.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
+    assert "clip/dual_frac" not in row
+    # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
+    row = train.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
+
+
+
+def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, monkeypatch):
+    import dataclasses as dc
+    import re
+
+    import train
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--help"])
+    assert e.value.code == 0
+    groups, where = {}, None                   # group title -> the flags listed under it, in order
+    for line in capsys.readouterr().out.splitlines():
+        if re.fullmatch(r"\S.*:", line):       # a group's heading: "how much:"
+            where = groups.setdefault(line[:-1], [])
+        elif m := re.match(r"  (?:-h, )?(--[\w-]+)", line):
+            where.append(m.group(1))
+    titles = ["options", "what to train on", "how much", "optimisation",
+              "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
+    assert list(groups) == titles and groups["options"] == ["--help"]
+    assert [flags[0] for flags in list(groups.values())[1:]] == ["--algo", "--steps", "--lr", "--beta", "--seed"]
+    assert "--data" in groups["what to train on"] and "--mini-batches" in groups["optimisation"]
+    assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
+    listed = [f for flags in list(groups.values())[1:] for f in flags]
+    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(train.Args))  # each once
 
 
 class _TwoRanks:

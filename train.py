@@ -281,6 +281,45 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
     return s
 
 
+def _mean(total: float, count: float) -> float:
+    """total / count of a sum over updates or loss tokens: 0 when none ran (count 0, total 0)."""
+    return total / max(count, 1.0)
+
+
+def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int, clip_c: float) -> dict[str, float]:
+    """The step's measured metrics (the README's glossary): drawn_sums `d` and update_policy's `stats`,
+    both summed over ranks, turned into means. The clip and ratio metrics are the off-policy updates' (all
+    but the first) once there are any, and absent when no token was in the loss."""
+    u = {k: stats.first[k] + stats.rest[k] for k in update.UPDATE_SUMS}  # all updates of the step
+    off = stats.rest if stats.rest["tokens"] > 0 else stats.first
+    row = {}
+    row["loss"] = _mean(u["loss"], u["updates"])
+    row["reward/mean"] = d["reward"] / d["samples"]
+    row["reward/correct"] = d["correct"] / d["samples"]
+    row["reward/frac_zero_std"] = d["groups_zero_std"] / d["groups"]
+    row["groups/all_correct"] = d["groups_all_correct"] / d["groups"]
+    row["groups/all_wrong"] = d["groups_all_wrong"] / d["groups"]
+    for k in [k for k in d if k.startswith("reward/") and d["scored:" + k] > 0]:  # each --reward component
+        row[k] = d[k] / d["scored:" + k]
+    row["kl"] = _mean(u["kl"], u["tokens"])
+    row["entropy"] = _mean(u["entropy"], u["entropy_tokens"])
+    row["mismatch/logp_abs_mean"] = _mean(u["mismatch/abs"], u["mismatch/tokens"])
+    row["mismatch/logp_abs_max"] = stats.mismatch_max
+    row["mismatch/kl"] = _mean(u["mismatch/kl"], u["mismatch/tokens"])
+    if off["tokens"] > 0:  # something trained
+        row["clip/low_frac"] = off["clip/low_frac"] / off["tokens"]
+        row["clip/high_frac"] = off["clip/high_frac"] / off["tokens"]
+        row["ratio/mean"] = off["ratio/mean"] / off["tokens"]
+        if clip_c:
+            row["clip/dual_frac"] = off["clip/dual_frac"] / off["tokens"]
+    row["len/mean"] = d["length"] / d["samples"]
+    row["len/truncated_frac"] = d["truncated"] / d["samples"]
+    row["tokens/in_loss"] = u["tokens"] / mu  # each pass counts the step's loss tokens once
+    row["grad_norm"] = _mean(u["grad_norm"], u["updates"])
+    row["updates"] = u["updates"]
+    return row
+
+
 def reward_std(roll: Rollout | None, ddp: parallel.Dist) -> float:
     """The std of every rank's rewards of the step (--adv-scale batch), Bessel-corrected as torch.std."""
     r = roll.extra["rewards"].double() if roll is not None else torch.zeros(0, dtype=torch.float64)  # [N]
@@ -428,12 +467,6 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         return m[evaluate.headline(args.eval_samples)]
 
     task = Task(train_rows, encode, decode, reward_fn, eos, pad, sample)
-    rounds: list[tuple[Rollout, dict]] = []  # this step's sampling rounds (kept or not), for its metrics
-
-    def draw(rnd: int) -> Rollout:
-        """Round rnd of this step: the prompts after the step's first data position + rnd rounds."""
-        rounds.append(draw_round(model, task, args, ddp, amp, state["data_pos"] + rnd * args.prompts_per_step))
-        return rounds[-1][0]
 
     # ---------------------------------------------------------------- the loop
     t_start = time.time()
@@ -446,11 +479,16 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     for step in bar:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling on correctness, soft overlong punishment) ----
-        rounds.clear()
-        if args.dynamic_sampling:
-            roll, sstats = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather, ddp.rank)
+        def draw(rnd: int, start: int = state["data_pos"]) -> tuple[Rollout, dict[str, float]]:
+            """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
+            return draw_round(model, task, args, ddp, amp, start + rnd * args.prompts_per_step)
+
+        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not, for the metrics
+            roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
+                                                         ddp.gather, ddp.rank)
         else:
-            roll, sstats = draw(0), {"sampling/rounds": 1.0}
+            rounds = [draw(0)]
+            roll, sstats = rounds[0][0], {"sampling/rounds": 1.0}
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
@@ -462,36 +500,22 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
-        t_update = time.time()
         if engine:
             engine.sleep()                           # CUDA: the engine's memory is the update's until push
-        first, rest, mismatch_max, t_logprob = update.update_policy(learner, roll, advantages, mask, args, ddp)
+        stats = update.update_policy(learner, roll, advantages, mask, args, ddp)
         sched.step()                                 # the learning-rate schedule counts rollout steps
         if engine:
             engine.push(model)                       # the updated weights, for the next rollout or evaluation
-        t_update = time.time() - t_update - t_logprob
 
         # ---- metrics, summed over ranks ----
         d = ddp.sum_named(drawn_sums([r for r, _ in rounds]))
-        u = {k: first[k] + rest[k] for k in update.UPDATE_SUMS}
-        off = rest if rest["tokens"] > 0 else first  # clip and ratio metrics of the off-policy updates, once there are any
         state["samples"] += int(d["samples"])
-        row = {"step": step + 1, "loss": u["loss"] / max(u["updates"], 1.0),
-               "reward/mean": d["reward"] / d["samples"], "reward/correct": d["correct"] / d["samples"],
-               "reward/frac_zero_std": d["groups_zero_std"] / d["groups"],
-               "groups/all_correct": d["groups_all_correct"] / d["groups"], "groups/all_wrong": d["groups_all_wrong"] / d["groups"],
-               **{k: d[k] / d["scored:" + k] for k in d if k.startswith("reward/") and d["scored:" + k] > 0},
-               "kl": u["kl"] / max(u["tokens"], 1.0), "entropy": u["entropy"] / max(u["entropy_tokens"], 1.0),
-               "mismatch/logp_abs_mean": u["mismatch/abs"] / max(u["mismatch/tokens"], 1.0),
-               "mismatch/logp_abs_max": mismatch_max, "mismatch/kl": u["mismatch/kl"] / max(u["mismatch/tokens"], 1.0),
-               **{k: off[k] / off["tokens"] for k in ("clip/low_frac", "clip/high_frac", "ratio/mean")
-                  + (("clip/dual_frac",) if args.clip_c else ()) if off["tokens"] > 0},  # absent: nothing trained
-               "len/mean": d["length"] / d["samples"], "len/truncated_frac": d["truncated"] / d["samples"],
-               "tokens/in_loss": u["tokens"] / args.mu, "grad_norm": u["grad_norm"] / max(u["updates"], 1.0),
-               "updates": u["updates"],
+        row = {"step": step + 1, **step_metrics(d, stats, args.mu, args.clip_c),
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
-               "time/sample_s": sum(t["time/sample_s"] for _, t in rounds), "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
-               "time/logprob_s": t_logprob, "time/update_s": t_update, "time/step_s": time.time() - t0}
+               "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
+               "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
+               "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
+               "time/step_s": time.time() - t0}
         row["memory/state_bytes"] = parallel.state_bytes(model, opt, None if ref is model else ref)  # rank 0's own: its shards under --fsdp
         log(row)
         for warning in signal(row) if ddp.master else []:  # no learning signal: once, in plain words

@@ -41,6 +41,16 @@ class Learner:
     as_reference: Callable = contextlib.nullcontext  # () -> context in which `ref` is the reference (LoRA: adapters off)
 
 
+@dataclass
+class UpdateStats:
+    """What one step's update_policy measured, summed over ranks (train.step_metrics: the row)."""
+    first: dict[str, float]             # UPDATE_SUMS of the first optimizer update (on-policy: ratio 1)
+    rest: dict[str, float]              # UPDATE_SUMS of the others (off-policy: the clip acts); zeros if none
+    mismatch_max: float                 # max |sampler - old log-prob| over the step's tokens, all ranks
+    logprob_s: float                    # seconds of the no-grad old and reference log-prob passes
+    update_s: float                     # seconds of the gradient passes and optimizer steps after them
+
+
 def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
     """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
 
@@ -60,11 +70,11 @@ def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[sli
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 
-def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args, ddp: parallel.Dist):
+def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args,
+                  ddp: parallel.Dist) -> UpdateStats:
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap) on this
-    rank's rows of `roll` (advantages [N], loss mask [N, T]); returns (sums of the first update, sums of
-    the others, max |sampler - old log-prob|, seconds of the no-grad log-prob passes). `args` is train.Args.
+    rank's rows of `roll` (advantages [N], loss mask [N, T]); returns its UpdateStats. `args` is train.Args.
 
     Old log-probs are computed once, before the first update (with one update they equal the current ones).
     Each update's denominators are its mini-batch's global token and response counts (all ranks), so the
@@ -90,7 +100,7 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
         old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
         with learner.as_reference():
             ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
-    t_logprob = time.time() - t0
+    t_logprob, t0 = time.time() - t0, time.time()
     first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
     abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
     for epoch in range(args.mu):
@@ -137,4 +147,4 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
                 sums["updates"] += 1
             learner.opt.step()
     abs_max = float(torch.cat(ddp.gather(torch.tensor([abs_max], dtype=torch.float64))).max())  # over ranks
-    return ddp.sum_named(first), ddp.sum_named(rest), abs_max, t_logprob
+    return UpdateStats(ddp.sum_named(first), ddp.sum_named(rest), abs_max, t_logprob, time.time() - t0)
