@@ -387,6 +387,7 @@ def experiments_main(a) -> None:
         md = (f"# {exp.name}\n\n{exp.claim}\n\n`python ablate.py --only {exp.name}`: train.py "
               f"{' '.join(exp.flags)}, then per arm: " + "; ".join(f"{x}: `{' '.join(f) or '(nothing)'}`" for x, f in exp.arms)
               + f"; seeds {' '.join(map(str, seeds))}.\n\n{experiment_table(exp, runs)}\n")
+        os.makedirs(a.results, exist_ok=True)  # --results may name a new folder: the runs' tables must not be lost
         with open(os.path.join(a.results, f"{exp.name}.md"), "w") as fh:
             fh.write(md)
         print(md)

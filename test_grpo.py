@@ -2850,15 +2850,15 @@ def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs,
         (("groups with a gradient", ablate.over_run(ablate.informative_groups)),
          ("responses", lambda r: len(r.completions))), (("length", "step", ablate.by_step(ablate.mean_length(lambda c: True))),))
     monkeypatch.setattr(ablate, "EXPERIMENTS", (exp,))
-    ablate.main(["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results", str(tmp_path)])
-    md = (tmp_path / "tiny.md").read_text()
+    ablate.main(["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")])  # a new folder
+    md = (tmp_path / "res" / "tiny.md").read_text()
     assert "| responses | 32.0 ± 0.0 | 32.0 ± 0.0 |" in md and "mean ± sd over 2 seeds per arm." in md  # 2 steps x 4 x 4, all logged
     assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == \
         ["off-seed0", "off-seed1", "on-dynamic-sampling-seed0", "on-dynamic-sampling-seed1"]
     metrics = ablate.load_run(str(tmp_path / "runs" / "tiny" / "on-dynamic-sampling-seed1")).metrics
     assert all("sampling/groups_kept" in r for r in metrics if "loss" in r)
     assert not any("sampling/groups_kept" in r for r in ablate.load_run(str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
-    assert ("tiny.png" in os.listdir(tmp_path)) == ("figure:" in capsys.readouterr().out)
+    assert ("tiny.png" in os.listdir(tmp_path / "res")) == ("figure:" in capsys.readouterr().out)
     with pytest.raises(SystemExit):
         ablate.main(["--train-flags", "--mu 2"])                              # a --rows flag without --rows
 
