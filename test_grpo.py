@@ -1028,9 +1028,9 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
 @pytest.mark.slow
 def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     """bench.py --only slots, shrunk: memory in fresh processes at N and all rows, continuous vs static batches."""
-    import bench
-    monkeypatch.setattr(bench, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
-    bench.bench_slots("cpu", 1, small=4)
+    import bench_rollout
+    monkeypatch.setattr(bench_rollout, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
+    bench_rollout.bench_slots("cpu", 1, small=4)
     out = capsys.readouterr().out
     assert "rollout memory, peak RSS of a fresh process" in out and "all 12 rows" in out
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
@@ -1484,11 +1484,13 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
 
 
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
-    """bench.py is not run by CI otherwise: its flags must parse, and the warm-start section must run."""
+    """bench.py is not run by CI otherwise: its flags (and bench_trl.py's) must parse, and the warm-start section must run."""
     import bench
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--help"])
-    assert e.value.code == 0
+    import bench_trl
+    for main in (bench.main, bench_trl.main):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0
     bench.main(["--only", "warmstart", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "padded to the longest" in out and "packed into rows" in out and "packed / padded time" in out
