@@ -1028,9 +1028,9 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
 @pytest.mark.slow
 def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     """bench.py --only slots, shrunk: memory in fresh processes at N and all rows, continuous vs static batches."""
-    import bench
-    monkeypatch.setattr(bench, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
-    bench.bench_slots("cpu", 1, small=4)
+    import bench_rollout
+    monkeypatch.setattr(bench_rollout, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
+    bench_rollout.bench_slots("cpu", 1, small=4)
     out = capsys.readouterr().out
     assert "rollout memory, peak RSS of a fresh process" in out and "all 12 rows" in out
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
@@ -1484,11 +1484,13 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
 
 
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
-    """bench.py is not run by CI otherwise: its flags must parse, and the warm-start section must run."""
+    """bench.py is not run by CI otherwise: its flags (and bench_trl.py's) must parse, and the warm-start section must run."""
     import bench
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--help"])
-    assert e.value.code == 0
+    import bench_trl
+    for main in (bench.main, bench_trl.main):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0
     bench.main(["--only", "warmstart", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "padded to the longest" in out and "packed into rows" in out and "packed / padded time" in out
@@ -1891,8 +1893,12 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
         assert r["kl"] == 0.0 and abs(r["ratio/mean"] - 1.0) < 1e-5  # beta 0: no reference; mu 1: ratio 1
         # float32: the sampler's log-probs and the training forward's agree (the sampled tokens' own log-probs)
         assert 0.0 <= r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"] < 1e-4 and 0 <= r["mismatch/kl"] < 1e-6
+    # AdamW (no decay) moves an element by lr * |m / sqrt(v)| an update, <= 1.0014 lr in the first two: the
+    # largest moves are those of steady gradients (lr each time), and every weight tensor moved
     before, after = _weights(d / "model"), _weights(tmp_path / "run" / "final")
-    assert any(not torch.equal(before[k], after[k]) for k in before)
+    moved, lr_sum = {k: (after[k] - before[k]).abs() for k in before}, sum(r["lr"] * r["updates"] for r in train_rows)
+    assert 0.99 * lr_sum <= max(float(m.max()) for m in moved.values()) <= 1.01 * lr_sum
+    assert all(float(m.median()) > lr_sum / 4 for m in moved.values()), {k: float(m.median()) for k, m in moved.items()}
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["eps_high"] == 0.28 and config["reduction"] == "token" and config["beta"] == 0.0
 
@@ -2325,7 +2331,9 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
         _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *flags)
     fp32, bf16 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines() if "loss" in x][0]
                   for n in ("fp32", "bf16"))
-    assert math.isfinite(bf16["entropy"]) and bf16["entropy"] != fp32["entropy"]  # bfloat16 logits round differently
+    # bfloat16 logits round differently: the entropy and the gradient move, within bfloat16's 8 significant bits
+    for k in ("entropy", "grad_norm"):
+        assert 0 < abs(bf16[k] - fp32[k]) <= 2 ** -8 * fp32[k], (k, bf16[k], fp32[k])
     # the sampler (KV cache, one token at a time) and the training forward round differently in bfloat16:
     # the mismatch metrics see it, and it is far larger than float32's
     assert bf16["mismatch/logp_abs_max"] > 100 * fp32["mismatch/logp_abs_max"] and bf16["mismatch/kl"] > 0
@@ -2353,12 +2361,19 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
 @pytest.mark.slow
 def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1")
+    _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1", "--save-every", "1")
     tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    # the policy as the loop held it after its last step (checkpoint.pt's weights), and the base model it started from
+    base, policy = (AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model") for _ in range(2))
+    policy.load_state_dict(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["model"])
     ids = torch.tensor([tok("2x+4=10\n")["input_ids"]])
     out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids.shape[1]
+    assert torch.equal(out, policy.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id))
+    with torch.no_grad():  # the log-probs of that output: the trained policy's, not the base model's
+        logp = [torch.log_softmax(m(out).logits[0, :-1], -1).gather(-1, out[0, 1:, None]) for m in (model, policy, base)]
+    assert torch.allclose(logp[0], logp[1], atol=1e-6) and not torch.allclose(logp[0], logp[2], atol=1e-3)
 
 
 def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path):
@@ -2882,10 +2897,16 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     tis = _one_step(d, tmp_path / "tis", "--tis-cap", "0.5")
     assert tis["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-4)
     assert tis["loss"] == pytest.approx(0.5 * base["loss"], rel=1e-4, abs=1e-7)
-    # entropy bonus: loss - c * (token mean of the entropy over the loss's tokens); a different gradient
-    ent = _one_step(d, tmp_path / "ent", "--entropy-coef", "0.5")
-    assert ent["grad_norm"] != pytest.approx(base["grad_norm"], rel=1e-3)
-    assert ent["loss"] < base["loss"] - 0.1 * ent["entropy"]
+
+    def g_plus_c_h(norms):  # grad norms at c = 0, 0.5, 1, 2 (one update): the gradient is g + c h for one h != 0
+        f = [x ** 2 for x in norms]          # |g + c h|^2, a quadratic in c: through c = 0, 0.5, 1 it predicts c = 2
+        assert f[3] == pytest.approx(3 * f[0] - 8 * f[1] + 6 * f[2], rel=1e-4) and f[2] - 2 * f[1] + f[0] > 1e-4 * f[0]
+
+    # entropy bonus: loss - c * H, H the token mean of the entropy over the loss's tokens (all of them without the
+    # overlong filter: the metric "entropy"); gradient g - c grad H
+    ent = {c: _one_step(d, tmp_path / f"ent{c}", "--entropy-coef", str(c), "--no-overlong-filter") for c in (0, 0.5, 1, 2)}
+    g_plus_c_h([r["grad_norm"] for r in ent.values()])
+    assert all(r["loss"] == pytest.approx(ent[0]["loss"] - c * r["entropy"], abs=1e-5) for c, r in ent.items())
     # GSPO: on-policy (one update) its gradient is the policy gradient, as PPO's; off-policy (a second pass,
     # where the paper's 3e-4 / 4e-4 clip most responses) it is not
     gspo = _one_step(d, tmp_path / "gspo", "--loss", "gspo")
@@ -2902,10 +2923,15 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     narrow = ["--mu", "2", "--eps-low", "0.01", "--eps-high", "0.01"]
     ppo3, cispo3 = _one_step(d, tmp_path / "ppo3", *narrow), _one_step(d, tmp_path / "cispo3", "--loss", "cispo", *narrow)
     assert cispo3["grad_norm"] > ppo3["grad_norm"] and ppo3["clip/low_frac"] + ppo3["clip/high_frac"] > 0
-    # the KL estimator reaches the loss: in the second pass the policy has left the reference
-    k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")
-    k1 = _one_step(d, tmp_path / "k1", "--beta", "0.5", "--mu", "2", "--kl", "k1")
-    assert k1["grad_norm"] != pytest.approx(k3["grad_norm"], rel=1e-4) and k3["kl"] > 0
+    # the KL estimator reaches the loss. On-policy (pi = pi_ref) every estimator is 0, and so is k3's gradient
+    # ((1 - pi_ref / pi) grad log pi), not k1's (grad log pi): k1's gradient is g + beta h, h != 0
+    k3_on = _one_step(d, tmp_path / "k3on", "--beta", "0.5")
+    assert k3_on["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-6) and k3_on["kl"] < 1e-10
+    k1_on = [_one_step(d, tmp_path / f"k1on{b}", "--beta", b, "--kl", "k1") for b in ("0.5", "1", "2")]
+    g_plus_c_h([base["grad_norm"]] + [r["grad_norm"] for r in k1_on])
+    assert all(r["loss"] == pytest.approx(base["loss"], abs=1e-6) and r["kl"] < 1e-10 for r in k1_on)
+    k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")  # in the second pass the policy has left the reference
+    assert k3["kl"] > 0
 
 
 @pytest.mark.slow
