@@ -2,21 +2,27 @@
 
 Article sections: "GRPO 推导" (group z-score instead of a critic), "GRPO Loss" (the clipped surrogate
 plus a KL penalty), "Step 3: Advantage 估计" and "Step 4: PPO Loss 计算" (the worked numbers).
+Step 4 is `policy_loss` = surrogate + beta * KL (`ppo_loss`, `kl_term`), the function update.py runs;
+every term is (per_token * weights).sum() with the weights of `token_weights`.
 
 Two places where this file follows the papers rather than the article's snippets:
 - KL: the article writes `beta * (exp(new - ref) - 1)`, which is not a KL estimate (it is negative
   whenever the policy gives a token less mass than the reference). DeepSeekMath (Eq. 4) uses Schulman's
   unbiased, always non-negative "k3" estimator exp(ref - logp) - (ref - logp) - 1: `kl_k3`.
 - Token mean: the article's `.sum() / (B * G * T_resp)` divides by padding too. Here every reduction
-  counts only valid tokens, from a mask built from response lengths: `policy_loss(reduction=...)`.
+  counts only valid tokens, from a mask built from response lengths: `token_weights(mask, reduction)`.
 
 Shapes: N = B * G responses (a prompt's G samples are contiguous), T response tokens, V vocabulary.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-LOG_RATIO_CLAMP = 20.0   # |logp - old_logp| is clamped to this before exp (as verl does): no inf, no NaN gradient
+LOG_RATIO_CLAMP = 20.0   # |logp - old_logp| clamped to this before exp (as verl does): no inf, no NaN gradient
+# a surrogate objective: (logp, old_logp, advantages, mask, weights) -> (loss, metrics); ppo_loss, variants.py
+Surrogate = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 
 def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6,
@@ -52,35 +58,39 @@ def constant_groups(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards == rewards[:, :1]).all(dim=1)                             # [B]
 
 
-def reduce_loss(
-    per_token: torch.Tensor,
+REDUCTIONS = ("sequence", "token", "constant")  # --reduction: GRPO, DAPO Eq. 12, Dr. GRPO
+
+
+def token_weights(
     mask: torch.Tensor,
     reduction: str = "sequence",
     num_tokens: float | torch.Tensor | None = None,
     max_len: int | None = None,
     num_seqs: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token losses [N, T] -> scalar, counting only valid tokens (mask [N, T], 1.0 on valid ones).
+    """Each token's weight in the loss [N, T], from mask [N, T] (1.0 on valid tokens) and a reduction.
 
-    The three reductions of `policy_loss` (and of the losses in variants.py), with global denominators:
-    "sequence" = sum over responses of each one's token mean / num_seqs (default: the rows
-    with at least one valid token, as policy_loss);
-    "token" = sum over valid tokens / num_tokens (default mask.sum()); "constant" = sum / (num_seqs *
-    max_len), max_len defaulting to T. Passing the step's global counts makes micro-batches and ranks
-    add up to the full-batch loss.
+    The one place where a reduction and its denominators become numbers: every objective of this file
+    and of variants.py is `(per_token * weights).sum()`, zero on padding.
+    "sequence" (GRPO, DeepSeekMath Eq. 3): 1 / (|o_i| * num_seqs), the mean over responses of each
+        response's token mean; num_seqs defaults to the rows with at least one valid token, so responses
+        masked out whole (overlong filtering) are not counted (as verl does; TRL counts them);
+    "token" (DAPO Eq. 12): 1 / num_tokens, num_tokens defaulting to mask.sum();
+    "constant" (Dr. GRPO): 1 / (num_seqs * max_len), max_len defaulting to T.
+    Passing the step's global counts (update.py: all micro-batches and ranks of an optimizer update) makes
+    the micro-batches' losses and gradients add up to the full batch's.
     """
-    if reduction not in ("sequence", "token", "constant"):
-        raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
-    mask = mask.to(per_token.dtype)                                           # [N, T]
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    mask = mask if mask.is_floating_point() else mask.float()                # [N, T]
     n = (mask.sum(-1) > 0).to(mask.dtype).sum() if num_seqs is None else num_seqs
     n = n.clamp_min(1.0) if torch.is_tensor(n) else max(n, 1.0)
     if reduction == "sequence":
-        seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
-        return seq_mean.sum() / n
+        return mask * (1.0 / n / mask.sum(-1, keepdim=True).clamp_min(1.0))  # [N, T]
     if reduction == "token":
-        denom = mask.sum() if num_tokens is None else num_tokens
-        return (per_token * mask).sum() / (denom.clamp_min(1.0) if torch.is_tensor(denom) else max(denom, 1.0))
-    return (per_token * mask).sum() / (n * (per_token.shape[1] if max_len is None else max_len))
+        d = mask.sum() if num_tokens is None else num_tokens
+        return mask / (d.clamp_min(1.0) if torch.is_tensor(d) else max(d, 1.0))  # [N, T]
+    return mask / (n * (mask.shape[1] if max_len is None else max_len))    # [N, T]
 
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -130,40 +140,26 @@ def clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mas
             "ratio/mean": float((ratio * mask).sum() / valid)}
 
 
-def policy_loss(
+def ppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    weights: torch.Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    reduction: str = "sequence",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
     clip_c: float = 0.0,
-    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped surrogate (+ beta * k3 KL) to minimise, and its metrics (the article's Step 4).
+    """The article's `ppo_loss` reduced: the clipped surrogate to minimise, and its metrics.
 
-    Per token: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * k3, with
-    ratio = exp(logp - old_logp) and A the response's advantage broadcast over its tokens.
-    reduction="sequence": mean over responses of each response's token mean (GRPO, DeepSeekMath Eq. 3);
-    reduction="token": sum over valid tokens / num_tokens (DAPO Eq. 8; num_tokens defaults to mask.sum()
-        and is passed explicitly so gradient accumulation and DDP divide by the step's global count);
-    reduction="constant": sum / (num_seqs * max_len), max_len defaulting to T (Dr. GRPO).
-    num_seqs is likewise the step's global number of responses in the loss for "sequence"/"constant"; it
-    defaults to the rows with at least one valid token, so responses masked out whole (overlong filtering)
-    are not counted (as verl does; TRL counts them).
+    Per token: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old_logp)
+    and A the response's advantage broadcast over its tokens; the loss is (per_token * weights).sum()
+    with weights from `token_weights` (times truncated IS weights, if any).
     clip_c > 1: dual-clip (Ye et al. 2020) for A < 0, the per-token loss is at most -clip_c * A, so a huge
     ratio on a token the policy should avoid cannot blow the loss up (verl's default 3). 0: off.
     The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp: a stale old_logp cannot give inf or NaN.
-    weights [N, T] (optional, detached): multiply each token's surrogate (not the KL), e.g. variants.tis_weights.
-    Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens.
+    Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens (for the metrics).
     """
-    mask = mask.to(logp.dtype)                                                # [N, T]
     adv = advantages.to(logp.dtype)[:, None]                                  # [N, 1]
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, T]
     per_token, low, high = clipped_surrogate(ratio, adv, eps_low, eps_high)   # [N, T] each
@@ -172,19 +168,64 @@ def policy_loss(
             raise ValueError(f"dual-clip needs clip_c > 1, got {clip_c}")
         dual = (adv < 0) & (per_token > -clip_c * adv)                        # [N, T] loss capped at -c * A
         per_token = torch.where(dual, -clip_c * adv, per_token)               # [N, T]
-    if weights is not None:
-        per_token = per_token * weights.detach().to(per_token.dtype)          # [N, T]
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # [N, T]
-    if beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp")
-        per_token = per_token + beta * kl                                     # [N, T]
-
-    loss = reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
-
+    loss = (per_token * weights).sum()
     with torch.no_grad():
-        valid = mask.sum().clamp_min(1.0)
-        metrics = {**clip_metrics(ratio, low, high, mask), "kl": ((kl * mask).sum() / valid).item()}
+        mask = mask.to(logp.dtype)                                            # [N, T]
+        metrics = clip_metrics(ratio, low, high, mask)
         if clip_c:
-            metrics["clip/dual_frac"] = ((dual.to(mask.dtype) * mask).sum() / valid).item()
+            metrics["clip/dual_frac"] = float((dual.to(mask.dtype) * mask).sum() / mask.sum().clamp_min(1.0))
     return loss, metrics
+
+
+def kl_term(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = kl_k3,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The KL penalty KL(pi_theta || pi_ref) before its beta, (per_token * weights).sum(), and its metric.
+
+    estimator: kl_k1, kl_k2 or kl_k3 (per token [N, T], [N, T] -> [N, T]; --kl). The metric "kl" is
+    always the k3 mean over valid tokens (an unbiased, non-negative estimate), whichever estimator the
+    loss uses. With several updates per batch the tokens come from pi_old, not pi_theta; no importance
+    ratio corrects for that here (DeepSeek-V3.2 applies one).
+    """
+    per_token = estimator(logp, ref_logp)                                     # [N, T]
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        m = mask.to(logp.dtype)                                               # [N, T]
+        k3 = kl_k3(logp, ref_logp)                                            # [N, T]
+        metrics = {"kl": float((k3 * m).sum() / m.sum().clamp_min(1.0))}
+    return loss, metrics
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    surrogate: Surrogate = ppo_loss,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = kl_k3,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The article's Step 4 loss, "surrogate + beta * KL", as update.py runs it, and its metrics.
+
+    surrogate(logp, old_logp, advantages, mask, weights) -> (loss, metrics): `ppo_loss` (GRPO, DAPO) or
+    an objective of variants.py (--loss), its clip range bound by the caller (functools.partial).
+    weights [N, T]: `token_weights` (the reduction and its global denominators), shared by both terms;
+    is_weights [N, T] (optional, detached: variants.tis_weights) multiply the surrogate's, not the KL's.
+    The KL term (`kl_term`, estimator `kl`) is added when ref_logp is given; beta > 0 needs it.
+    Inputs [N, T] except advantages [N] (or [N, T] where the surrogate takes per-token advantages).
+    """
+    pg_weights = weights if is_weights is None else weights * is_weights.detach()  # [N, T]
+    loss, metrics = surrogate(logp, old_logp, advantages, mask, pg_weights)
+    if ref_logp is None:
+        if beta != 0.0:
+            raise ValueError("beta != 0 needs ref_logp")
+        return loss, metrics
+    kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, weights, kl)
+    return loss + beta * kl_loss, {**metrics, **kl_metrics}

@@ -10,6 +10,7 @@ update on the whole mini-batch, on any number of ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -23,8 +24,9 @@ import variants
 from logprobs import rollout_logprobs
 from sampler import Rollout
 
-LOSSES = {"ppo": grpo.policy_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
-          "cispo": variants.cispo_loss}  # --loss: same inputs, reductions and denominators, (loss, metrics)
+# --loss: the surrogate of grpo.policy_loss, (logp, old_logp, advantages, mask, weights) -> (loss, metrics)
+LOSSES = {"ppo": grpo.ppo_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
+          "cispo": variants.cispo_loss}
 KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
 UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac", "clip/high_frac",
                "clip/dual_frac", "ratio/mean", "grad_norm", "updates", "mismatch/abs", "mismatch/kl", "mismatch/tokens")
@@ -102,7 +104,10 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
             ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
     t_logprob, t0 = time.time() - t0, time.time()
     first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
-    abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
+    abs_max, bonus = 0.0, args.entropy_coef != 0
+    dual = {"clip_c": args.clip_c} if args.clip_c else {}                # dual-clip: --loss ppo only
+    surrogate = functools.partial(LOSSES[args.loss], eps_low=args.eps_low, eps_high=args.eps_high, **dual)
+    kl = KL_ESTIMATORS[args.kl]
     for epoch in range(args.mu):
         for k, (micro, num_tokens, num_seqs) in enumerate(minibatches):
             sums = first if epoch == 0 and k == 0 else rest
@@ -117,15 +122,15 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
                     key, dev = (s.start, s.stop), logp.device
                     old, m_s = old_logp[key] if old_logp is not None else logp.detach(), mask[s].to(dev)  # [n, T] each
                     sampler_logp = roll.logprobs[s].to(dev)                    # [n, T], what the tokens were drawn with
-                    den = dict(reduction=args.reduction, num_tokens=num_tokens, max_len=args.max_new_tokens, num_seqs=num_seqs)
-                    loss, m = LOSSES[args.loss](
-                        logp, old, advantages[s].to(dev), m_s, args.eps_low, args.eps_high, **den, **dual,
-                        weights=variants.tis_weights(old, sampler_logp, m_s, args.tis_cap) if args.tis_cap else None)
-                    if ref_logp is not None:                                   # + beta * KL(pi_theta || pi_ref), --kl estimator
-                        kl, mk = variants.kl_term(logp, ref_logp[key], m_s, KL_ESTIMATORS[args.kl], **den)
-                        loss, m = loss + args.beta * kl, {**m, **mk}
-                    if bonus:                                                  # - entropy_coef * mean token entropy
-                        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, **den)[0]
+                    # each token's weight: --reduction over this update's global token and response counts
+                    w = grpo.token_weights(m_s, args.reduction, num_tokens, args.max_new_tokens, num_seqs)
+                    tis = variants.tis_weights(old, sampler_logp, m_s, args.tis_cap) if args.tis_cap else None
+                    ref_s = ref_logp[key] if ref_logp is not None else None    # [n, T] or None (beta = 0)
+                    # Step 4: surrogate (--loss) + beta * KL (--kl), truncated IS on the surrogate
+                    loss, m = grpo.policy_loss(logp, old, advantages[s].to(dev), m_s, w, surrogate,
+                                               ref_s, args.beta, kl, tis)
+                    if bonus:                                                  # - entropy_coef * entropy
+                        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, w)[0]
                     (loss * ddp.world).backward()  # DDP averages gradients over ranks; the loss is already a global mean
                 tok = float(m_s.sum())
                 sums["loss"] += loss.item()
