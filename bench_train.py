@@ -169,7 +169,7 @@ def _passes(fn, model, roll, mb: int, temperature: float, device: str) -> dict:
         model.zero_grad(set_to_none=True)
         for s in slices:
             logp, ent, mask = fn(model, roll, s, temperature, with_entropy=True)
-            grpo.policy_loss(logp, logp.detach(), adv[s], mask, num_seqs=N)[0].backward()
+            grpo.policy_loss(logp, logp.detach(), adv[s], mask, grpo.token_weights(mask, num_seqs=N))[0].backward()
 
     return {"log-prob pass": _timed(logprob_pass, device)[0], "update": _timed(update, device)[0]}
 
@@ -248,7 +248,7 @@ def _gc_update(model, roll) -> None:
     """One micro-batch of update.update_policy: log-probs of the responses, the clipped surrogate, backward."""
     logp, _, valid = logprobs.rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)   # [n, T]
     advantages = torch.linspace(-1, 1, logp.shape[0], device=logp.device)                      # [n]
-    loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, valid, reduction="token")
+    loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, valid, grpo.token_weights(valid, "token"))
     loss.backward()
 
 

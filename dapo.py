@@ -3,13 +3,13 @@
 Article section: "DAPO：四项修正". Each fix is switched on or off alone by train.py (ablations):
 
 1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new code:
-   it is `eps_high` of `grpo.policy_loss`; `EPS_HIGH` below is the paper's value.
+   it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value.
 2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G rewards are all equal (their advantages are
    zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has enough;
    the filter reads correctness, as Eq. 11 counts correct answers:
    `keep_groups`, `dynamic_sampling`.
 3. Token-Level Policy Gradient Loss (Sec. 3.3, Eq. 12): divide the summed token losses by the number of
-   tokens of the whole batch, not per response: `grpo.policy_loss(reduction="token", num_tokens=...)`.
+   tokens of the whole batch, not per response: `grpo.token_weights(mask, "token", num_tokens=...)`.
 4. Overlong Reward Shaping (Sec. 3.4): overlong filtering (truncated responses masked out of the loss:
    `overlong_filter`) and soft overlong punishment (Eq. 13: `overlong_penalty`, added to the reward).
 

@@ -1,22 +1,30 @@
-"""GRPO's math as pure tensor functions: group advantages, the clipped surrogate, KL to the reference.
+"""GRPO's math as pure tensor functions: group advantages, the clipped surrogate, KL to a reference.
 
-Article sections: "GRPO 推导" (group z-score instead of a critic), "GRPO Loss" (the clipped surrogate
-plus a KL penalty), "Step 3: Advantage 估计" and "Step 4: PPO Loss 计算" (the worked numbers).
+Article sections: "GRPO 推导" (group z-score instead of a critic), "GRPO Loss" (the clipped
+surrogate plus a KL penalty), "Step 3: Advantage 估计" and "Step 4: PPO Loss 计算" (the worked
+numbers). Step 4 is `policy_loss` = surrogate + beta * KL (`ppo_loss`, `kl_term`), the function
+update.py runs; every term is (per_token * weights).sum() with the weights of `token_weights`.
 
 Two places where this file follows the papers rather than the article's snippets:
 - KL: the article writes `beta * (exp(new - ref) - 1)`, which is not a KL estimate (it is negative
-  whenever the policy gives a token less mass than the reference). DeepSeekMath (Eq. 4) uses Schulman's
-  unbiased, always non-negative "k3" estimator exp(ref - logp) - (ref - logp) - 1: `kl_k3`.
-- Token mean: the article's `.sum() / (B * G * T_resp)` divides by padding too. Here every reduction
-  counts only valid tokens, from a mask built from response lengths: `policy_loss(reduction=...)`.
+  whenever the policy gives a token less mass than the reference). DeepSeekMath (Eq. 4) uses
+  Schulman's unbiased, always non-negative "k3" estimator exp(ref - logp) - (ref - logp) - 1:
+  `kl_k3`.
+- Token mean: the article's `.sum() / (B * G * T_resp)` divides by padding too. Here every
+  reduction counts only valid tokens, from a mask built from response lengths: `token_weights`.
 
 Shapes: N = B * G responses (a prompt's G samples are contiguous), T response tokens, V vocabulary.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-LOG_RATIO_CLAMP = 20.0   # |logp - old_logp| is clamped to this before exp (as verl does): no inf, no NaN gradient
+LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| clamped before exp (as verl does): no inf, no NaN grad
+# a surrogate: (logp, old_logp, advantages, mask, weights) -> (loss, metrics); ppo_loss, variants.py
+Surrogate = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # kl_k1, kl_k2, kl_k3
 
 
 def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6,
@@ -24,17 +32,18 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
     """Advantages from rewards [B, G] -> [B, G] (the article's Step 3).
 
     scale="group": (r - mean_g) / (std_g + eps), std Bessel-corrected as torch.std (DeepSeekMath);
-    scale="batch": the same with the std of the whole batch, or batch_std if given (the batch spread over
-    ranks: train.py passes the std of all ranks' rewards); scale="none": r - mean_g (Dr. GRPO).
-    A group whose rewards are all equal gets exactly zero advantages (never NaN, never a float leftover
-    inflated by a tiny std).
+    scale="batch": the same with the std of the whole batch, or batch_std if given (the batch spread
+    over ranks: train.py passes the std of all ranks' rewards); scale="none": r - mean_g (Dr. GRPO).
+    A group whose rewards are all equal gets exactly zero advantages (never NaN, never a float
+    leftover inflated by a tiny std).
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, G], got shape {tuple(rewards.shape)}")
     rewards = rewards.float()
     centred = rewards - rewards.mean(dim=1, keepdim=True)                  # [B, G]
     if scale == "group":
-        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(centred[:, :1])
+        one = rewards.shape[1] == 1
+        std = torch.zeros_like(centred[:, :1]) if one else rewards.std(dim=1, keepdim=True)
         adv = centred / (std + eps)                                         # [B, G]
     elif scale == "batch":
         std = rewards.new_tensor(batch_std) if batch_std is not None else \
@@ -48,46 +57,53 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
 
 
 def constant_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """bool [B]: groups of rewards [B, G] whose G rewards are all equal, hence all-zero advantages."""
-    return (rewards == rewards[:, :1]).all(dim=1)                             # [B]
+    """bool [B]: groups of rewards [B, G] whose G rewards are all equal (all-zero advantages)."""
+    return (rewards == rewards[:, :1]).all(dim=1)                           # [B]
 
 
-def reduce_loss(
-    per_token: torch.Tensor,
+REDUCTIONS = ("sequence", "token", "constant")  # --reduction: GRPO, DAPO Eq. 12, Dr. GRPO
+
+
+def token_weights(
     mask: torch.Tensor,
     reduction: str = "sequence",
     num_tokens: float | torch.Tensor | None = None,
     max_len: int | None = None,
     num_seqs: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token losses [N, T] -> scalar, counting only valid tokens (mask [N, T], 1.0 on valid ones).
+    """Each token's weight in the loss [N, T], from mask [N, T] (1.0 on valid tokens), a reduction.
 
-    The three reductions of `policy_loss` (and of the losses in variants.py), with global denominators:
-    "sequence" = sum over responses of each one's token mean / num_seqs (default: the rows
-    with at least one valid token, as policy_loss);
-    "token" = sum over valid tokens / num_tokens (default mask.sum()); "constant" = sum / (num_seqs *
-    max_len), max_len defaulting to T. Passing the step's global counts makes micro-batches and ranks
-    add up to the full-batch loss.
+    The one place where a reduction and its denominators become numbers: every objective of this
+    file and of variants.py is `(per_token * weights).sum()`, zero on padding.
+    "sequence" (GRPO, DeepSeekMath Eq. 3): 1 / (|o_i| * num_seqs), the mean over responses of each
+        response's token mean; num_seqs defaults to the rows with at least one valid token, so
+        responses masked out whole (overlong filtering) are not counted (as verl; TRL counts them);
+    "token" (DAPO Eq. 12): 1 / num_tokens, num_tokens defaulting to mask.sum();
+    "constant" (Dr. GRPO): 1 / (num_seqs * max_len), max_len defaulting to T.
+    Passing the step's global counts (update.py: all micro-batches and ranks of an optimizer update)
+    makes the micro-batches' losses and gradients add up to the full batch's.
     """
-    if reduction not in ("sequence", "token", "constant"):
-        raise ValueError(f"reduction must be 'sequence', 'token' or 'constant', got {reduction!r}")
-    mask = mask.to(per_token.dtype)                                           # [N, T]
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    mask = mask if mask.is_floating_point() else mask.float()              # [N, T]
     n = (mask.sum(-1) > 0).to(mask.dtype).sum() if num_seqs is None else num_seqs
     n = n.clamp_min(1.0) if torch.is_tensor(n) else max(n, 1.0)
     if reduction == "sequence":
-        seq_mean = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)   # [N]
-        return seq_mean.sum() / n
+        lengths = mask.sum(-1, keepdim=True).clamp_min(1.0)                 # [N, 1]
+        return mask * (1.0 / n / lengths)                                   # [N, T]
     if reduction == "token":
-        denom = mask.sum() if num_tokens is None else num_tokens
-        return (per_token * mask).sum() / (denom.clamp_min(1.0) if torch.is_tensor(denom) else max(denom, 1.0))
-    return (per_token * mask).sum() / (n * (per_token.shape[1] if max_len is None else max_len))
+        d = mask.sum() if num_tokens is None else num_tokens
+        d = d.clamp_min(1.0) if torch.is_tensor(d) else max(d, 1.0)
+        return mask / d                                                     # [N, T]
+    return mask / (n * (mask.shape[1] if max_len is None else max_len))    # [N, T]
 
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate, k1 = logp - ref: [N, T], [N, T] -> [N, T].
 
-    Schulman (2020): unbiased for tokens sampled from pi_theta but high-variance and negative for about
-    half the tokens. As a loss its expected gradient is zero on-policy (the score function has mean 0).
+    Schulman (2020): unbiased for tokens sampled from pi_theta but high-variance and negative for
+    about half the tokens. As a loss its expected gradient is zero on-policy (the score function has
+    mean 0).
     """
     return logp - ref_logp                                                    # [N, T]
 
@@ -105,29 +121,94 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate, k3 = exp(ref - logp) - (ref - logp) - 1 >= 0.
 
-    Schulman, "Approximating KL divergence" (2020); DeepSeekMath Eq. 4. Unbiased for tokens sampled from
-    pi_theta, zero where the two log-probs agree, and never negative (e^u >= 1 + u).
+    Schulman, "Approximating KL divergence" (2020); DeepSeekMath Eq. 4. Unbiased for tokens sampled
+    from pi_theta, zero where the two log-probs agree, and never negative (e^u >= 1 + u).
     """
     delta = ref_logp - logp                                                   # [N, T]
     return torch.exp(delta) - delta - 1.0                                     # [N, T]
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
-    """PPO's clipped surrogate to minimise, -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), and
-    where the clip acts (no gradient there): (per-token loss, clipped from below, clipped from above).
+    """PPO's clipped surrogate to minimise, -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high)
+    * A), and where the clip acts (no gradient there): (per-token loss, clipped below, above).
     ratio [N, T] (or [N, 1] per response), adv broadcastable to it."""
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    low = (ratio < 1.0 - eps_low) & (adv < 0)                                 # clipped from below: no gradient
-    high = (ratio > 1.0 + eps_high) & (adv > 0)                               # clipped from above: no gradient
+    low = (ratio < 1.0 - eps_low) & (adv < 0)                               # clipped below: no grad
+    high = (ratio > 1.0 + eps_high) & (adv > 0)                             # clipped above: no grad
     return -torch.minimum(ratio * adv, clipped * adv), low, high
 
 
-def clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Fractions of valid tokens clipped from below / above and the mean ratio (all broadcastable to mask [N, T])."""
+def clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, float]:
+    """Fractions of valid tokens clipped from below / above and the mean ratio (all broadcastable
+    to mask [N, T])."""
     valid = mask.sum().clamp_min(1.0)
     return {"clip/low_frac": float((low.to(mask.dtype) * mask).sum() / valid),
             "clip/high_frac": float((high.to(mask.dtype) * mask).sum() / valid),
             "ratio/mean": float((ratio * mask).sum() / valid)}
+
+
+def ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip_c: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The article's `ppo_loss` reduced: the clipped surrogate to minimise, and its metrics.
+
+    Per token: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), with
+    ratio = exp(logp - old_logp) and A the response's advantage broadcast over its tokens; the loss
+    is (per_token * weights).sum(), weights from `token_weights` (times the truncated IS weights).
+    clip_c > 1: dual-clip (Ye et al. 2020) for A < 0, the per-token loss is at most -clip_c * A, so
+    a huge ratio on a token the policy should avoid cannot blow the loss up (verl's default 3).
+    0: off.
+    The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp: a stale old_logp gives no inf or NaN.
+    Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens (for the metrics).
+    """
+    adv = advantages.to(logp.dtype)[:, None]                                # [N, 1]
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, T]
+    ratio = torch.exp(log_ratio)                                            # [N, T]
+    per_token, low, high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # [N, T] each
+    if clip_c:
+        if clip_c <= 1.0:
+            raise ValueError(f"dual-clip needs clip_c > 1, got {clip_c}")
+        dual = (adv < 0) & (per_token > -clip_c * adv)                      # [N, T] at most -c * A
+        per_token = torch.where(dual, -clip_c * adv, per_token)             # [N, T]
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        mask = mask.to(logp.dtype)                                          # [N, T]
+        metrics = clip_metrics(ratio, low, high, mask)
+        if clip_c:
+            dual_tokens = (dual.to(mask.dtype) * mask).sum()
+            metrics["clip/dual_frac"] = float(dual_tokens / mask.sum().clamp_min(1.0))
+    return loss, metrics
+
+
+def kl_term(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    estimator: Estimator = kl_k3,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The KL penalty KL(pi_theta || pi_ref) before its beta: (per_token * weights).sum(), metrics.
+
+    estimator: kl_k1, kl_k2 or kl_k3 (per token [N, T], [N, T] -> [N, T]; --kl). The metric "kl" is
+    always the k3 mean over valid tokens (an unbiased, non-negative estimate), whichever estimator
+    the loss uses. With several updates per batch the tokens come from pi_old, not pi_theta; no
+    importance ratio corrects for that here (DeepSeek-V3.2 applies one).
+    """
+    per_token = estimator(logp, ref_logp)                                   # [N, T]
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        m = mask.to(logp.dtype)                                             # [N, T]
+        k3 = kl_k3(logp, ref_logp)                                          # [N, T]
+        metrics = {"kl": float((k3 * m).sum() / m.sum().clamp_min(1.0))}
+    return loss, metrics
 
 
 def policy_loss(
@@ -135,56 +216,28 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
+    weights: torch.Tensor,
+    surrogate: Surrogate = ppo_loss,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
-    reduction: str = "sequence",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    clip_c: float = 0.0,
-    weights: torch.Tensor | None = None,
+    kl: Estimator = kl_k3,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped surrogate (+ beta * k3 KL) to minimise, and its metrics (the article's Step 4).
+    """The article's Step 4 loss, "surrogate + beta * KL", as update.py runs it, and its metrics.
 
-    Per token: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * k3, with
-    ratio = exp(logp - old_logp) and A the response's advantage broadcast over its tokens.
-    reduction="sequence": mean over responses of each response's token mean (GRPO, DeepSeekMath Eq. 3);
-    reduction="token": sum over valid tokens / num_tokens (DAPO Eq. 8; num_tokens defaults to mask.sum()
-        and is passed explicitly so gradient accumulation and DDP divide by the step's global count);
-    reduction="constant": sum / (num_seqs * max_len), max_len defaulting to T (Dr. GRPO).
-    num_seqs is likewise the step's global number of responses in the loss for "sequence"/"constant"; it
-    defaults to the rows with at least one valid token, so responses masked out whole (overlong filtering)
-    are not counted (as verl does; TRL counts them).
-    clip_c > 1: dual-clip (Ye et al. 2020) for A < 0, the per-token loss is at most -clip_c * A, so a huge
-    ratio on a token the policy should avoid cannot blow the loss up (verl's default 3). 0: off.
-    The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp: a stale old_logp cannot give inf or NaN.
-    weights [N, T] (optional, detached): multiply each token's surrogate (not the KL), e.g. variants.tis_weights.
-    Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens.
+    surrogate(logp, old_logp, advantages, mask, weights) -> (loss, metrics): `ppo_loss` (GRPO,
+    DAPO) or an objective of variants.py (--loss), its clip range bound by the caller
+    (functools.partial). weights [N, T]: `token_weights` (the reduction and its global
+    denominators), shared by both terms; is_weights [N, T] (optional, detached, e.g.
+    variants.tis_weights) multiply the surrogate's, not the KL's. The KL term (`kl_term`, estimator
+    `kl`) is added when ref_logp is given; beta != 0 needs it. Inputs [N, T] except advantages [N]
+    (or [N, T] where the surrogate takes per-token advantages).
     """
-    mask = mask.to(logp.dtype)                                                # [N, T]
-    adv = advantages.to(logp.dtype)[:, None]                                  # [N, 1]
-    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, T]
-    per_token, low, high = clipped_surrogate(ratio, adv, eps_low, eps_high)   # [N, T] each
-    if clip_c:
-        if clip_c <= 1.0:
-            raise ValueError(f"dual-clip needs clip_c > 1, got {clip_c}")
-        dual = (adv < 0) & (per_token > -clip_c * adv)                        # [N, T] loss capped at -c * A
-        per_token = torch.where(dual, -clip_c * adv, per_token)               # [N, T]
-    if weights is not None:
-        per_token = per_token * weights.detach().to(per_token.dtype)          # [N, T]
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # [N, T]
-    if beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp")
-        per_token = per_token + beta * kl                                     # [N, T]
-
-    loss = reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
-
-    with torch.no_grad():
-        valid = mask.sum().clamp_min(1.0)
-        metrics = {**clip_metrics(ratio, low, high, mask), "kl": ((kl * mask).sum() / valid).item()}
-        if clip_c:
-            metrics["clip/dual_frac"] = ((dual.to(mask.dtype) * mask).sum() / valid).item()
-    return loss, metrics
+    pg_weights = weights if is_weights is None else weights * is_weights.detach()  # [N, T]
+    loss, metrics = surrogate(logp, old_logp, advantages, mask, pg_weights)
+    if ref_logp is None:
+        if beta != 0.0:
+            raise ValueError("beta != 0 needs ref_logp")
+        return loss, metrics
+    kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, weights, kl)
+    return loss + beta * kl_loss, {**metrics, **kl_metrics}

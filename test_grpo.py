@@ -117,34 +117,36 @@ def test_kl_k3_hand_value_zero_at_equality_and_nonnegative():
 
 
 def _two_token_case(adv: float):
-    # one response of two tokens with ratios 1.5 and 0.5
-    logp = torch.log(torch.tensor([[1.5, 0.5]]))
-    return logp, torch.zeros(1, 2), torch.tensor([adv]), torch.ones(1, 2)
+    # one response of two tokens with ratios 1.5 and 0.5; the weights of the sequence mean, 1/2 each
+    logp, mask = torch.log(torch.tensor([[1.5, 0.5]])), torch.ones(1, 2)
+    return logp, torch.zeros(1, 2), torch.tensor([adv]), mask, grpo.token_weights(mask)
 
 
 def test_policy_loss_clipping_by_hand():
     # A = +1: -min(1.5, 1.2) = -1.2 and -min(0.5, 0.8) = -0.5 -> mean -0.85; token 1 clipped high.
-    loss, m = grpo.policy_loss(*_two_token_case(1.0), eps_low=0.2, eps_high=0.2)
+    loss, m = grpo.ppo_loss(*_two_token_case(1.0), eps_low=0.2, eps_high=0.2)
     assert abs(loss.item() + 0.85) < 1e-6
     assert m["clip/high_frac"] == 0.5 and m["clip/low_frac"] == 0.0 and abs(m["ratio/mean"] - 1.0) < 1e-6
     # A = -1: -min(-1.5, -1.2) = 1.5 and -min(-0.5, -0.8) = 0.8 -> mean 1.15; token 2 clipped low.
-    loss, m = grpo.policy_loss(*_two_token_case(-1.0), eps_low=0.2, eps_high=0.2)
+    loss, m = grpo.ppo_loss(*_two_token_case(-1.0), eps_low=0.2, eps_high=0.2)
     assert abs(loss.item() - 1.15) < 1e-6
     assert m["clip/low_frac"] == 0.5 and m["clip/high_frac"] == 0.0
     # Clip-higher: eps_high 0.6 lets ratio 1.5 through: -(1.5 + 0.5) / 2 = -1.0, nothing clipped.
-    loss, m = grpo.policy_loss(*_two_token_case(1.0), eps_low=0.2, eps_high=0.6)
+    loss, m = grpo.ppo_loss(*_two_token_case(1.0), eps_low=0.2, eps_high=0.6)
     assert abs(loss.item() + 1.0) < 1e-6 and m["clip/high_frac"] == 0.0
 
 
 def test_policy_loss_kl_term_and_ratio_one_gradient():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0]])
-    loss, m = grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), ref_logp=ref, beta=0.1)
+    mask = torch.ones(1, 2)
+    loss, m = grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, grpo.token_weights(mask),
+                               ref_logp=ref, beta=0.1)
     k3 = math.exp(-0.5) + 0.5 - 1  # first token; the second is 0
     assert abs(loss.item() - 0.1 * k3 / 2) < 1e-6 and abs(m["kl"] - k3 / 2) < 1e-6
     # with mu = 1 (old = current) the surrogate's value is -A but its gradient is the policy gradient A * grad logp
     logp2 = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss2, _ = grpo.policy_loss(logp2, logp2.detach(), torch.tensor([2.0]), torch.ones(1, 2))
+    loss2, _ = grpo.policy_loss(logp2, logp2.detach(), torch.tensor([2.0]), mask, grpo.token_weights(mask))
     loss2.backward()
     assert abs(loss2.item() + 2.0) < 1e-6 and torch.allclose(logp2.grad, torch.tensor([[-1.0, -1.0]]))
 
@@ -154,27 +156,28 @@ def test_reductions_differ_on_unequal_lengths():
     logp = torch.zeros(2, 3)
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    seq, _ = grpo.policy_loss(logp, logp, adv, mask, reduction="sequence")
-    tok, _ = grpo.policy_loss(logp, logp, adv, mask, reduction="token")
-    const, _ = grpo.policy_loss(logp, logp, adv, mask, reduction="constant", max_len=5)
+    ppo = lambda lp, old, a, m, **kw: grpo.ppo_loss(lp, old, a, m, grpo.token_weights(m, **kw))  # noqa: E731
+    seq, _ = ppo(logp, logp, adv, mask, reduction="sequence")
+    tok, _ = ppo(logp, logp, adv, mask, reduction="token")
+    const, _ = ppo(logp, logp, adv, mask, reduction="constant", max_len=5)
     assert abs(seq.item() - 0.0) < 1e-6            # (-1/1 + 3/3) / 2: each response weighs the same
     assert abs(tok.item() - 0.5) < 1e-6            # (-1 + 3) / 4 valid tokens: each token weighs the same
     assert abs(const.item() - 0.2) < 1e-6          # (-1 + 3) / (2 * 5)
     # padding never counts: garbage in masked positions changes nothing
     logp_garbage = logp.clone()
     logp_garbage[0, 1:] = 7.0
-    tok2, _ = grpo.policy_loss(logp_garbage, logp, adv, mask, reduction="token")
+    tok2, _ = ppo(logp_garbage, logp, adv, mask, reduction="token")
     assert abs(tok2.item() - 0.5) < 1e-6
     # a global token count (DDP / accumulation): two halves with num_tokens=4 sum to the whole
-    halves = [grpo.policy_loss(logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1], reduction="token",
-                               num_tokens=torch.tensor(4.0))[0] for i in range(2)]
+    halves = [ppo(logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1], reduction="token",
+                  num_tokens=torch.tensor(4.0))[0] for i in range(2)]
     assert abs(sum(h.item() for h in halves) - 0.5) < 1e-6
     # and a global response count: halves that do not cancel (a reduction ignoring num_seqs doubles them)
     adv2 = torch.tensor([1.0, 0.5])
     for reduction, whole in (("sequence", -0.75), ("constant", -(1 + 1.5) / (2 * 5))):
-        full, _ = grpo.policy_loss(logp, logp, adv2, mask, reduction=reduction, max_len=5)
-        halves = [grpo.policy_loss(logp[i:i + 1], logp[i:i + 1], adv2[i:i + 1], mask[i:i + 1], reduction=reduction,
-                                   num_seqs=2, max_len=5)[0] for i in range(2)]
+        full, _ = ppo(logp, logp, adv2, mask, reduction=reduction, max_len=5)
+        halves = [ppo(logp[i:i + 1], logp[i:i + 1], adv2[i:i + 1], mask[i:i + 1], reduction=reduction,
+                      num_seqs=2, max_len=5)[0] for i in range(2)]
         assert abs(full.item() - whole) < 1e-6 and abs(sum(h.item() for h in halves) - whole) < 1e-6
 
 
@@ -184,7 +187,7 @@ def test_filtered_responses_leave_the_denominators():
     logp, adv = torch.zeros(2, 2), torch.tensor([1.0, 1.0])
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     for reduction, want in (("sequence", -1.0), ("token", -1.0), ("constant", -1.0)):
-        loss, _ = grpo.policy_loss(logp, logp, adv, mask, reduction=reduction, max_len=2)
+        loss, _ = grpo.ppo_loss(logp, logp, adv, mask, grpo.token_weights(mask, reduction, max_len=2))
         assert abs(loss.item() - want) < 1e-6, reduction
 
 
@@ -192,28 +195,116 @@ def test_policy_loss_guards_log_ratio_and_dual_clip():
     # a log-ratio of 100 (a stale old log-prob) would give exp(100) = inf and a NaN gradient: clamped to 20
     logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-100.0, -1.0]])
-    loss, m = grpo.policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), eps_low=0.2, eps_high=0.2)
+    w = grpo.token_weights(torch.ones(1, 2))
+    loss, m = grpo.ppo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), w, eps_low=0.2, eps_high=0.2)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
     # dual-clip, A = -1: ratio 5 gives a PPO loss of 5, capped at clip_c * |A| = 3, with no gradient there;
     # ratio 2 (loss 2 < 3) is left alone
     logp = torch.log(torch.tensor([[5.0, 2.0]])).requires_grad_()
-    loss, m = grpo.policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), clip_c=3.0)
+    loss, m = grpo.ppo_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), w, clip_c=3.0)
     loss.backward()
     assert abs(loss.item() - (3.0 + 2.0) / 2) < 1e-5 and m["clip/dual_frac"] == 0.5
     assert logp.grad[0, 0] == 0.0 and logp.grad[0, 1] != 0.0
     # positive advantages are never dual-clipped
-    loss, m = grpo.policy_loss(logp.detach(), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), clip_c=3.0)
+    loss, m = grpo.ppo_loss(logp.detach(), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), w, clip_c=3.0)
     assert m["clip/dual_frac"] == 0.0 and abs(loss.item() + 1.2) < 1e-5
     with pytest.raises(ValueError):
-        grpo.policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), clip_c=0.5)
+        grpo.ppo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), w, clip_c=0.5)
 
 
 def test_kl_metric_counts_valid_tokens_only():
     logp, mask = torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 0.0]])
     ref = torch.tensor([[-0.5, 9.0, 9.0]])                  # garbage after the response's end
-    _, m = grpo.policy_loss(logp, logp, torch.tensor([0.0]), mask, ref_logp=ref, beta=0.1)
+    _, m = grpo.policy_loss(logp, logp, torch.tensor([0.0]), mask, grpo.token_weights(mask), ref_logp=ref, beta=0.1)
     assert abs(m["kl"] - (math.exp(-0.5) + 0.5 - 1)) < 1e-6
+
+
+# -- issue 26: one loss path. token_weights is every reduction; update.py's loss is surrogate + beta * KL --
+
+def _reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_len=None, num_seqs=None):
+    """The three reductions written out (the reference for token_weights): "sequence" = the sum of each
+    response's token mean / num_seqs (default: the non-empty rows), "token" = the masked sum / num_tokens
+    (default: mask.sum()), "constant" = the masked sum / (num_seqs * max_len) (default max_len: T)."""
+    rows = mask.sum(-1)                                                       # [N]
+    n = (rows > 0).sum() if num_seqs is None else num_seqs
+    if reduction == "sequence":
+        return ((per_token * mask).sum(-1) / rows.clamp_min(1)).sum() / n
+    if reduction == "token":
+        return (per_token * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
+    return (per_token * mask).sum() / (n * (mask.shape[1] if max_len is None else max_len))
+
+
+def test_token_weights_by_hand():
+    # lengths 1, 3 and an overlong-filtered (empty) row, T = 3
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    seq = torch.tensor([[1 / 2, 0, 0], [1 / 6, 1 / 6, 1 / 6], [0, 0, 0]])    # 1 / (|o_i| * 2 responses)
+    assert torch.allclose(grpo.token_weights(mask), seq)
+    assert torch.allclose(grpo.token_weights(mask, "token"), mask / 4)       # 4 valid tokens
+    assert torch.allclose(grpo.token_weights(mask, "constant", max_len=5), mask / 10)  # 2 responses x 5
+    # the step's global counts win over the micro-batch's own: 8 tokens, 4 responses
+    assert torch.allclose(grpo.token_weights(mask, "token", num_tokens=torch.tensor(8.0)), mask / 8)
+    assert torch.allclose(grpo.token_weights(mask, "sequence", num_seqs=4), seq / 2)
+    assert torch.equal(grpo.token_weights(torch.zeros(2, 3), "token"), torch.zeros(2, 3))  # nothing valid: 0
+
+
+class _GivenLogprobs(torch.nn.Module):
+    """A stand-in policy whose log-probs of the rollout's tokens [N, T] are its parameter (see the fake
+    rollout_logprobs below), so update_policy's loss and gradient can be worked out by hand."""
+
+    def __init__(self, logp):
+        super().__init__()
+        self.logp = torch.nn.Parameter(logp.clone())
+
+
+@pytest.mark.parametrize("reduction", ["sequence", "token"])
+def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeypatch):
+    # The article's G = 4 group (Step 3: advantages [0.5, 0.5, 0.5, -1.5]) with lengths 3, 2, 3, 1 (9 tokens),
+    # through update.update_policy's first update (ratio 1: old = current) in micro-batches of 3 and 1 rows.
+    # Probabilities of the sampled tokens under pi_theta and pi_ref, chosen so that r = pi_ref / pi is 1, 1/2
+    # or 2: k3 = r - log r - 1 is 0, log 2 - 1/2 or 1 - log 2. Padding holds garbage (p = 1 vs 0.01).
+    import contextlib
+    from types import SimpleNamespace
+
+    import parallel
+    pi = torch.tensor([[0.5, 0.5, 0.25], [0.5, 0.8, 1.0], [0.9, 0.6, 0.3], [0.25, 1.0, 1.0]])
+    pi_ref = torch.tensor([[0.5, 0.25, 0.5], [0.25, 0.4, 0.01], [0.9, 0.6, 0.3], [0.5, 0.01, 0.01]])
+    lengths = torch.tensor([3, 2, 3, 1])
+    mask = (torch.arange(3)[None] < lengths[:, None]).float()                 # [4, 3]
+    A = torch.tensor([0.5, 0.5, 0.5, -1.5])                                   # [4]
+    r = pi_ref / pi                                                           # [4, 3]
+    beta = 0.04
+    # by hand: at ratio 1 the surrogate is -A on each token; k3 sums to 1/2, 2 log 2 - 1, 0, 1 - log 2 per row
+    if reduction == "sequence":   # GRPO: mean over the 4 responses of each one's token mean
+        surrogate = -(0.5 + 0.5 + 0.5 - 1.5) / 4                             # = 0: a group's advantages sum to 0
+        kl = (0.5 / 3 + (2 * math.log(2) - 1) / 2 + 0 + (1 - math.log(2))) / 4  # = (1/6 + 1/2) / 4 = 1/6
+        w = mask / lengths[:, None] / 4                                       # [4, 3] each token's weight
+    else:                         # DAPO: the sum over the 9 tokens / 9
+        surrogate = -(0.5 * 3 + 0.5 * 2 + 0.5 * 3 - 1.5 * 1) / 9
+        kl = (0.5 + (2 * math.log(2) - 1) + 0 + (1 - math.log(2))) / 9
+        w = mask / 9
+    # d/d logp of -ratio * A is -A; of k3(logp, ref) = e^(ref - logp) - (ref - logp) - 1 it is 1 - r
+    grad = w * (-A[:, None] + beta * (1 - r))                                 # [4, 3]
+
+    def given_logprobs(model, roll, rows, temperature, with_entropy=False):
+        logp = model.logp[rows]                                               # [n, 3]
+        return logp, torch.zeros_like(logp) if with_entropy else None, roll.mask[rows]
+
+    monkeypatch.setattr(update, "rollout_logprobs", given_logprobs)
+    policy, ref = _GivenLogprobs(pi.log()), _GivenLogprobs(pi_ref.log()).requires_grad_(False)
+    roll = Rollout(prompts=[[5]], G=4, pad_token_id=0, response_ids=torch.zeros(4, 3, dtype=torch.long), mask=mask,
+                   lengths=lengths, truncated=torch.zeros(4, dtype=torch.bool), logprobs=pi.log(),
+                   extra={"index": torch.zeros(4, dtype=torch.long)})
+    args = SimpleNamespace(micro_batch_size=3, mini_batches=1, mu=1, temperature=1.0, reduction=reduction, loss="ppo",
+                           max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0,
+                           beta=beta, kl="k3", grad_clip=0.0, lr=1.0)
+    learner = update.Learner(policy, policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0), contextlib.nullcontext)
+    stats = update.update_policy(learner, roll, A, mask, args, parallel.Dist("cpu"))
+    assert stats.first["loss"] == pytest.approx(surrogate + beta * kl, abs=1e-6)
+    assert stats.first["kl"] == pytest.approx(0.5 + math.log(2), abs=1e-5)   # the k3 sum over the 9 tokens
+    assert stats.first["tokens"] == 9 and stats.first["updates"] == 1
+    # one SGD step of lr 1: the parameter moved by minus the gradient worked out above (padding: not at all)
+    assert torch.allclose(pi.log() - policy.logp.detach(), grad, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,28 +572,29 @@ def test_kl_estimators_expected_gradients_on_policy():
 
 def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
     logp, old, adv, mask = _random_policy_batch(seed, 0.1)
+    wt = grpo.token_weights(mask, reduction)                                  # [N, T]
     want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
                                                       mode), logp)
     for fn in (variants.gspo_loss, variants.gspo_token_loss):
-        got, g_got = _value_and_grad(lambda: fn(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)  # noqa: B023
+        got, g_got = _value_and_grad(lambda: fn(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)  # noqa: B023
         assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     # per-token advantages: only the token form takes them
     adv_tok = torch.randn_like(mask)
     want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
-                                                                 reduction)[0], logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt, eps_low,
+                                                                 eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     with pytest.raises(ValueError):
-        variants.gspo_loss(logp, old, adv_tok, mask)
+        variants.gspo_loss(logp, old, adv_tok, mask, wt)
     # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
     w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
     want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, eps_low, eps_high,
-                                                                 reduction, weights=w)[0], logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt * w, eps_low,
+                                                                 eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
-    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high, reduction, weights=w)[0], want)
-    m = variants.gspo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
+    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0], want)
+    m = variants.gspo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[1]
     return m["clip/low_frac"] + m["clip/high_frac"]
 
 
@@ -519,8 +611,10 @@ def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradi
     # each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token with A_i on each token.
     logp, _, adv, mask = _random_policy_batch(3, 0.0)
     old = logp.detach().clone()
-    loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask)[0], logp)
-    _, g_tok = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask)[0], logp)
+    wt = grpo.token_weights(mask)                                             # [N, T], sequence mean
+    loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask, wt)[0], logp)
+    _, g_tok = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, wt)[0],
+                               logp)
     assert torch.allclose(g_seq, g_tok, atol=1e-12)
     want = -adv[:, None] / mask.sum(-1, keepdim=True) / mask.shape[0] * mask
     assert torch.allclose(g_seq, want, atol=1e-12) and abs(loss.item() + adv.mean().item()) < 1e-12
@@ -528,17 +622,18 @@ def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradi
 
 def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
     logp, old, adv, mask = _random_policy_batch(seed, 0.4)
+    wt = grpo.token_weights(mask, reduction)                                  # [N, T]
     want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
                                                        mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction)[0], logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
     want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
                                                        mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high, reduction,
-                                                             weights=w)[0], logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0],
+                                 logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    m = variants.cispo_loss(logp, old, adv, mask, eps_low, eps_high)[1]
+    m = variants.cispo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[1]
     return m["clip/low_frac"] + m["clip/high_frac"]
 
 
@@ -550,49 +645,51 @@ def test_cispo_equals_verl_cispo_values_and_gradients(reduction, mode):
     # a clipped token keeps its gradient: ratio e^1 > 1.28, gradient -1.28 * A (here A = 1, one token)
     one = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
     loss, m = variants.cispo_loss(one, torch.full((1, 1), -1.0, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
-                                  torch.ones(1, 1), 0.2, 0.28)
+                                  torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28)
     loss.backward()
     assert abs(one.grad.item() + 1.28) < 1e-12 and m["clip/high_frac"] == 1.0
 
 
-def test_policy_loss_is_reduce_loss_of_its_tokens_and_kl_term_splits_off():
-    # reduce_loss is policy_loss's reduction; beta * kl_term(k3) added to a beta = 0 loss is policy_loss(beta)
+def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
+    # (per_token * token_weights).sum() is each reduction's formula; policy_loss(beta) is the beta = 0 loss
+    # plus beta * kl_term(k3), the article's one reduction of surrogate + beta * KL per token
+    from functools import partial
     logp, old, adv, mask = _random_policy_batch(4, 0.3)
     ref = torch.randn_like(old) - 2.0
     ratio = torch.exp(logp - old)
     per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None])
+    ppo = partial(grpo.ppo_loss, eps_low=0.2, eps_high=0.28)
     for reduction in ("sequence", "token", "constant"):
         kw = dict(reduction=reduction, num_tokens=torch.tensor(30.0), max_len=9, num_seqs=8)
-        base, _ = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, **kw)
-        assert torch.allclose(base, grpo.reduce_loss(per_token, mask, **kw), atol=1e-12)
-        with_kl, m = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, ref_logp=ref, beta=0.04, **kw)
-        kl, mk = variants.kl_term(logp, ref, mask, grpo.kl_k3, **kw)
+        w = grpo.token_weights(mask, **kw)
+        base, _ = grpo.policy_loss(logp, old, adv, mask, w, ppo)
+        assert torch.allclose(base, _reduce_by_hand(per_token, mask, **kw), atol=1e-12)
+        with_kl, m = grpo.policy_loss(logp, old, adv, mask, w, ppo, ref_logp=ref, beta=0.04)
+        kl, mk = grpo.kl_term(logp, ref, mask, w, grpo.kl_k3)
         assert torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12) and abs(m["kl"] - mk["kl"]) < 1e-9
-        k2, mk2 = variants.kl_term(logp, ref, mask, grpo.kl_k2, **kw)  # another estimator: same "kl" metric (k3)
-        assert torch.allclose(k2, grpo.reduce_loss(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
+        want = _reduce_by_hand(per_token + 0.04 * grpo.kl_k3(logp, ref), mask, **kw)
+        assert torch.allclose(with_kl, want, atol=1e-12)
+        k2, mk2 = grpo.kl_term(logp, ref, mask, w, grpo.kl_k2)  # another estimator: same "kl" metric (k3)
+        assert torch.allclose(k2, _reduce_by_hand(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
     with pytest.raises(ValueError):
-        grpo.reduce_loss(per_token, mask, "mean")
-
-
-def _entropy_loss(logits, mask, **kw):
-    return variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, **kw)[0]
+        grpo.token_weights(mask, "mean")
 
 
 @pytest.mark.parametrize("name,fn", [
-    ("gspo", lambda lp, old, adv, mask, **kw: variants.gspo_loss(lp, old, adv, mask, 0.02, 0.03, **kw)[0]),
-    ("gspo-token", lambda lp, old, adv, mask, **kw: variants.gspo_token_loss(lp, old, adv, mask, 0.02, 0.03, **kw)[0]),
-    ("cispo", lambda lp, old, adv, mask, **kw: variants.cispo_loss(lp, old, adv, mask, 0.2, 0.28, **kw)[0]),
-    ("kl-k2", lambda lp, old, adv, mask, **kw: variants.kl_term(lp, old, mask, grpo.kl_k2, **kw)[0]),
-    ("tis", lambda lp, old, adv, mask, **kw: variants.cispo_loss(
-        lp, old, adv, mask, weights=variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask, 1.2), **kw)[0]),
+    ("gspo", lambda lp, old, adv, mask, w: variants.gspo_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
+    ("gspo-token", lambda lp, old, adv, mask, w: variants.gspo_token_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
+    ("cispo", lambda lp, old, adv, mask, w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
+    ("kl-k2", lambda lp, old, adv, mask, w: grpo.kl_term(lp, old, mask, w, grpo.kl_k2)[0]),
+    ("tis", lambda lp, old, adv, mask, w: variants.cispo_loss(
+        lp, old, adv, mask, w * variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask, 1.2))[0]),
 ])
 @pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
 def test_variant_losses_add_up_over_micro_batches(name, fn, reduction):
     # two micro-batches with the step's global denominators give the full batch's loss and gradient
     logp, old, adv, mask = _random_policy_batch(5, 0.05)
     kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=9, num_seqs=6)
-    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, **kw), logp)
-    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s], **kw)
+    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, grpo.token_weights(mask, **kw)), logp)
+    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s], grpo.token_weights(mask[s], **kw))
                                                  for s in (slice(0, 2), slice(2, 6))), logp)
     assert torch.allclose(full, parts, atol=1e-12) and torch.allclose(g_full, g_parts, atol=1e-12)
 
@@ -603,16 +700,16 @@ def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
     logits = (3 * torch.randn(4, 5, 11)).requires_grad_(True)  # token_entropy works in float32
     mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 4])[:, None]).float()
     kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=6, num_seqs=4)
-    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, **kw)[0]
+    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, grpo.token_weights(mask, **kw))[0]
     (g_got,) = torch.autograd.grad(got, logits)
     x = logits / 0.7
     naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # [N, T]
-    want = grpo.reduce_loss(naive, mask, **kw)
+    want = _reduce_by_hand(naive, mask, **kw)
     (g_want,) = torch.autograd.grad(want, logits)
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(g_got, g_want, atol=1e-6)
     # micro-batches with global denominators add up, as the losses do
-    parts = sum(variants.entropy_bonus(variants.token_entropy(logits[s], 0.7), mask[s], **kw)[0]
-                for s in (slice(0, 1), slice(1, 4)))
+    parts = sum(variants.entropy_bonus(variants.token_entropy(logits[s], 0.7), mask[s],
+                                       grpo.token_weights(mask[s], **kw))[0] for s in (slice(0, 1), slice(1, 4)))
     assert torch.allclose(parts, want, atol=1e-5)
 
 
@@ -657,8 +754,9 @@ def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
     ref, w = torch.randn_like(old) - 2.0, torch.rand_like(old)
     ratio = torch.exp(logp - old)
     per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
-    got, _ = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, reduction="token", weights=w)
-    want = grpo.reduce_loss(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
+    got, _ = grpo.policy_loss(logp, old, adv, mask, grpo.token_weights(mask, "token"), ref_logp=ref, beta=0.1,
+                              is_weights=w)
+    want = _reduce_by_hand(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
     assert torch.allclose(got, want, atol=1e-12)
 
 
@@ -773,8 +871,8 @@ def test_dapo_with_fixes_off_is_grpo():
     # and the loss pieces: no truncation -> the filter changes nothing; token == sequence on equal lengths
     logp, adv, mask = torch.randn(4, 3), torch.randn(4), torch.ones(4, 3)
     assert torch.equal(dapo.overlong_filter(mask, torch.zeros(4, dtype=torch.bool)), mask)
-    s = grpo.policy_loss(logp, logp.detach(), adv, mask, reduction="sequence")[0]
-    t = grpo.policy_loss(logp, logp.detach(), adv, mask, reduction="token")[0]
+    s = grpo.policy_loss(logp, logp.detach(), adv, mask, grpo.token_weights(mask, "sequence"))[0]
+    t = grpo.policy_loss(logp, logp.detach(), adv, mask, grpo.token_weights(mask, "token"))[0]
     assert torch.allclose(s, t)
 
 
@@ -784,8 +882,10 @@ def test_dapo_with_fixes_off_is_grpo():
 
 def _hand_rolled_update(model, ref, roll, advantages, mask, args):
     """What update_policy must equal: per mini-batch (the k-th K-th of the groups), one loss over all its rows at
-    once (per_response_logprobs, policy_loss's own denominators), one backward, clip the whole gradient, one
+    once (per_response_logprobs, token_weights of the mini-batch's own rows), one backward, clip the whole gradient, one
     SGD step; old log-probs of the sampling policy, computed once before the first update. Returns the losses."""
+    from functools import partial
+
     from logprobs import per_response_logprobs
     N, G = roll.response_ids.shape[0], roll.G
     every = slice(0, N)
@@ -799,9 +899,10 @@ def _hand_rolled_update(model, ref, roll, advantages, mask, args):
             s = slice(a, b)
             model.zero_grad(set_to_none=True)
             logp = per_response_logprobs(model, roll, s, args.temperature)[0]                   # [n, T]
-            loss, _ = grpo.policy_loss(logp, old[s], advantages[s], mask[s], args.eps_low, args.eps_high,
-                                       ref_logp=None if ref is None else ref_logp[s], beta=args.beta,
-                                       reduction=args.reduction, max_len=args.max_new_tokens)
+            w = grpo.token_weights(mask[s], args.reduction, max_len=args.max_new_tokens)      # [n, T]
+            ppo = partial(grpo.ppo_loss, eps_low=args.eps_low, eps_high=args.eps_high)
+            loss, _ = grpo.policy_loss(logp, old[s], advantages[s], mask[s], w, ppo,
+                                       ref_logp=None if ref is None else ref_logp[s], beta=args.beta)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             with torch.no_grad():
@@ -1107,6 +1208,8 @@ def _micro_batches(N, mb):
 def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
     # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
     # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute positions
+    from functools import partial
+
     from logprobs import per_response_logprobs, rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     model = {"llama": lambda: tiny_model, "mistral": lambda: _tiny("mistral", torch.float32), "gpt2": _tiny_gpt2}[kind]()
@@ -1133,8 +1236,9 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monke
             model.zero_grad(set_to_none=True)
             for s in _micro_batches(N, 5):
                 logp, ent, mask = f(model, roll, s, t, with_entropy=True)
-                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, 0.2, 0.28, ref_logp=ref[s], beta=0.04,
-                                           reduction=reduction, num_tokens=roll.mask.sum(), max_len=T_all, num_seqs=N)
+                w = grpo.token_weights(mask, reduction, roll.mask.sum(), T_all, N)   # [n, T]
+                ppo = partial(grpo.ppo_loss, eps_low=0.2, eps_high=0.28)
+                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, w, ppo, ref_logp=ref[s], beta=0.04)
                 (loss - 0.01 * (ent * mask).sum() / roll.mask.sum()).backward()
             grads.append(torch.cat([p.grad.flatten() for p in params]))
         assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[1].abs().max(), reduction

@@ -1,38 +1,41 @@
-"""The GRPO-family objectives as diffs on grpo.policy_loss.
+"""The GRPO-family objectives as diffs on grpo.ppo_loss, the surrogate of grpo.policy_loss.
 
-Each is a small switch beside the article's GRPO loss ("GRPO Loss", "Step 4: PPO Loss 计算"), written as
-plainly as `grpo.policy_loss`, with the same inputs, the same reductions and the same global denominators
-(num_tokens, num_seqs, max_len: micro-batches and DDP ranks add up to the full-batch loss), and returning
-(loss to minimise, metrics):
+Each is a small switch beside the article's GRPO loss ("GRPO Loss", "Step 4: PPO Loss 计算"),
+written as plainly as `grpo.ppo_loss`, with its inputs (logp, old_logp, advantages, mask, weights;
+weights from grpo.token_weights: the reduction and its global denominators, so micro-batches and
+DDP ranks add up to the full-batch loss), ending like it in (per_token * weights).sum() and
+returning (loss to minimise, metrics). grpo.policy_loss adds beta * KL (grpo.kl_term) to whichever
+--loss runs.
 
 - GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per response,
   s_i = exp(mean_t (logp - old_logp)), clipped per response with tiny bounds (paper: 3e-4 / 4e-4):
   `gspo_loss`. GSPO-token carries sg[s_i] * pi(t) / sg[pi(t)] on each token so that
-  per-token advantages can be used; with one advantage per response it has the same value and gradient:
-  `gspo_token_loss`.
+  per-token advantages can be used; with one advantage per response it has the same value and
+  gradient: `gspo_token_loss`.
 - CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(ratio)) * A * logp, so a clipped token keeps
   its gradient (only its weight is bounded): `cispo_loss`.
-- KL to the reference with any estimator of grpo.py (k1, k2, k3) as a separate term: `kl_term`.
 - Entropy bonus: the mean entropy of the policy's next-token distribution, to subtract with a
-  coefficient: `token_entropy` (logprobs.token_entropy: differentiable, block by block) and `entropy_bonus`.
+  coefficient: `token_entropy` (logprobs.token_entropy: differentiable, block by block) and
+  `entropy_bonus`.
 - Rollout/train mismatch (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL Systems"):
-  truncated importance sampling weights min(pi_old / pi_sampler, C) (`tis_weights`) and the mismatch
-  metrics (`mismatch_metrics`).
+  truncated importance sampling weights min(pi_old / pi_sampler, C) (`tis_weights`, which
+  multiply the surrogate's weights: grpo.policy_loss(is_weights=...)) and the mismatch metrics
+  (`mismatch_metrics`).
 
 Shapes: N responses, T response tokens, V vocabulary; masks are 1.0 on valid response tokens.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 import grpo
-from logprobs import token_entropy  # noqa: F401  (differentiable, block by block: the bonus's entropy)
+from logprobs import token_entropy  # noqa: F401  (the bonus's entropy: differentiable, in blocks)
 
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # GSPO paper, Sec. 5.1
-CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0  # no lower bound (MiniMax-M1); ratio capped at 5 (ScaleRL, arXiv 2510.13786)
+# no lower bound (MiniMax-M1); the ratio capped at 5 (ScaleRL, arXiv 2510.13786)
+CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0
 
 
 def _check_adv(advantages: torch.Tensor, mask: torch.Tensor, per_token_ok: bool) -> torch.Tensor:
@@ -42,17 +45,14 @@ def _check_adv(advantages: torch.Tensor, mask: torch.Tensor, per_token_ok: bool)
     if per_token_ok and advantages.shape == mask.shape:
         return advantages
     want = "[N] or [N, T]" if per_token_ok else "[N]"
-    raise ValueError(f"advantages must be {want} for mask {tuple(mask.shape)}, got {tuple(advantages.shape)}")
-
-
-def _apply_weights(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Per-token losses times detached per-token weights [N, T] (truncated IS), or unchanged."""
-    return per_token if weights is None else per_token * weights.detach().to(per_token.dtype)
+    got = tuple(advantages.shape)
+    raise ValueError(f"advantages must be {want} for mask {tuple(mask.shape)}, got {got}")
 
 
 def _seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's log s_i: the mean over a response's valid tokens of logp - old_logp, [N, T] -> [N, 1]."""
-    return ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1.0)
+    """GSPO's log s_i, the mean over a response's valid tokens of logp - old_logp: [N, 1]."""
+    lengths = mask.sum(-1, keepdim=True).clamp_min(1.0)                       # [N, 1]
+    return ((logp - old_logp) * mask).sum(-1, keepdim=True) / lengths         # [N, 1]
 
 
 def gspo_loss(
@@ -60,21 +60,17 @@ def gspo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    weights: torch.Tensor,
     eps_low: float = GSPO_EPS_LOW,
     eps_high: float = GSPO_EPS_HIGH,
-    reduction: str = "sequence",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO's objective to minimise (arXiv 2507.18071), and its metrics.
 
-    Per response: -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i), with the length-normalised
-    sequence ratio s_i = (pi_theta(y_i) / pi_old(y_i))^(1 / |y_i|) = exp(mean over valid tokens of
-    (logp - old_logp)). reduction="sequence" is the paper's (1/G) sum_i; "token" and "constant" weight
-    each response's loss by its length (its value spread over its tokens), as verl's loss_agg_mode does.
-    weights [N, T] (optional, detached): per-token multipliers such as `tis_weights`.
+    Per response: -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i), with the
+    length-normalised sequence ratio s_i = (pi_theta(y_i) / pi_old(y_i))^(1 / |y_i|) = exp(mean over
+    valid tokens of (logp - old_logp)), spread over the response's tokens and weighted by `weights`
+    (grpo.token_weights): "sequence" is the paper's (1/G) sum_i; "token" and "constant" weight each
+    response's loss by its length, as verl's loss_agg_mode does.
     Inputs [N, T] except advantages [N].
     """
     adv = _check_adv(advantages, mask, per_token_ok=False).to(logp.dtype)    # [N, 1]
@@ -82,8 +78,8 @@ def gspo_loss(
     log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     s = torch.exp(log_s.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))   # [N, 1]
     per_seq, low, high = grpo.clipped_surrogate(s, adv, eps_low, eps_high)    # [N, 1] each
-    per_token = _apply_weights(per_seq.expand_as(mask), weights)              # [N, T]: the response's loss on each token
-    loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
+    per_token = per_seq.expand_as(mask)                                       # [N, T]
+    loss = (per_token * weights).sum()
     with torch.no_grad():
         metrics = grpo.clip_metrics(s, low, high, mask)
     return loss, metrics
@@ -94,28 +90,23 @@ def gspo_token_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    weights: torch.Tensor,
     eps_low: float = GSPO_EPS_LOW,
     eps_high: float = GSPO_EPS_HIGH,
-    reduction: str = "sequence",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token (arXiv 2507.18071): GSPO with per-token advantages [N, T] (or [N]).
 
-    Token ratio s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]: its value is s_i, its gradient
-    that of logp_t scaled by s_i. Per token: -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t}). With one
-    advantage per response, value and gradient equal `gspo_loss` (as the paper shows).
+    Token ratio s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]: its value is s_i, its
+    gradient that of logp_t scaled by s_i. Per token: -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t}).
+    With one advantage per response, value and gradient equal `gspo_loss` (as the paper shows).
     """
     adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
-    log_s_t = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP) + logp - logp.detach()  # [N, T], value log s_i
-    s_t = torch.exp(log_s_t)                                                  # [N, T]
-    surrogate, low, high = grpo.clipped_surrogate(s_t, adv, eps_low, eps_high)  # [N, T] each
-    per_token = _apply_weights(surrogate, weights)                            # [N, T]
-    loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
+    log_s = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP)  # [N, 1], sg[log s_i]
+    s_t = torch.exp(log_s + logp - logp.detach())                             # [N, T], value s_i
+    per_token, low, high = grpo.clipped_surrogate(s_t, adv, eps_low, eps_high)  # [N, T] each
+    loss = (per_token * weights).sum()
     with torch.no_grad():
         metrics = grpo.clip_metrics(s_t, low, high, mask)
     return loss, metrics
@@ -126,75 +117,46 @@ def cispo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    weights: torch.Tensor,
     eps_low: float = CISPO_EPS_LOW,
     eps_high: float = CISPO_EPS_HIGH,
-    reduction: str = "token",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO's objective to minimise (MiniMax-M1, arXiv 2506.13585), and its metrics.
 
     Per token: -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp, ratio = exp(logp - old_logp).
-    Unlike PPO's clip, which drops the gradient of a clipped token, here every token keeps the gradient
-    of its log-prob and only the weight is bounded. The bounds are verl's (1 - eps_low, 1 + eps_high);
-    TRL caps the ratio at epsilon_high itself (an absolute cap: TRL's 5 is eps_high = 4 here). The
-    defaults follow the papers: no lower bound (eps_low = 1), ratio at most 5. reduction="token" is
-    MiniMax-M1's (the sum over all tokens / their number). Inputs [N, T] except advantages [N] or [N, T].
-    clip/low_frac and clip/high_frac count tokens whose weight was bounded (they still get a gradient).
+    Unlike PPO's clip, which drops the gradient of a clipped token, here every token keeps the
+    gradient of its log-prob and only the weight is bounded. The bounds are verl's
+    (1 - eps_low, 1 + eps_high); TRL caps the ratio at epsilon_high itself (an absolute cap: TRL's 5
+    is eps_high = 4 here). The defaults follow the papers: no lower bound (eps_low = 1), ratio at
+    most 5. MiniMax-M1 reduces with weights "token" (the sum over all tokens / their number). Inputs
+    [N, T] except advantages [N] or [N, T]. clip/low_frac and clip/high_frac count tokens whose
+    weight was bounded (they still get a gradient).
     """
     adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
-    ratio = torch.exp((logp - old_logp).detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))  # [N, T], no gradient
-    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)                       # [N, T], sg(clip(ratio))
-    per_token = _apply_weights(-weight * adv * logp, weights)                 # [N, T]
-    loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
+    log_ratio = (logp - old_logp).detach()                                    # [N, T], no gradient
+    ratio = torch.exp(log_ratio.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))  # [N, T]
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)                      # [N, T] sg(clip)
+    per_token = -clipped * adv * logp                                         # [N, T]
+    loss = (per_token * weights).sum()
     with torch.no_grad():
         metrics = grpo.clip_metrics(ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high, mask)
-    return loss, metrics
-
-
-def kl_term(
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    mask: torch.Tensor,
-    estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = grpo.kl_k3,
-    reduction: str = "sequence",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The KL penalty reduced like the policy loss: add beta * this to any loss above.
-
-    estimator: grpo.kl_k1, kl_k2 or kl_k3 (per token [N, T], [N, T] -> [N, T]). policy_loss(beta=b) equals
-    policy_loss(beta=0) + b * kl_term(kl_k3) with the same reduction. The metric "kl" is always the k3
-    value (an unbiased, non-negative estimate), whichever estimator the loss uses.
-    """
-    per_token = estimator(logp, ref_logp)                                     # [N, T]
-    loss = grpo.reduce_loss(per_token, mask, reduction, num_tokens, max_len, num_seqs)
-    with torch.no_grad():
-        m = mask.to(logp.dtype)                                               # [N, T]
-        k3 = grpo.kl_k3(logp, ref_logp)                                       # [N, T]
-        metrics = {"kl": float((k3 * m).sum() / m.sum().clamp_min(1.0))}
     return loss, metrics
 
 
 def entropy_bonus(
     entropy: torch.Tensor,
     mask: torch.Tensor,
-    reduction: str = "sequence",
-    num_tokens: float | torch.Tensor | None = None,
-    max_len: int | None = None,
-    num_seqs: float | torch.Tensor | None = None,
+    weights: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The entropy term to subtract from the loss (loss - coef * bonus), reduced like the policy loss.
+    """The entropy term to subtract from the loss (loss - coef * bonus), and its metric.
 
     entropy [N, T]: per-token entropy of the policy's next-token distribution, differentiable
-    (`token_entropy`). The reductions and global denominators are those of grpo.policy_loss, so the
-    bonus of micro-batches and ranks adds up like the loss. A positive coefficient pushes entropy up.
+    (`token_entropy`). The bonus is (entropy * weights).sum() with the policy loss's weights
+    (grpo.token_weights), so the bonus of micro-batches and ranks adds up like the loss. A positive
+    coefficient pushes entropy up.
     """
-    bonus = grpo.reduce_loss(entropy, mask, reduction, num_tokens, max_len, num_seqs)
+    bonus = (entropy * weights).sum()
     with torch.no_grad():
         m = mask.to(entropy.dtype)                                            # [N, T]
         metrics = {"entropy": float((entropy * m).sum() / m.sum().clamp_min(1.0))}
@@ -202,33 +164,37 @@ def entropy_bonus(
 
 
 @torch.no_grad()
-def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling weights min(pi_old / pi_sampler, cap), detached: [N, T] -> [N, T].
+def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                cap: float) -> torch.Tensor:
+    """Truncated importance sampling weights min(pi_old / pi_sampler, cap), detached, [N, T].
 
     For the rollout/train mismatch: the tokens were drawn by the sampler (its log-probs are
     Rollout.logprobs), while the loss treats pi_old (the training forward) as the behaviour policy.
-    Multiplying each token's loss by this weight corrects for the difference, truncated at cap (about
-    2-3) to bound the variance. 1 where the two agree; 0 on padding.
+    Multiplying each token's surrogate weight by this corrects for the difference, truncated at cap
+    (about 2-3) to bound the variance. 1 where the two agree; 0 on padding.
     """
     if not cap > 0:
         raise ValueError(f"the truncation cap must be > 0, got {cap}")
     valid = mask.bool()                                                       # [N, T]
-    log_w = (old_logp - sampler_logp).clamp(max=math.log(cap))              # [N, T]: min(w, C) = exp(min(log w, log C))
+    # min(w, C) = exp(min(log w, log C))
+    log_w = (old_logp - sampler_logp).clamp(max=math.log(cap))              # [N, T]
     return torch.where(valid, torch.exp(log_w), torch.zeros_like(log_w))     # [N, T]
 
 
 @torch.no_grad()
-def mismatch_metrics(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(old_logp: torch.Tensor, sampler_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
     """How far the sampler's log-probs are from the training forward's, over valid tokens.
 
     mismatch/logp_abs_mean and mismatch/logp_abs_max: mean and max |old_logp - sampler_logp|;
     mismatch/kl: the k3 estimate of KL(pi_sampler || pi_old) (the tokens were drawn by the sampler).
     Inputs [N, T]; all 0 when no token is valid.
     """
-    old_logp, sampler_logp = old_logp.double(), sampler_logp.double()        # k3 of a 1e-7 gap underflows in float32
+    # float64: in float32 the k3 of a 1e-7 gap underflows
+    old_logp, sampler_logp = old_logp.double(), sampler_logp.double()        # [N, T] each
     m, zero = mask.bool(), torch.zeros_like(old_logp)                         # [N, T] each
     valid = m.sum().clamp_min(1)
-    delta = torch.where(m, (old_logp - sampler_logp).abs(), zero)             # [N, T]; padding may hold anything
+    delta = torch.where(m, (old_logp - sampler_logp).abs(), zero)             # [N, T]; padding: any
     k3 = torch.where(m, grpo.kl_k3(sampler_logp, old_logp), zero)            # [N, T]
     return {"mismatch/logp_abs_mean": float(delta.sum() / valid),
             "mismatch/logp_abs_max": float(delta.max()) if delta.numel() else 0.0,
