@@ -183,11 +183,9 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
 
 def sampled_completions(roll, tokenizer, k: int) -> list[dict]:
     """Up to k of a training batch's completions (prompt, response, reward), one per group first."""
-    if roll is None or k <= 0:
-        return []
     N, G = roll.response_ids.shape[0], roll.G
     order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]        # first sample of each group, then the rest
-    rewards = roll.extra["rewards"]
+    rewards = roll.rewards                                                         # [N]
     return [{"prompt": tokenizer.decode(roll.prompts[i // G], skip_special_tokens=True),
              "response": tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True),
              "reward": float(rewards[i]), "length": int(roll.lengths[i]), "truncated": bool(roll.truncated[i])}

@@ -29,7 +29,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 @dataclass
 class Rollout:
-    """B prompts x G responses; response rows of one prompt are contiguous (row i belongs to prompt i // G)."""
+    """B prompts x G responses; response rows of one prompt are contiguous (row i belongs to prompt i // G).
+
+    The sampler fills the fields up to `logprobs`; Step 2's fields are the trainer's (train.draw_round),
+    None until it scores the rollout. `select_groups` and `cat` carry every field."""
     prompts: list[list[int]]            # B token-id lists, unpadded
     G: int                              # responses per prompt
     pad_token_id: int                   # fills response_ids after each response's end
@@ -38,7 +41,19 @@ class Rollout:
     lengths: torch.Tensor               # [N] long, response tokens (EOS included)
     truncated: torch.Tensor             # [N] bool, no EOS within max_new_tokens
     logprobs: torch.Tensor              # [N, T] float, log-prob of each sampled token under the sampling policy
-    extra: dict = field(default_factory=dict)  # per-response [N] tensors the trainer attaches (rewards, ...)
+    # Step 2: the rewards (train.draw_round)
+    rewards: torch.Tensor | None = None  # [N] float, the shaped reward the advantages compare (DAPO: +-1, penalty)
+    correct: torch.Tensor | None = None  # [N] float, the --reward score (dynamic sampling's filter reads it)
+    index: torch.Tensor | None = None    # [N] long, the position of the row's prompt in the data stream
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # --reward name -> [N] (NaN: no score)
+
+    @staticmethod
+    def empty(G: int, pad_token_id: int) -> Rollout:
+        """No rows (a rank that dynamic sampling left without a group): every per-row field [0] or [0, 0]."""
+        rows, grid = torch.zeros(0), torch.zeros(0, 0)
+        return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(), mask=grid,
+                       lengths=rows.long(), truncated=rows.bool(), logprobs=grid, rewards=rows,
+                       correct=rows, index=rows.long())
 
     @property
     def num_groups(self) -> int:
@@ -47,26 +62,34 @@ class Rollout:
     def select_groups(self, keep: torch.Tensor) -> Rollout:
         """The rollout restricted to the groups where keep [B] is True."""
         rows = keep.to(torch.bool).repeat_interleave(self.G)                  # [N]
+        take = lambda x: None if x is None else x[rows]  # noqa: E731
         return replace(
             self, prompts=[p for p, k in zip(self.prompts, keep.tolist()) if k],
             response_ids=self.response_ids[rows], mask=self.mask[rows], lengths=self.lengths[rows],
-            truncated=self.truncated[rows], logprobs=self.logprobs[rows],
-            extra={k: v[rows] for k, v in self.extra.items()})
+            truncated=self.truncated[rows], logprobs=self.logprobs[rows], rewards=take(self.rewards),
+            correct=take(self.correct), index=take(self.index),
+            reward_parts={k: v[rows] for k, v in self.reward_parts.items()})
 
     @staticmethod
     def cat(rollouts: list[Rollout]) -> Rollout:
         """Concatenate rollouts with the same G along the group axis, padding T to the longest."""
-        T = max(r.response_ids.shape[1] for r in rollouts)
+        if len(rollouts) == 1:
+            return rollouts[0]
+        T, first = max(r.response_ids.shape[1] for r in rollouts), rollouts[0]
         pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
-        keys, first = rollouts[0].extra.keys(), rollouts[0]
+
+        def join(name: str) -> torch.Tensor | None:                           # a [N] field, None if unscored
+            parts = [getattr(r, name) for r in rollouts]
+            return None if parts[0] is None else torch.cat(parts)
+
         return Rollout(
             prompts=[p for r in rollouts for p in r.prompts], G=first.G, pad_token_id=first.pad_token_id,
             response_ids=torch.cat([pad(r.response_ids, first.pad_token_id) for r in rollouts]),
             mask=torch.cat([pad(r.mask, 0.0) for r in rollouts]),
-            lengths=torch.cat([r.lengths for r in rollouts]),
-            truncated=torch.cat([r.truncated for r in rollouts]),
+            lengths=join("lengths"), truncated=join("truncated"),
             logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
-            extra={k: torch.cat([r.extra[k] for r in rollouts]) for k in keys})
+            rewards=join("rewards"), correct=join("correct"), index=join("index"),
+            reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in first.reward_parts})
 
 
 class _BufferedLayer(DynamicLayer):

@@ -693,7 +693,7 @@ def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
     return Rollout(prompts=[[start + i] for i in range(B)], G=G, pad_token_id=0,
                    response_ids=torch.ones(N, 2, dtype=torch.long), mask=torch.ones(N, 2),
                    lengths=torch.full((N,), 2), truncated=torch.zeros(N, dtype=torch.bool),
-                   logprobs=torch.zeros(N, 2), extra={"correct": torch.tensor(rewards).view(-1)})
+                   logprobs=torch.zeros(N, 2), correct=torch.tensor(rewards).view(-1))
 
 
 def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
@@ -719,9 +719,9 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
             return halves[(r, k)], {}
 
         def gather_k(_mine, state=state):  # what all_gather would return: both ranks' flags, in rank order
-            return [dapo.keep_groups(halves[(state["round"], j)].extra["correct"].view(-1, 2)) for j in range(2)]
+            return [dapo.keep_groups(halves[(state["round"], j)].correct.view(-1, 2)) for j in range(2)]
         roll_k, _, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
-        kept += [p[0] for p in roll_k.prompts] if roll_k is not None else []
+        kept += [p[0] for p in roll_k.prompts]                   # a rank that keeps nothing: Rollout.empty
     assert sorted(kept) == [0, 2, 10, 11]
 
 
@@ -745,11 +745,10 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
     def groups(idx, K):  # the global prompt indices in each mini-batch, gathered over all ranks
         out = {}
         for rank, mine in enumerate(idx):
-            roll = _fake_rollout([[1, 0]] * len(mine)) if mine else None
-            if roll is not None:
-                roll.extra["index"] = torch.tensor(mine).repeat_interleave(G)
+            roll = _fake_rollout([[1, 0]] * len(mine)) if mine else Rollout.empty(G, 0)
+            roll.index = torch.tensor(mine, dtype=torch.long).repeat_interleave(G)
             for k, rows in enumerate(update.minibatch_rows(roll, K, _StubRanks(idx, rank))):
-                out.setdefault(k, []).extend(roll.extra["index"][rows][::G].tolist() if rows.stop > rows.start else [])
+                out.setdefault(k, []).extend(roll.index[rows][::G].tolist())
         return [sorted(v) for _, v in sorted(out.items())]
 
     # dynamic sampling's kept groups: rank 0 holds prompts 0, 2, 9 and rank 1 holds 4, 5, 12 (two rounds)
@@ -759,7 +758,7 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
     assert groups([[0, 2, 9], [4, 5, 12]], 1) == [[0, 2, 4, 5, 9, 12]]
     assert groups([[0], [4]], 4) == [[0], [4]]          # fewer groups than mini-batches: no empty updates
     assert groups([[], [4, 5]], 2) == [[4], [5]]        # a rank that kept nothing still takes part
-    assert update.minibatch_rows(None, 2, _StubRanks([[], []], 0)) == []
+    assert update.minibatch_rows(Rollout.empty(G, 0), 2, _StubRanks([[], []], 0)) == []
 
 
 def test_dapo_with_fixes_off_is_grpo():
@@ -827,7 +826,7 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     t = 0.7
     roll = _mixed_rollout(tiny_model, t)
     N = roll.response_ids.shape[0]
-    roll.extra = {"index": torch.arange(N // roll.G).repeat_interleave(roll.G)}  # each response's prompt
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)  # each response's prompt
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
     mask = dapo.overlong_filter(roll.mask, roll.truncated)
     args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t, reduction=reduction, loss="ppo",
@@ -1050,7 +1049,7 @@ def test_rollout_select_and_cat():
     s = r.select_groups(torch.tensor([True, False, True]))
     assert s.prompts == [[0], [2]] and s.response_ids.shape[0] == 4
     c = Rollout.cat([s, r])
-    assert c.num_groups == 5 and c.extra["correct"].shape == (10,)
+    assert c.num_groups == 5 and c.correct.shape == (10,) and c.rewards is None
     # a longer rollout pads the shorter one's rows: never a valid mask position, never a log-prob
     long = _fake_rollout([[1, 0]])
     long.response_ids, long.mask, long.logprobs = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), -torch.ones(2, 5)
@@ -2109,8 +2108,8 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     L = roll.lengths.float()
     penalty = torch.where(L <= 4, 0.0, (4 - L) / 4)                   # 0 up to 8 - 4 tokens, then down to -1 at 8
     want = torch.where(right == 1, 1.0, -0.5) + penalty
-    assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.extra["correct"], right)
-    assert torch.allclose(roll.extra["rewards"], want)
+    assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.correct, right)
+    assert torch.allclose(roll.rewards, want)
     s = train.drawn_sums([roll])
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
 
@@ -2209,14 +2208,14 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
     halves = []
     for part in (r, r[:4], r[4:]):
         roll = _fake_rollout([[1, 0, 0, 1]] * (len(part) // 4))
-        roll.extra["rewards"] = part
+        roll.rewards = part
         halves.append(roll)
     assert train.reward_std(halves[0], parallel.Dist("cpu")) == pytest.approx(float(r.double().std()), abs=1e-12)  # n - 1
     for k in (1, 2):  # rank k - 1 of 2: its own rewards, and the other rank's count, sum and sum of squares
         other = r[4:].double() if k == 1 else r[:4].double()
         sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(), (other * other).sum()])
         assert train.reward_std(halves[k], _TwoRanks(sums)) == pytest.approx(float(r.double().std()), abs=1e-12)
-    assert train.reward_std(None, parallel.Dist("cpu")) == 0.0
+    assert train.reward_std(Rollout.empty(4, 0), parallel.Dist("cpu")) == 0.0
 
 
 @pytest.mark.slow

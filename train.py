@@ -229,9 +229,8 @@ class Task:
 def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
 
-    Returns the rollout, with per-response extra["correct"] (the score), extra["rewards"] (DAPO: +-1 and
-    the soft overlong penalty), extra["index"] (the prompt's position in the stream) and extra["reward/<name>"]
-    (each --reward component, NaN where it gave no score), and its timings.
+    Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1 and the soft
+    overlong penalty, `index`, `reward_parts`), and its timings.
     """
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
@@ -255,7 +254,7 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     if args.overlong_penalty:
         rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
     index = torch.tensor([j for j, _ in mine], dtype=torch.long).repeat_interleave(args.group_size)  # [N]
-    roll.extra = {"rewards": rewards, "correct": correct, "index": index, **{f"reward/{k}": v for k, v in parts.items()}}
+    roll = dataclasses.replace(roll, rewards=rewards, correct=correct, index=index, reward_parts=parts)
     return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
 
 
@@ -264,7 +263,7 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
     s = dict.fromkeys(["samples", "reward", "correct", "length", "truncated", "groups", "groups_zero_std",
                        "groups_all_correct", "groups_all_wrong"], 0.0)
     for r in rolls:
-        correct, rewards = r.extra["correct"].view(-1, r.G), r.extra["rewards"].view(-1, r.G)  # [b, G] each
+        correct, rewards = r.correct.view(-1, r.G), r.rewards.view(-1, r.G)  # [b, G] each
         s["samples"] += correct.numel()
         s["reward"] += float(rewards.sum())
         s["correct"] += float(correct.sum())
@@ -274,9 +273,9 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
         s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
         s["groups_all_correct"] += float((correct == 1).all(1).sum())
         s["groups_all_wrong"] += float((correct == 0).all(1).sum())
-        for k in [k for k in r.extra if k.startswith("reward/")]:  # each --reward component: sum and count of its scores
-            scored = ~r.extra[k].isnan()
-            s[k] = s.get(k, 0.0) + float(r.extra[k][scored].sum())
+        for name, score in r.reward_parts.items():  # each --reward component: sum and count of its scores
+            k, scored = f"reward/{name}", ~score.isnan()                     # [N] bool
+            s[k] = s.get(k, 0.0) + float(score[scored].sum())
             s["scored:" + k] = s.get("scored:" + k, 0.0) + float(scored.sum())
     return s
 
@@ -320,9 +319,9 @@ def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int, clip_c
     return row
 
 
-def reward_std(roll: Rollout | None, ddp: parallel.Dist) -> float:
+def reward_std(roll: Rollout, ddp: parallel.Dist) -> float:
     """The std of every rank's rewards of the step (--adv-scale batch), Bessel-corrected as torch.std."""
-    r = roll.extra["rewards"].double() if roll is not None else torch.zeros(0, dtype=torch.float64)  # [N]
+    r = roll.rewards.double()                                                # [N]
     n, s1, s2 = ddp.sum(torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)).tolist()
     return math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
 
@@ -492,12 +491,10 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        advantages = mask = None
         batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks' rewards: N ranks as one
-        if roll is not None:
-            rewards = roll.extra["rewards"].view(-1, args.group_size)                # [B, G]
-            advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
-            mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
+        rewards = roll.rewards.view(-1, args.group_size)                     # [B, G]
+        advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
+        mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         if engine:

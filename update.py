@@ -51,15 +51,15 @@ class UpdateStats:
     update_s: float                     # seconds of the gradient passes and optimizer steps after them
 
 
-def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
+def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
     """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
 
     Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
     index over all ranks), so the same groups share an update on any number of ranks. A rank's groups are
     in prompt order, so its share of each mini-batch is one contiguous block of rows.
     """
-    G = roll.G if roll is not None else 1
-    idx = roll.extra["index"][::G].contiguous() if roll is not None else torch.zeros(0, dtype=torch.long)  # [b] prompt index
+    G = roll.G
+    idx = roll.index[::G].contiguous()                                   # [b] each group's prompt index
     b_max = ddp.max(idx.numel())
     everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
     everyone = everyone[everyone >= 0].sort().values                                             # [B]
@@ -70,7 +70,7 @@ def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[sli
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 
-def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args,
+def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
                   ddp: parallel.Dist) -> UpdateStats:
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, each token weighted by truncated IS with --tis-cap) on this
@@ -90,7 +90,7 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
     for rows in minibatch_rows(roll, args.mini_batches, ddp):
         n = rows.stop - rows.start
         micro = [slice(rows.start + i * mb, min(rows.start + (i + 1) * mb, rows.stop)) for i in range(ddp.max(math.ceil(n / mb)))]
-        m = mask[rows] if n else torch.zeros(0, 1)
+        m = mask[rows]                                                   # [n, T]
         minibatches.append((micro, ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()))
     passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
     t0 = time.time()
