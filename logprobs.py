@@ -31,7 +31,8 @@ Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with l
 answers, and little with long reasoning traces (T >> P). With one process, a slice whose response lengths
 are spread runs as two length buckets (`_length_buckets`). Under DDP the prompt runs on the wrapped module
 and the responses in one DDP forward (DDP syncs in each forward, so every rank runs one per micro-batch);
-under FSDP2, or when gradient checkpointing would drop the cache, the per-response forward runs instead.
+under FSDP2, or when gradient checkpointing would drop the cache, the per-response forward runs instead
+(the caller says which: `rollout_logprobs`' shared_prefix and buckets).
 """
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ import copy
 import inspect
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
 from sampler import Rollout, _cache_kwarg, _left_padded
@@ -201,25 +201,23 @@ def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
     return out
 
 
-def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
-    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T], and
-    the mask [n, T]; T is the rollout's width, values past a bucket's longest response are 0.
+def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False,
+                     shared_prefix: bool = True, buckets: bool = True):
+    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T],
+    and the mask [n, T]; T is the rollout's width, values past a bucket's longest response are 0.
 
-    The shared-prefix forward of the module docstring: each group's prompt once, its responses against it, in
-    one or two length buckets. Same values and gradients as `per_response_logprobs`
-    (test_shared_prefix_forward_equals_per_response).
+    The shared-prefix forward of the module docstring: each group's prompt once, its responses against it,
+    in one or two length buckets. Same values and gradients as `per_response_logprobs`
+    (test_shared_prefix_forward_equals_per_response). The caller says how it may run (update.update_policy):
+    shared_prefix=False runs `per_response_logprobs` instead (FSDP2, which all-gathers in every forward so
+    that ranks must run one forward per micro-batch as a zero-weight pass does; gradient checkpointing with
+    gradients, whose recompute transformers runs without the cache); buckets=False keeps one bucket (DDP,
+    which syncs in each of its forwards: one per micro-batch on every rank).
     """
     a, b = _rows(roll, rows)
-    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
-    checkpointed = torch.is_grad_enabled() and inner.training and any(getattr(m, "gradient_checkpointing", False)
-                                                                      for m in inner.modules())
-    if checkpointed or any(isinstance(m, FSDPModule) for m in inner.modules()):
-        # transformers drops the cache in checkpointed layers (a recompute would append to it twice); FSDP2
-        # all-gathers in every forward, so ranks must run one forward per micro-batch as a zero-weight pass does
+    if not shared_prefix:
         return per_response_logprobs(model, roll, rows, temperature, with_entropy)
-    # DDP syncs in each of its forwards: one per micro-batch on every rank, so no length buckets there
-    several_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
     G, dev = roll.G, next(model.parameters()).device
     T_all = roll.response_ids.shape[1]
     g0 = a // G
@@ -238,7 +236,7 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with
         inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
               use_cache=True, logits_to_keep=1, **{name: cache})
     out, order = [], []
-    for r in [torch.arange(b - a)] if several_ranks else _length_buckets(roll.lengths[a:b].cpu()):  # rows r [m]
+    for r in _length_buckets(roll.lengths[a:b].cpu()) if buckets else [torch.arange(b - a)]:  # rows r [m]
         T = int(roll.lengths[a:b][r].max())                                   # this bucket's longest response
         resp = roll.response_ids[a:b][r, :T].cpu()                            # [m, T]
         ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)           # [m, T] the rows' inputs

@@ -830,6 +830,7 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
     mask = dapo.overlong_filter(roll.mask, roll.truncated)
     args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t, reduction=reduction, loss="ppo",
+                           fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=grad_clip, lr=2.0)
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
@@ -843,6 +844,57 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     moved = max((p - q).abs().max().item() for p, q in zip(hand.parameters(), tiny_model.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), hand.parameters()))
     assert moved > 1e-2 and diff <= 1e-5 * max(1.0, moved), (moved, diff)
+
+
+class _AloneAs:
+    """A Dist for update_policy that says it is one of `world` ranks; each collective sees only itself."""
+    rank, master, device = 0, True, "cpu"
+
+    def __init__(self, world):
+        self.world = world
+
+    def sum(self, x):
+        return x.detach().double().clone()
+
+    def sum_named(self, sums):
+        return dict(sums)
+
+    def max(self, n):
+        return n
+
+    def gather(self, x):
+        return [x]
+
+
+@pytest.mark.parametrize("fsdp,checkpointing,world,nograd,grad", [
+    (False, False, 1, (True, True), (True, True)),      # one process: shared prefix, length buckets
+    (True, False, 1, (False, True), (False, True)),     # FSDP2 all-gathers in every forward: per response
+    (False, True, 1, (True, True), (False, True)),      # checkpointed layers drop the cache with gradients
+    (False, False, 2, (True, False), (True, False))])   # DDP syncs in each forward: one bucket per slice
+def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypatch, fsdp, checkpointing, world,
+                                                           nograd, grad):
+    """rollout_logprobs does not inspect the model: update_policy passes (shared_prefix, buckets), for the
+    no-grad old log-prob pass and for the gradient passes."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+    seen, real = set(), update.rollout_logprobs
+
+    def spy(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
+        seen.add((torch.is_grad_enabled(), shared_prefix, buckets))
+        return real(model, roll, rows, temperature, with_entropy)
+
+    monkeypatch.setattr(update, "rollout_logprobs", spy)
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0, reduction="token", loss="ppo",
+                           fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20, eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=1.0)
+    model = copy.deepcopy(tiny_model)
+    learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0), contextlib.nullcontext)
+    update.update_policy(learner, roll, torch.randn(N), roll.mask, args, _AloneAs(world))
+    assert seen == {(False, *nograd), (True, *grad)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1799,18 +1851,18 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
     model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # runs first in the layer
     model.model.register_forward_hook(lambda *_: forwards.append(1))  # the shared-prefix forward calls the model twice
 
-    def grads():
+    def grads(shared_prefix=True):  # checkpointed layers drop the cache: update_policy asks for per-response then
         model.train()
         model.zero_grad()
         calls.clear()
         forwards.clear()
-        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0)
+        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0, shared_prefix=shared_prefix)
         (-(logp * valid).sum() / valid.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls), len(forwards)
 
     plain, n_plain, f_plain = grads()
     parallel.checkpoint_activations(model)
-    ckpt, n_ckpt, f_ckpt = grads()
+    ckpt, n_ckpt, f_ckpt = grads(shared_prefix=False)
     assert n_plain == f_plain and n_ckpt == 2 * f_ckpt         # the layer ran again in backward: it was checkpointed
     assert max((plain[k] - ckpt[k]).abs().max().item() for k in plain) <= 1e-5
     assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)

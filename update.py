@@ -93,13 +93,19 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
         m = mask[rows]                                                   # [n, T]
         minibatches.append((micro, ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()))
     passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
+    # how the training forward may run (logprobs.rollout_logprobs): each response with its own prompt under
+    # FSDP2, and with gradients under --gradient-checkpointing; one length bucket per slice with several ranks
+    nograd = dict(shared_prefix=not args.fsdp, buckets=ddp.world == 1)
+    grad = dict(nograd, shared_prefix=not (args.fsdp or args.gradient_checkpointing))
     t0 = time.time()
     several = args.mu * len(minibatches) > 1
     with torch.no_grad(), amp(), parallel.unsharded(model if several else None), parallel.unsharded(ref):
         # old policy only when it differs from the current one, reference only when beta > 0
-        old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
+        logp_of = lambda m: {(s.start, s.stop): rollout_logprobs(m, roll, s, args.temperature, **nograd)[0]  # noqa: E731
+                             for s in passes}                            # (start, stop) -> [n, T]
+        old_logp = logp_of(model) if several else None
         with learner.as_reference():
-            ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
+            ref_logp = logp_of(ref) if ref is not None else None
     t_logprob, t0 = time.time() - t0, time.time()
     first, rest = dict.fromkeys(UPDATE_SUMS, 0.0), dict.fromkeys(UPDATE_SUMS, 0.0)  # the first update, the others
     abs_max, bonus, dual = 0.0, args.entropy_coef != 0, {"clip_c": args.clip_c} if args.clip_c else {}
@@ -113,7 +119,7 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
                     if s.start >= s.stop:  # this rank has no rows here: a zero-weight pass keeps DDP in step
                         (policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=ddp.device)).logits.sum() * 0.0).backward()
                         continue
-                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus)
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, epoch == 0 or bonus, **grad)
                     key, dev = (s.start, s.stop), logp.device
                     old, m_s = old_logp[key] if old_logp is not None else logp.detach(), mask[s].to(dev)  # [n, T] each
                     sampler_logp = roll.logprobs[s].to(dev)                    # [n, T], what the tokens were drawn with
