@@ -2234,11 +2234,13 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
             where = groups.setdefault(line[:-1], [])
         elif m := re.match(r"  (?:-h, )?(--[\w-]+)", line):
             where.append(m.group(1))
-    titles = ["options", "what to train on", "how much", "optimisation",
+    titles = ["options", "the model and data", "how much", "optimisation",
               "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
     assert list(groups) == titles and groups["options"] == ["--help"]
-    assert [flags[0] for flags in list(groups.values())[1:]] == ["--algo", "--steps", "--lr", "--beta", "--seed"]
-    assert "--data" in groups["what to train on"] and "--mini-batches" in groups["optimisation"]
+    # EvalArgs' flags (train.Args inherits them) come first in their sections
+    assert [flags[0] for flags in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
+    assert "--algo" in groups["the model and data"] and "--mini-batches" in groups["optimisation"]
+    assert "--eval-samples" in groups["how much"] and "--bf16" in groups["the run"]
     assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
     listed = [f for flags in list(groups.values())[1:] for f in flags]
     assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(train.Args))  # each once
