@@ -35,7 +35,7 @@ import torch
 
 import data
 import verifier
-from sampler import num_seqs_within, sample_groups
+from sampler import Rollout, num_seqs_within, sample_groups
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -142,6 +142,20 @@ class OneProcess:
         return x.detach().to(torch.float64).clone()
 
 
+def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float, generator,
+                   eos: list[int], pad: int, args: EvalArgs, sample=None) -> Rollout:
+    """Step 1 as training and evaluation run it: sampler.sample_groups under --bf16 autocast, at most
+    --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); or `sample`, a vLLM engine's
+    sample_groups (train.py --rollout vllm), which holds its own weights and --max-num-seqs and runs
+    without autocast."""
+    if sample is not None:
+        return sample(model, prompts, G, args.max_new_tokens, eos, pad, temperature, top_p, generator=generator)
+    S = args.max_num_seqs or num_seqs_within(model, prompts, G, args.max_new_tokens, args.kv_cache_gb)
+    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
+        return sample_groups(model, prompts, G, args.max_new_tokens, eos, pad, temperature, top_p,
+                             generator=generator, max_num_seqs=S)
+
+
 @torch.no_grad()
 def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None, sample=None) -> tuple[dict, list[dict]]:
     """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
@@ -156,21 +170,15 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    device = next(model.parameters()).device
     mine = list(range(ddp.rank, len(rows), ddp.world))
     per = max(1, EVAL_BATCH // n)
     records = []
-    hf = sample is None  # sampler.sample_groups; an engine holds its own weights and --max-num-seqs: no autocast
-    sample = sample or sample_groups
     for start in range(0, len(mine), per):
         idx = mine[start:start + per]
         prompts = [encode(rows[i]["prompt"]) for i in idx]
-        bound = dict(max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, n, args.max_new_tokens,
-                                                                        args.kv_cache_gb)) if hf else {}
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and hf):
-            roll = sample(model, prompts, n, args.max_new_tokens, eos, pad,
-                          0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
-                          generator=None if greedy else [eval_generator(args.seed, i) for i in idx], **bound)
+        roll = sample_rollout(model, prompts, n, 0.0 if greedy else args.eval_temperature,
+                              1.0 if greedy else args.eval_top_p,
+                              None if greedy else [eval_generator(args.seed, i) for i in idx], eos, pad, args, sample)
         lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
         for b, i in enumerate(idx):
             rs = range(b * n, (b + 1) * n)                                         # problem i's rows

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import builtin
+import curves
 import dapo
 import data
 import grpo
@@ -1048,7 +1049,6 @@ def test_max_num_seqs_flags_are_checked(capsys):
 
 
 def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
-    import contextlib
 
     import evaluate
     import sampler
@@ -1058,15 +1058,14 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     def recording(*a, max_num_seqs=None, **k):
         seen.append(max_num_seqs)
         return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    monkeypatch.setattr(train, "sample_groups", recording)
-    monkeypatch.setattr(evaluate, "sample_groups", recording)
+    monkeypatch.setattr(evaluate, "sample_groups", recording)  # train.draw_round samples through evaluate's too
     model = _tiny("qwen2", torch.float32)
     task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
     for flags, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
         args = train.parse_args(["--prompts-per-step", "4", *flags])
-        train.draw_round(model, task, args, one, contextlib.nullcontext, 0)
+        train.draw_round(model, task, args, one, 0)
         assert seen.pop() == want
     args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
     _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
@@ -2146,7 +2145,6 @@ def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
 def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tiny_model):
     # Step 2 on the tiny model: a right answer scores 1, a wrong one --wrong-reward, plus DAPO's soft overlong
     # penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored advantages would hide both)
-    import contextlib
 
     import parallel
     import train
@@ -2155,14 +2153,14 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
     task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
                       data.as_reward(lambda text, answer: float(int(text.split()[0]) % 2 == 0)), eos=[1], pad=0)
-    roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), contextlib.nullcontext, 0)
+    roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), 0)
     right = torch.tensor([float(int(roll.response_ids[i, 0]) % 2 == 0) for i in range(12)])
     L = roll.lengths.float()
     penalty = torch.where(L <= 4, 0.0, (4 - L) / 4)                   # 0 up to 8 - 4 tokens, then down to -1 at 8
     want = torch.where(right == 1, 1.0, -0.5) + penalty
     assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.correct, right)
     assert torch.allclose(roll.rewards, want)
-    s = train.drawn_sums([roll])
+    s = curves.drawn_sums([roll])
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
 
 
@@ -2175,7 +2173,6 @@ def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
 def test_step_metrics_worked_by_hand():
     # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2, one
     # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples, "len" none
-    import train
     d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0, "groups": 2.0,
          "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
          "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
@@ -2184,7 +2181,7 @@ def test_step_metrics_worked_by_hand():
              "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
     rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
             "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
-    row = train.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    row = curves.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
     assert row == pytest.approx({
         "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
         "reward/mean": 0.25,             # 2 / 8 samples
@@ -2209,11 +2206,11 @@ def test_step_metrics_worked_by_hand():
         "updates": 2.0,
     })
     # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
-    row = train.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    row = curves.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
     assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
     assert "clip/dual_frac" not in row
     # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
-    row = train.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    row = curves.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
     assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
 
@@ -2298,7 +2295,7 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     import train
     grpo_args, dapo_args = train.parse_args(["--algo", "grpo"]), train.parse_args(["--algo", "dapo", "--max-rounds", "4"])
     # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
-    check = train.SignalCheck(grpo_args)
+    check = curves.SignalCheck(grpo_args)
     said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
     assert len(said[0]) == 1 and said[1] == [] and check.silent
     msg = said[0][0]
@@ -2308,13 +2305,13 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     third = check(_signal_row(3, 0.0, 1.0))
     assert len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0] and check(_signal_row(4, 0, 1)) == []
     # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains (not silent)
-    check = train.SignalCheck(dapo_args)
+    check = curves.SignalCheck(dapo_args)
     assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
     said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
     assert len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0] and check.silent
     assert "every sample is right" in said[0]
     assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []      # once a run; and some samples scored: no "none right"
-    mixed = train.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
+    mixed = curves.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
     assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
 
 

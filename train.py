@@ -49,7 +49,7 @@ import variants
 import verifier
 import vllm_rollout
 from evaluate import EvalArgs, Parser, add_flags, flag, resolve
-from sampler import Rollout, num_seqs_within, sample_groups
+from sampler import Rollout
 
 
 @dataclass
@@ -254,7 +254,7 @@ class Task:
     sample: Callable | None = None              # Step 1: None for sampler.sample_groups, or vllm_rollout.Engine.sample_groups
 
 
-def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: int) -> tuple[Rollout, dict[str, float]]:
+def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, first: int) -> tuple[Rollout, dict[str, float]]:
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
 
     Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1 and the soft
@@ -264,13 +264,10 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     block = args.prompts_per_step // ddp.world
     mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
     prompts = [task.encode(r["prompt"]) for _, r in mine]
-    hf = task.sample is None  # sampler.sample_groups; an engine holds its own weights and --max-num-seqs
-    sample = task.sample or sample_groups
-    bound = dict(max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, args.group_size, args.max_new_tokens,
-                                                                    args.kv_cache_gb)) if hf else {}
-    with amp() if hf else contextlib.nullcontext(), parallel.unsharded(model if hf else None):  # engine: no autocast, no gather
-        roll = sample(model, prompts, args.group_size, args.max_new_tokens, task.eos, task.pad, args.temperature,
-                      args.top_p, generator=[data.prompt_generator(args.seed, j) for j, _ in mine], **bound)
+    generators = [data.prompt_generator(args.seed, j) for j, _ in mine]      # one per prompt
+    with parallel.unsharded(None if task.sample else model):                 # an engine holds its own weights
+        roll = evaluate.sample_rollout(model, prompts, args.group_size, args.temperature, args.top_p, generators,
+                                       task.eos, task.pad, args, task.sample)
     t1 = time.time()
     rows = [r for _, r in mine for _ in range(args.group_size)]
     texts = [task.decode(roll, i) for i in range(len(rows))]
@@ -286,117 +283,11 @@ def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, amp, first: in
     return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
 
 
-def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
-    """This rank's sums over every response drawn in a step, kept by dynamic sampling or not."""
-    s = dict.fromkeys(["samples", "reward", "correct", "length", "truncated", "groups", "groups_zero_std",
-                       "groups_all_correct", "groups_all_wrong"], 0.0)
-    for r in rolls:
-        correct, rewards = r.correct.view(-1, r.G), r.rewards.view(-1, r.G)  # [b, G] each
-        s["samples"] += correct.numel()
-        s["reward"] += float(rewards.sum())
-        s["correct"] += float(correct.sum())
-        s["length"] += float(r.lengths.sum())
-        s["truncated"] += float(r.truncated.sum())
-        s["groups"] += correct.shape[0]
-        s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
-        s["groups_all_correct"] += float((correct == 1).all(1).sum())
-        s["groups_all_wrong"] += float((correct == 0).all(1).sum())
-        for name, score in r.reward_parts.items():  # each --reward component: sum and count of its scores
-            k, scored = f"reward/{name}", ~score.isnan()                     # [N] bool
-            s[k] = s.get(k, 0.0) + float(score[scored].sum())
-            s["scored:" + k] = s.get("scored:" + k, 0.0) + float(scored.sum())
-    return s
-
-
-def _mean(total: float, count: float) -> float:
-    """total / count of a sum over updates or loss tokens: 0 when none ran (count 0, total 0)."""
-    return total / max(count, 1.0)
-
-
-def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int, clip_c: float) -> dict[str, float]:
-    """The step's measured metrics (the README's glossary): drawn_sums `d` and update_policy's `stats`,
-    both summed over ranks, turned into means. The clip and ratio metrics are the off-policy updates' (all
-    but the first) once there are any, and absent when no token was in the loss."""
-    u = {k: stats.first[k] + stats.rest[k] for k in update.UPDATE_SUMS}  # all updates of the step
-    off = stats.rest if stats.rest["tokens"] > 0 else stats.first
-    row = {}
-    row["loss"] = _mean(u["loss"], u["updates"])
-    row["reward/mean"] = d["reward"] / d["samples"]
-    row["reward/correct"] = d["correct"] / d["samples"]
-    row["reward/frac_zero_std"] = d["groups_zero_std"] / d["groups"]
-    row["groups/all_correct"] = d["groups_all_correct"] / d["groups"]
-    row["groups/all_wrong"] = d["groups_all_wrong"] / d["groups"]
-    for k in [k for k in d if k.startswith("reward/") and d["scored:" + k] > 0]:  # each --reward component
-        row[k] = d[k] / d["scored:" + k]
-    row["kl"] = _mean(u["kl"], u["tokens"])
-    row["entropy"] = _mean(u["entropy"], u["entropy_tokens"])
-    row["mismatch/logp_abs_mean"] = _mean(u["mismatch/abs"], u["mismatch/tokens"])
-    row["mismatch/logp_abs_max"] = stats.mismatch_max
-    row["mismatch/kl"] = _mean(u["mismatch/kl"], u["mismatch/tokens"])
-    if off["tokens"] > 0:  # something trained
-        row["clip/low_frac"] = off["clip/low_frac"] / off["tokens"]
-        row["clip/high_frac"] = off["clip/high_frac"] / off["tokens"]
-        row["ratio/mean"] = off["ratio/mean"] / off["tokens"]
-        if clip_c:
-            row["clip/dual_frac"] = off["clip/dual_frac"] / off["tokens"]
-    row["len/mean"] = d["length"] / d["samples"]
-    row["len/truncated_frac"] = d["truncated"] / d["samples"]
-    row["tokens/in_loss"] = u["tokens"] / mu  # each pass counts the step's loss tokens once
-    row["grad_norm"] = _mean(u["grad_norm"], u["updates"])
-    row["updates"] = u["updates"]
-    return row
-
-
 def reward_std(roll: Rollout, ddp: parallel.Dist) -> float:
     """The std of every rank's rewards of the step (--adv-scale batch), Bessel-corrected as torch.std."""
     r = roll.rewards.double()                                                # [N]
     n, s1, s2 = ddp.sum(torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)).tolist()
     return math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
-
-
-NO_SIGNAL_STEPS = 3  # no sample of this many first steps scored above 0: the run is told so
-
-
-@dataclass
-class SignalCheck:
-    """Rank 0's watch for steps that train nothing. Called with each step's metrics row, it returns the
-    warnings to print, each kind once a run: every group's rewards equal (all advantages 0), dynamic sampling
-    keeping no group in --max-rounds rounds, no sample right in the first NO_SIGNAL_STEPS steps; `silent`
-    says whether this step trained nothing."""
-    args: Args
-    steps: int = 0                   # steps checked (of this process: a resumed run counts from its resume)
-    scored: float = 0.0              # reward/correct summed over them
-    said: set[str] = dataclasses.field(default_factory=set)
-    silent: bool = False
-
-    def causes(self, row: dict) -> str:
-        if row["reward/correct"] >= 1.0:
-            return "every sample is right: the data is too easy for this model"
-        if row["reward/correct"] > 0.0:
-            return "each group's answers are all right or all wrong: try a larger --group-size or --temperature"
-        a = self.args
-        return ("likely causes: the answers are not in a form the reward reads (verifier: \\boxed{}, '####', "
-                "'Answer:', or the number alone; see OUT/completions.jsonl), a --prompt-template that does not ask "
-                f"for it, --reward {' '.join(a.reward)}, or --max-new-tokens {a.max_new_tokens} cutting answers off "
-                f"(len/truncated_frac {row['len/truncated_frac']:.2f})")
-
-    def __call__(self, row: dict) -> list[str]:
-        a, step = self.args, row["step"]
-        self.steps, self.scored = self.steps + 1, self.scored + row["reward/correct"]
-        found = {}
-        if a.dynamic_sampling and row["sampling/groups_kept"] == 0:
-            found["dynamic"] = (f"dynamic sampling kept no group in --max-rounds {a.max_rounds} rounds: every group "
-                                "was all right or all wrong")
-        elif not a.dynamic_sampling and row["reward/frac_zero_std"] == 1.0:
-            found["zero_advantage"] = f"every group's {a.group_size} rewards are equal, so every advantage is 0"
-        self.silent = bool(found)
-        if self.steps == NO_SIGNAL_STEPS and self.scored == 0.0:
-            found["none_correct"] = f"no sample of the first {NO_SIGNAL_STEPS} steps scored above 0 (reward/correct 0)"
-        new = [f"warning: no learning signal at step {step}: {m}; {self.causes(row)}"
-               + (" (this step trained nothing)" if k != "none_correct" else "")
-               for k, m in found.items() if k not in self.said]
-        self.said |= set(found)
-        return new
 
 
 def main(argv=None) -> dict:
@@ -500,7 +391,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     if not args.resume:
         state["acc_before"] = state["acc_after"] = evaluate_at(0)
     steps = range(state["step"], args.steps)
-    bar, signal = steps, SignalCheck(args)
+    bar, signal = steps, curves.SignalCheck(args)
     if ddp.master and len(steps):
         bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps, dynamic_ncols=True)
     for step in bar:
@@ -508,7 +399,7 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling on correctness, soft overlong punishment) ----
         def draw(rnd: int, start: int = state["data_pos"]) -> tuple[Rollout, dict[str, float]]:
             """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
-            return draw_round(model, task, args, ddp, amp, start + rnd * args.prompts_per_step)
+            return draw_round(model, task, args, ddp, start + rnd * args.prompts_per_step)
 
         if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not, for the metrics
             roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
@@ -533,9 +424,9 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             engine.push(model)                       # the updated weights, for the next rollout or evaluation
 
         # ---- metrics, summed over ranks ----
-        d = ddp.sum_named(drawn_sums([r for r, _ in rounds]))
+        d = ddp.sum_named(curves.drawn_sums([r for r, _ in rounds]))
         state["samples"] += int(d["samples"])
-        row = {"step": step + 1, **step_metrics(d, stats, args.mu, args.clip_c),
+        row = {"step": step + 1, **curves.step_metrics(d, stats, args.mu, args.clip_c),
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
                "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
