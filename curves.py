@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import checkpoint
 import grpo
 import update
 from data import InputError
@@ -138,6 +139,44 @@ class LiveCurves:
             self.run.finish()
         else:
             self.writer.close()
+
+
+class RunLog:
+    """Rank 0's record of a run as it goes: OUT/config.json (the resolved flags), OUT/metrics.jsonl (and
+    --report-to's live curves: `LiveCurves`), OUT/completions.jsonl (--log-completions). A resumed run
+    (resume_step: the checkpoint's step) cuts both files back to that step and appends to them."""
+
+    def __init__(self, args: Args, config: dict, resume_step: int | None = None):
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "config.json"), "w") as fh:
+            json.dump(config, fh, indent=1)
+        self.live = LiveCurves(args.report_to, args.run_name, args.out, config) if args.report_to != "none" else None
+        self.metrics_path = os.path.join(args.out, "metrics.jsonl")
+        completions_path = os.path.join(args.out, "completions.jsonl")
+        if resume_step is not None:
+            checkpoint.trim_metrics(self.metrics_path, resume_step)
+            checkpoint.trim_metrics(completions_path, resume_step)
+        mode = "w" if resume_step is None else "a"
+        self.metrics_file = open(self.metrics_path, mode)
+        self.completions_file = open(completions_path, mode) if args.log_completions else None
+
+    def log(self, row: dict) -> None:
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        if self.live:
+            self.live.log(row)
+
+    def completions(self, step: int, items: list[dict]) -> None:
+        if self.completions_file:
+            self.completions_file.writelines(json.dumps({"step": step, **c}) + "\n" for c in items)
+            self.completions_file.flush()
+
+    def close(self) -> None:
+        self.metrics_file.close()
+        if self.live:
+            self.live.close()
+        if self.completions_file:
+            self.completions_file.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,22 +1,25 @@
 """Online RL for language models with GRPO or DAPO: sample, verify, compute advantages, update.
 
 Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts -> Step 2 rewards -> Step 3
-advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family objectives
-of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
+advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family
+objectives of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
-    python train.py --algo dapo                      # built-in task and model (shipped in base_model/), CPU, minutes
+    python train.py --algo dapo          # the built-in task and model (base_model/), CPU, minutes
     python train.py --algo grpo --steps 60
-    torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct --data gsm8k.jsonl
-    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train.py ...
+    torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct \
+        --data gsm8k.jsonl
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 \
+        train.py ...
 
-Step 1 samples with sampler.sample_groups, or with --rollout vllm on a colocated vLLM engine per rank
-(vllm_rollout.py) that gets the policy's weights after each step's update.
+Step 1 samples with sampler.sample_groups, or with --rollout vllm on a colocated vLLM engine per
+rank (vllm_rollout.py) that gets the policy's weights after each step's update.
 
-Distributed data parallel is wired through torchrun's environment variables and is invisible at world
-size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the step's prompts;
-a prompt's G samples stay on one rank. With --save-every K a checkpoint (model, optimizer, scheduler, RNG,
-step, data position) is written atomically to OUT/checkpoint.pt (with --fsdp: sharded, to OUT/checkpoint/);
---resume continues from it with the same result as an unbroken run.
+Distributed data parallel is wired through torchrun's environment variables and is invisible at
+world size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the
+step's prompts; a prompt's G samples stay on one rank. With --save-every K a checkpoint (model,
+optimizer, scheduler, RNG, step, data position) is written atomically to OUT/checkpoint.pt (with
+--fsdp: sharded, to OUT/checkpoint/); --resume continues from it with the same result as an
+unbroken run.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -54,7 +56,7 @@ from sampler import Rollout
 
 @dataclass
 class Args(EvalArgs):
-    """train.py's flags: EvalArgs' (the model, data, sampling and evaluation flags evaluate.py shares) and these."""
+    """train.py's flags: EvalArgs' (the model, data, sampling and evaluation flags) and these."""
     # -- the model and data
     algo: str = flag("dapo", "sets the papers' defaults for every field left at None below",
                      ["grpo", "dapo"])
@@ -164,19 +166,23 @@ class Args(EvalArgs):
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
     "grpo": dict(beta=0.04, eps_low=0.2, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
                  overlong_filter=False, overlong_penalty=False, wrong_reward=0.0),
-    "dapo": dict(beta=0.0, eps_low=dapo.EPS_LOW, eps_high=dapo.EPS_HIGH, reduction="token", dynamic_sampling=True,
-                 overlong_filter=True, overlong_penalty=True, wrong_reward=-1.0),
+    "dapo": dict(beta=0.0, eps_low=dapo.EPS_LOW, eps_high=dapo.EPS_HIGH, reduction="token",
+                 dynamic_sampling=True, overlong_filter=True, overlong_penalty=True,
+                 wrong_reward=-1.0),
 }
 LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the command line wins)
     "gspo": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
     "gspo-token": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
     "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
 }
-BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)     # max_new_tokens, device, bf16: evaluate.resolve
+BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
+MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= this
+                max_rounds=1, eval_every=1, save_every=0, max_samples=0, log_completions=0)
 LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
-VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (TRL and verl turn truncated IS on with an engine)
-USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse, parallel.ShardingError)  # one line, exit 2
+VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (as TRL and verl)
+USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse,
+               parallel.ShardingError)  # one line, exit 2
 
 
 def parse_args(argv=None) -> Args:
@@ -187,12 +193,12 @@ def parse_args(argv=None) -> Args:
     # --- derived settings: resolved once, here, and written to config.json ---
     fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
             **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
-    if ns.lora_r:  # LoRA's best learning rate: about 10x full fine-tuning's ("LoRA Without Regret", 2025)
+    if ns.lora_r:  # LoRA's best lr: about 10x full fine-tuning's ("LoRA Without Regret", 2025)
         fill["lr"] *= LORA_LR_SCALE
     for k, v in fill.items():
         if getattr(ns, k) is None:
             setattr(ns, k, v)
-    if ns.tis_cap is None:  # an engine's log-probs differ from the trainer's: correct for it by default
+    if ns.tis_cap is None:  # an engine's log-probs differ from the trainer's: correct by default
         ns.tis_cap = VLLM_TIS_CAP if ns.rollout == "vllm" else 0.0
     resolve(ns, p.error, builtin=ns.model == "builtin")  # EvalArgs' settings, and their checks
     if ns.overlong_cache is None:
@@ -204,33 +210,29 @@ def parse_args(argv=None) -> Args:
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [  # (holds, the one-line error if not)
-        (ns.group_size >= 2, "--group-size must be >= 2 (advantages compare answers within a group)"),
+        (ns.group_size >= 2,
+         "--group-size must be >= 2 (advantages compare answers within a group)"),
         (ns.max_num_seqs is None or ns.max_num_seqs >= ns.group_size,
          "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
-        (ns.steps >= 0, "--steps must be >= 0"),
-        (ns.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
-        (ns.mu >= 1, "--mu must be >= 1"),
-        (ns.mini_batches >= 1, "--mini-batches must be >= 1"),
+        *((getattr(ns, k) >= v, f"--{k.replace('_', '-')} must be >= {v}")
+          for k, v in MINIMUMS.items()),
         (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
         (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
         (ns.tis_cap >= 0, "--tis-cap must be >= 0 (0: off)"),
         (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),
-        (ns.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
-        (ns.max_rounds >= 1, "--max-rounds must be >= 1"),
-        (0 < ns.overlong_cache <= ns.max_new_tokens, "--overlong-cache must be in [1, max_new_tokens]"),
-        (ns.eval_every >= 1, "--eval-every must be >= 1"),
+        (0 < ns.overlong_cache <= ns.max_new_tokens,
+         "--overlong-cache must be in [1, max_new_tokens]"),
         (ns.temperature > 0, "--temperature must be > 0"),
         (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"),
-        (ns.save_every >= 0, "--save-every must be >= 0"),
-        (ns.max_samples >= 0, "--max-samples must be >= 0"),
-        (ns.log_completions >= 0, "--log-completions must be >= 0"),
         (ns.lora_r >= 0, "--lora-r must be >= 0 (0: full fine-tuning)"),
         (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
         (not (ns.lora_r and ns.fsdp),
          "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)"),
-        (0 < ns.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
-        (not (ns.lora_r and ns.rollout == "vllm"), "--lora-r with --rollout vllm is not supported yet "
-         "(the engine takes plain weights: merge the adapters, or use --rollout hf)"),
+        (0 < ns.vllm_gpu_memory_utilization <= 1,
+         "--vllm-gpu-memory-utilization must be in (0, 1]"),
+        (not (ns.lora_r and ns.rollout == "vllm"),
+         "--lora-r with --rollout vllm is not supported yet (the engine takes plain weights: merge "
+         "the adapters, or use --rollout hf)"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -244,49 +246,52 @@ def parse_args(argv=None) -> Args:
 
 @dataclass
 class Task:
-    """What sampling and scoring need besides the policy: the prompt stream and how answers are read."""
+    """What sampling and scoring need besides the policy: the prompts and how answers are read."""
     rows: list[dict]
     encode: Callable[[str], list[int]]          # prompt text -> token ids (template, chat template)
     decode: Callable[[Rollout, int], str]       # (rollout, row) -> response text
-    reward_fn: data.Reward                      # (prompts, responses, rows) -> (scores [N], components), 1 for right
+    reward_fn: data.Reward                      # (prompts, responses, rows) -> ([N], parts)
     eos: list[int]
     pad: int
-    sample: Callable | None = None              # Step 1: None for sampler.sample_groups, or vllm_rollout.Engine.sample_groups
+    sample: Callable | None = None              # Step 1: None (sampler.py), or a vLLM engine's
 
 
-def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, first: int) -> tuple[Rollout, dict[str, float]]:
-    """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the stream.
-
-    Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1 and the soft
-    overlong penalty, `index`, `reward_parts`), and its timings.
-    """
+def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, first: int):
+    """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the
+    stream. Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1
+    and the soft overlong penalty, `index`, `reward_parts`), and its timings."""
     t0 = time.time()
     block = args.prompts_per_step // ddp.world
     mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
     prompts = [task.encode(r["prompt"]) for _, r in mine]
     generators = [data.prompt_generator(args.seed, j) for j, _ in mine]      # one per prompt
-    with parallel.unsharded(None if task.sample else model):                 # an engine holds its own weights
-        roll = evaluate.sample_rollout(model, prompts, args.group_size, args.temperature, args.top_p, generators,
-                                       task.eos, task.pad, args, task.sample)
+    with parallel.unsharded(None if task.sample else model):  # an engine holds its own weights
+        roll = evaluate.sample_rollout(model, prompts, args.group_size, args.temperature,
+                                       args.top_p, generators, task.eos, task.pad, args,
+                                       task.sample)
     t1 = time.time()
     rows = [r for _, r in mine for _ in range(args.group_size)]
     texts = [task.decode(roll, i) for i in range(len(rows))]
-    correct, parts = task.reward_fn([r["prompt"] for r in rows], texts, rows,                    # [N], {name: [N]}
-                                    lambda: [roll.response_ids[i, : roll.lengths[i]].tolist() for i in range(len(rows))])
-    rewards = args.wrong_reward + (1.0 - args.wrong_reward) * correct                            # [N]
+    ids = lambda: [roll.response_ids[i, :n].tolist()  # noqa: E731
+                   for i, n in enumerate(roll.lengths)]
+    correct, parts = task.reward_fn([r["prompt"] for r in rows], texts, rows, ids)  # [N], name: [N]
+    rewards = args.wrong_reward + (1.0 - args.wrong_reward) * correct              # [N]
     if args.format_weight:
         rewards += args.format_weight * torch.tensor([verifier.format_reward(t) for t in texts])
     if args.overlong_penalty:
-        rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens, args.overlong_cache)
-    index = torch.tensor([j for j, _ in mine], dtype=torch.long).repeat_interleave(args.group_size)  # [N]
-    roll = dataclasses.replace(roll, rewards=rewards, correct=correct, index=index, reward_parts=parts)
+        rewards += dapo.overlong_penalty(roll.lengths.cpu(), args.max_new_tokens,
+                                         args.overlong_cache)
+    index = torch.tensor([j for j, _ in mine], dtype=torch.long)             # [B] prompt positions
+    roll = dataclasses.replace(roll, rewards=rewards, correct=correct, reward_parts=parts,
+                               index=index.repeat_interleave(args.group_size))  # [N]
     return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
 
 
 def reward_std(roll: Rollout, ddp: parallel.Dist) -> float:
-    """The std of every rank's rewards of the step (--adv-scale batch), Bessel-corrected as torch.std."""
+    """The std of all ranks' rewards of the step (--adv-scale batch), Bessel-corrected."""
     r = roll.rewards.double()                                                # [N]
-    n, s1, s2 = ddp.sum(torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)).tolist()
+    sums = torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)
+    n, s1, s2 = ddp.sum(sums).tolist()
     return math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
 
 
@@ -295,7 +300,7 @@ def main(argv=None) -> dict:
     ddp = parallel.Dist(args.device, args.fsdp)
     lock = None
     try:
-        lock = checkpoint.lock_folder(args.out, ddp)  # rank 0 holds OUT/.lock for the whole run (None elsewhere)
+        lock = checkpoint.lock_folder(args.out, ddp)  # rank 0 holds OUT/.lock for the whole run
         return run(args, ddp)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -309,79 +314,76 @@ def main(argv=None) -> dict:
 def run(args: Args, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
-        raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {ddp.world} ranks")
+        raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the "
+                              f"{ddp.world} ranks")
     torch.manual_seed(args.seed)
     reward_fn = data.Reward.load(args.reward, args.reward_weights)
-    train_rows = data.load_rows(args.data, "train", args.prompt_field, args.answer_field, hf_split=args.data_split)
-    eval_rows = data.load_rows(args.eval_data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.eval_split) \
+    fields = args.prompt_field, args.answer_field
+    train_rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split)
+    eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split) \
         if args.eval_data else []
     ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
-    metrics_path, completions_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "completions.jsonl")
-    if args.resume and not (checkpoint.latest(ckpt_path) if args.fsdp else os.path.exists(ckpt_path)):
+    found = checkpoint.latest(ckpt_path) if args.fsdp else os.path.exists(ckpt_path)
+    if args.resume and not found:
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
-    if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once, the others wait
+    if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once
         if ddp.master:
             builtin.base_model()
         ddp.barrier()
     path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
-    lora_config = lora.add_adapters(model, args.lora_r, args.lora_alpha, args.lora_target_modules, path) if args.lora_r else None
+    lora_config = None
+    if args.lora_r:
+        lora_config = lora.add_adapters(model, args.lora_r, args.lora_alpha,
+                                        args.lora_target_modules, path)
     if args.gradient_checkpointing:
         parallel.checkpoint_activations(model)
     if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
         model.to(ddp.device)
-    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
+    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
+                                  args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)  # noqa: E731
-    amp = lambda: torch.autocast(torch.device(ddp.device).type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    ref = None  # the KL term's reference: a frozen copy, or with LoRA the model itself with its adapters off (no copy)
+    decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]],  # noqa: E731
+                                              skip_special_tokens=True)
+    device_type = torch.device(ddp.device).type
+    amp = lambda: torch.autocast(device_type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    ref = None  # the KL term's reference: a frozen copy, or with LoRA the model, adapters off
     if args.beta > 0:
         ref = model if args.lora_r else copy.deepcopy(model).eval().requires_grad_(False)
-    engine = vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed, args.vllm_gpu_memory_utilization,
-                                 args.max_num_seqs) if args.rollout == "vllm" else None
-    sample = engine.sample_groups if engine else None  # Step 1's sampler: None for sampler.sample_groups
+    engine = None
+    if args.rollout == "vllm":
+        engine = vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed,
+                                     args.vllm_gpu_memory_utilization, args.max_num_seqs)
+    sample = engine.sample_groups if engine else None  # Step 1's sampler: None for sampler.py's
     if ref is not None and args.fsdp:
         parallel.shard(ref, ddp.device)
-    policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (then policy is model), DDP wraps it
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
-    learner = update.Learner(policy, model, ref, opt, amp, (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext)
+    policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (policy is model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
+    warmup = lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0  # noqa
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    as_reference = (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext
+    learner = update.Learner(policy, model, ref, opt, amp, as_reference)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
         ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
             checkpoint.load(ckpt_path, model, opt, sched)
         state = {k: ckpt[k] for k in state}
-    live = None  # --report-to: every logged row also goes to wandb / tensorboard
     if engine:
-        engine.push(model)  # the weights the run starts from (a resumed checkpoint's, not the folder's)
-    if ddp.master:
-        os.makedirs(args.out, exist_ok=True)
-        config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
-        with open(os.path.join(args.out, "config.json"), "w") as fh:
-            json.dump(config, fh, indent=1)
-        if args.report_to != "none":
-            live = curves.LiveCurves(args.report_to, args.run_name, args.out, config)
-        if args.resume:
-            checkpoint.trim_metrics(metrics_path, state["step"])
-            checkpoint.trim_metrics(completions_path, state["step"])
-    metrics_file = open(metrics_path, "a" if args.resume else "w") if ddp.master else None
-    completions_file = open(completions_path, "a" if args.resume else "w") \
-        if ddp.master and args.log_completions else None
-
-    def log(row: dict) -> None:
-        if metrics_file:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-        if live:
-            live.log(row)
+        engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
+    config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
+    resumed_at = state["step"] if args.resume else None
+    out = curves.RunLog(args, config, resumed_at) if ddp.master else None  # rank 0 writes OUT/
 
     def evaluate_at(step: int) -> float | None:
-        """Held-out metrics (evaluate.py; split over ranks) logged; returns greedy accuracy, or mean@n."""
+        """Held-out metrics (evaluate.py; split over ranks) logged; returns accuracy, or mean@n."""
         if not eval_rows:
             return None
-        with parallel.unsharded(None if engine else model):  # under --fsdp: the whole model gathered once for all its forwards
-            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn, sample)
-        log({"step": step, **m})
+        with parallel.unsharded(None if engine else model):  # --fsdp: gathered once for all
+            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn,
+                                           sample)
+        if out:
+            out.log({"step": step, **m})
         return m[evaluate.headline(args.eval_samples)]
 
     task = Task(train_rows, encode, decode, reward_fn, eos, pad, sample)
@@ -393,35 +395,39 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
     steps = range(state["step"], args.steps)
     bar, signal = steps, curves.SignalCheck(args)
     if ddp.master and len(steps):
-        bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps, dynamic_ncols=True)
+        bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps,
+                   dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
-        # ---- Step 1 + 2: rollouts and rewards (DAPO: dynamic sampling on correctness, soft overlong punishment) ----
+        # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
         def draw(rnd: int, start: int = state["data_pos"]) -> tuple[Rollout, dict[str, float]]:
             """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
             return draw_round(model, task, args, ddp, start + rnd * args.prompts_per_step)
 
-        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not, for the metrics
-            roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
-                                                         ddp.gather, ddp.rank)
+        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not
+            roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step,
+                                                         args.max_rounds, ddp.gather, ddp.rank)
         else:
             rounds = [draw(0)]
             roll, sstats = rounds[0][0], {"sampling/rounds": 1.0}
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks' rewards: N ranks as one
+        batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks'
         rewards = roll.rewards.view(-1, args.group_size)                     # [B, G]
-        advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std).view(-1)  # [B*G]
-        mask = dapo.overlong_filter(roll.mask, roll.truncated) if args.overlong_filter else roll.mask  # [B*G, T]
+        advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std)  # [B, G]
+        advantages = advantages.view(-1)                                     # [B*G]
+        mask = roll.mask                                                     # [B*G, T]
+        if args.overlong_filter:
+            mask = dapo.overlong_filter(roll.mask, roll.truncated)
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         if engine:
-            engine.sleep()                           # CUDA: the engine's memory is the update's until push
+            engine.sleep()                           # CUDA: its memory is the update's until push
         stats = update.update_policy(learner, roll, advantages, mask, args, ddp)
-        sched.step()                                 # the learning-rate schedule counts rollout steps
+        sched.step()                                 # the lr schedule counts rollout steps
         if engine:
-            engine.push(model)                       # the updated weights, for the next rollout or evaluation
+            engine.push(model)                       # the updated weights, for what samples next
 
         # ---- metrics, summed over ranks ----
         d = ddp.sum_named(curves.drawn_sums([r for r, _ in rounds]))
@@ -432,14 +438,15 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
                "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
                "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
                "time/step_s": time.time() - t0}
-        row["memory/state_bytes"] = parallel.state_bytes(model, opt, None if ref is model else ref)  # rank 0's own: its shards under --fsdp
-        log(row)
-        for warning in signal(row) if ddp.master else []:  # no learning signal: once, in plain words
-            tqdm.write(warning, file=sys.stderr)
-        if completions_file:  # a few of rank 0's completions of the batch trained on, to read what the policy writes
-            completions_file.writelines(json.dumps({"step": step + 1, **c}) + "\n"
-                                        for c in evaluate.sampled_completions(roll, tokenizer, args.log_completions))
-            completions_file.flush()
+        own_ref = None if ref is model else ref  # the bytes rank 0 holds (--fsdp: its shards)
+        row["memory/state_bytes"] = parallel.state_bytes(model, opt, own_ref)
+        if out:
+            out.log(row)
+            for warning in signal(row):  # no learning signal: once, in plain words
+                tqdm.write(warning, file=sys.stderr)
+            # a few of rank 0's completions of the batch trained on, to read what the policy writes
+            out.completions(step + 1,
+                            evaluate.sampled_completions(roll, tokenizer, args.log_completions))
         state["step"] = step + 1
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
@@ -450,37 +457,34 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
             elif ddp.master:
                 checkpoint.save(ckpt_path, model, opt, sched, state)
         if ddp.master and hasattr(bar, "set_postfix"):
+            acc = state["acc_after"]
             bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
-                            **({"eval": f"{state['acc_after']:.2f}"} if state["acc_after"] is not None else {}),
+                            **({"eval": f"{acc:.2f}"} if acc is not None else {}),
                             **({"signal": "none"} if signal.silent else {}))
         if done:
             break
 
     # ---------------------------------------------------------------- the end
     elapsed = time.time() - t_start
-    weights = lora.merged_state_dict(model) if args.lora_r else parallel.full_state_dict(model)  # FSDP: gathered on rank 0
+    # the whole model on rank 0 (FSDP2: gathered), LoRA's adapters merged
+    weights = lora.merged_state_dict(model) if args.lora_r else parallel.full_state_dict(model)
     if engine:
         engine.close()
     if ddp.master:
-        final = os.path.join(args.out, "final")
-        with checkpoint.atomic(final) as tmp:
-            model.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-        if args.lora_r:  # the adapter alone, beside the merged model
-            with checkpoint.atomic(os.path.join(args.out, "adapter")) as tmp:
-                lora.save_adapter(model, lora_config, tmp)
-        metrics_file.close()
-        if live:
-            live.close()
-        if completions_file:
-            completions_file.close()
+        adapter = (lambda tmp: lora.save_adapter(model, lora_config, tmp)) if args.lora_r else None
+        final = checkpoint.save_final(args.out, model, tokenizer, weights, adapter)
+        out.close()
         what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
-        acc = (f"held-out {what} {state['acc_before']:.3f} -> {state['acc_after']:.3f} ({len(eval_rows)} problems); "
-               if eval_rows and state["acc_before"] is not None else "")
-        print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; model saved to {final}")
+        acc = ""
+        if eval_rows and state["acc_before"] is not None:
+            acc = (f"held-out {what} {state['acc_before']:.3f} -> {state['acc_after']:.3f} "
+                   f"({len(eval_rows)} problems); ")
+        print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; "
+              f"model saved to {final}")
         if args.plot:
-            if curves.plot_runs({args.algo: [curves.read_metrics(metrics_path)]}, os.path.join(args.out, "curves.png")):
-                print(f"curves: {os.path.join(args.out, 'curves.png')}")
+            png = os.path.join(args.out, "curves.png")
+            if curves.plot_runs({args.algo: [curves.read_metrics(out.metrics_path)]}, png):
+                print(f"curves: {png}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 
 
