@@ -177,7 +177,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 }
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
-MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= this
+MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= v
                 max_rounds=1, eval_every=1, save_every=0, max_samples=0, log_completions=0)
 LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
 VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (as TRL and verl)
