@@ -1,9 +1,9 @@
 """Evaluation of the trained policy: greedy accuracy, or avg@n, unbiased pass@k and maj@n over n samples.
 
-Article context: the evaluation of the trained policy, the number the article's results are quoted in
-(DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per problem
-at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's command
-scores any saved model without training, with the same flags:
+Article context: the evaluation of the trained policy, the number the article's results are quoted
+in (DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per
+problem at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's
+command scores any saved model without training, with the same flags:
 
     python evaluate.py --model builtin --data builtin                                 # greedy accuracy
     python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 --out per-problem.jsonl
@@ -76,11 +76,12 @@ CREDITED = "the reference"  # the vote of a sample the reward credits (a space b
 
 
 def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
-    """What each sample votes for, so that the vote counts what the reward counts: a sample the reward
-    credits (score > 0, as pass@k counts it) votes for the reference answer (CREDITED), any other for its
-    canonical final answer (None: the verifier reads none). With the default verifier this is the vote by
-    canonical answers (a credited answer is the reference's); with a custom --reward it still holds where
-    the verifier cannot read the answers (a format of the reward's own, such as answer tags)."""
+    """What each sample votes for, so that the vote counts what the reward counts: a sample the
+    reward credits (score > 0, as pass@k counts it) votes for the reference answer (CREDITED), any
+    other for its canonical final answer (None: the verifier reads none). With the default verifier
+    this is the vote by canonical answers (a credited answer is the reference's); with a custom
+    --reward it still holds where the verifier cannot read the answers (a format of the reward's
+    own, such as answer tags)."""
     return [CREDITED if s > 0 else a for a, s in zip(answers, scores)]
 
 
@@ -142,32 +143,39 @@ class OneProcess:
         return x.detach().to(torch.float64).clone()
 
 
-def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float, generator,
-                   eos: list[int], pad: int, args: EvalArgs, sample=None) -> Rollout:
-    """Step 1 as training and evaluation run it: sampler.sample_groups under --bf16 autocast, at most
-    --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); or `sample`, a vLLM engine's
-    sample_groups (train.py --rollout vllm), which holds its own weights and --max-num-seqs and runs
-    without autocast."""
+def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
+                   generator, eos: list[int], pad: int, args: EvalArgs, sample=None) -> Rollout:
+    """Step 1 as training and evaluation run it: sampler.sample_groups under --bf16 autocast, at
+    most --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); or `sample`, a vLLM
+    engine's sample_groups (train.py --rollout vllm), which holds its own weights and
+    --max-num-seqs and runs without autocast."""
+    T = args.max_new_tokens
     if sample is not None:
-        return sample(model, prompts, G, args.max_new_tokens, eos, pad, temperature, top_p, generator=generator)
-    S = args.max_num_seqs or num_seqs_within(model, prompts, G, args.max_new_tokens, args.kv_cache_gb)
+        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
+    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
-        return sample_groups(model, prompts, G, args.max_new_tokens, eos, pad, temperature, top_p,
+        return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
                              generator=generator, max_num_seqs=S)
 
 
 @torch.no_grad()
-def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None, sample=None) -> tuple[dict, list[dict]]:
-    """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
+def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None,
+                   sample=None) -> tuple[dict, list[dict]]:
+    """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt",
+    "answer"}).
 
-    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores the responses:
-    a data.Reward, or one function f(response, answer) (default: the --reward functions and weights). `sample`
-    draws the responses: None for sampler.sample_groups, or a vLLM engine's (train.py --rollout vllm), which holds its own
-    weights and runs without autocast."""
+    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores
+    the responses: a data.Reward, or one function f(response, answer) (default: the --reward
+    functions and weights). `sample` draws the responses: None for sampler.sample_groups, or a vLLM
+    engine's (train.py --rollout vllm), which holds its own weights and runs without autocast."""
     n, ks = args.eval_samples, pass_ks(args.eval_samples)
     greedy = n == 1
-    reward_fn = data.as_reward(reward_fn) if reward_fn else data.Reward.load(args.reward, args.reward_weights)
-    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
+    temperature, top_p = (0.0, 1.0) if greedy else (args.eval_temperature, args.eval_top_p)
+    if reward_fn is None:
+        reward_fn = data.Reward.load(args.reward, args.reward_weights)
+    reward_fn = data.as_reward(reward_fn)
+    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
+                                  args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     mine = list(range(ddp.rank, len(rows), ddp.world))
@@ -176,27 +184,29 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     for start in range(0, len(mine), per):
         idx = mine[start:start + per]
         prompts = [encode(rows[i]["prompt"]) for i in idx]
-        roll = sample_rollout(model, prompts, n, 0.0 if greedy else args.eval_temperature,
-                              1.0 if greedy else args.eval_top_p,
-                              None if greedy else [eval_generator(args.seed, i) for i in idx], eos, pad, args, sample)
-        lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
+        generators = None if greedy else [eval_generator(args.seed, i) for i in idx]
+        roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos, pad, args, sample)
+        lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()  # [len(idx) * n] each
+        ids = [roll.response_ids[j, : lengths[j]] for j in range(len(lengths))]  # [L_j] each
         for b, i in enumerate(idx):
-            rs = range(b * n, (b + 1) * n)                                         # problem i's rows
-            texts = [tokenizer.decode(roll.response_ids[j, : lengths[j]], skip_special_tokens=True) for j in rs]
-            scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n,
-                               lambda rs=rs, ids=roll.response_ids, L=lengths: [ids[j, : L[j]].tolist() for j in rs])[0].tolist()
-            records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs], [truncated[j] for j in rs]))
+            rs = range(b * n, (b + 1) * n)                                    # problem i's rows
+            texts = [tokenizer.decode(ids[j], skip_special_tokens=True) for j in rs]
+            token_ids = lambda rs=rs, ids=ids: [ids[j].tolist() for j in rs]  # noqa: E731
+            scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n, token_ids)[0].tolist()
+            records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs],
+                                          [truncated[j] for j in rs]))
     return metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
 
 
-def sampled_completions(roll, tokenizer, k: int) -> list[dict]:
+def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
     """Up to k of a training batch's completions (prompt, response, reward), one per group first."""
     N, G = roll.response_ids.shape[0], roll.G
-    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]        # first sample of each group, then the rest
-    rewards = roll.rewards                                                         # [N]
-    return [{"prompt": tokenizer.decode(roll.prompts[i // G], skip_special_tokens=True),
-             "response": tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True),
-             "reward": float(rewards[i]), "length": int(roll.lengths[i]), "truncated": bool(roll.truncated[i])}
+    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return [{"prompt": decode(roll.prompts[i // G]),
+             "response": decode(roll.response_ids[i, : roll.lengths[i]]),
+             "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
+             "truncated": bool(roll.truncated[i])}
             for i in order[:k]]
 
 
@@ -261,9 +271,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def sections(cls) -> tuple[dict[str, str], list[str]]:
-    """The sections of a flag dataclass and its bases, as `# -- title` comment lines in each class body mark
-    them: ({field name: the title of its section}, the titles in order). A class inserts the titles it adds
-    after the section before them in its body (train.Args adds "optimisation" after EvalArgs' "how much")."""
+    """The sections of a flag dataclass and its bases, as `# -- title` comment lines in each class
+    body mark them: ({field name: the title of its section}, the titles in order). A class inserts
+    the titles it adds after the section before them in its body (train.Args adds "optimisation"
+    after EvalArgs' "how much")."""
     titles, order = {}, []
     for c in [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]:  # bases first
         title, at = None, 0
@@ -281,14 +292,15 @@ def sections(cls) -> tuple[dict[str, str], list[str]]:
 
 
 def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
-    """One --flag per field of the dataclass `cls` (bools as --x/--no-x), in an argument group per section
-    (`sections`); overrides: extra add_argument kwargs."""
+    """One --flag per field of the dataclass `cls` (bools as --x/--no-x), in an argument group per
+    section (`sections`); overrides: extra add_argument kwargs."""
     titles, order = sections(cls)
     groups = {t: p.add_argument_group(t) for t in order}
     for f in dataclasses.fields(cls):
         group = groups[titles[f.name]] if f.name in titles else p
         flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
-        kind = (f.type if isinstance(f.type, str) else f.type.__name__).removesuffix(" | None")  # None: resolved later
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        kind = kind.removesuffix(" | None")                                   # None: resolved later
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif kind == "list[str]":  # repeated flag: --reward a --reward b
