@@ -83,6 +83,20 @@ def atomic(path: str):
     os.replace(tmp, path)
 
 
+def save_final(out: str, model, tokenizer, weights: dict, adapter=None) -> str:
+    """OUT/final: the trained model (with `weights`: LoRA's merged, FSDP2's gathered) and its tokenizer,
+    written atomically; with `adapter` (a function writing LoRA's adapter alone into a folder), OUT/adapter
+    beside it. Returns OUT/final."""
+    final = os.path.join(out, "final")
+    with atomic(final) as tmp:
+        model.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+    if adapter is not None:
+        with atomic(os.path.join(out, "adapter")) as tmp:
+            adapter(tmp)
+    return final
+
+
 def save(path: str, model, opt, sched, state: dict) -> None:
     """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),

@@ -66,22 +66,23 @@ def dynamic_sampling(
     max_rounds: int,
     gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     rank: int = 0,
-) -> tuple[Rollout | None, dict[str, float], list[tuple[Rollout, dict]]]:
+) -> tuple[Rollout, dict[str, float], list[tuple[Rollout, dict]]]:
     """Sample rounds of groups until `target` informative groups are kept, or `max_rounds` rounds ran.
 
-    draw(round) -> (this rank's Rollout for that round, with extra["correct"] [N]; anything the caller
+    draw(round) -> (this rank's Rollout for that round, its `correct` [N] filled in; anything the caller
     wants back with it, train.py: the round's timings). With several ranks, gather(keep [b]) returns every
     rank's keep flags in rank order, and rank blocks are contiguous in the round's global prompt order: all
     ranks then keep the same global groups (the first informative ones in prompt order) however many ranks
-    there are, and agree on when to stop. Returns the kept groups of this rank (None if it kept none), the
-    step's sampling statistics, and every round draw returned, kept or not (the step's metrics count them).
+    there are, and agree on when to stop. Returns the kept groups of this rank (Rollout.empty if it kept
+    none), the step's sampling statistics, and every round draw returned, kept or not (the step's metrics
+    count them).
     """
     gather = gather or (lambda keep: [keep])
     kept, have, drawn_groups, rounds = [], 0, 0, []
     while have < target and len(rounds) < max_rounds:
         rounds.append(draw(len(rounds)))
         roll = rounds[-1][0]
-        keep = keep_groups(roll.extra["correct"].view(-1, roll.G))           # [b]
+        keep = keep_groups(roll.correct.view(-1, roll.G))                     # [b]
         parts = gather(keep)                                                  # W x [b_w]
         keep_all = torch.cat(parts)                                           # [B_round], global prompt order
         drawn_groups += keep_all.numel()
@@ -93,6 +94,4 @@ def dynamic_sampling(
             kept.append(roll.select_groups(mine))
     stats = {"sampling/rounds": float(len(rounds)), "sampling/groups_drawn": float(drawn_groups),
              "sampling/groups_kept": float(have), "sampling/batch_full": float(have >= target)}
-    if not kept:
-        return None, stats, rounds
-    return (kept[0] if len(kept) == 1 else Rollout.cat(kept)), stats, rounds
+    return (Rollout.cat(kept) if kept else Rollout.empty(roll.G, roll.pad_token_id)), stats, rounds

@@ -1,9 +1,9 @@
 """Evaluation of the trained policy: greedy accuracy, or avg@n, unbiased pass@k and maj@n over n samples.
 
-Article context: the evaluation of the trained policy, the number the article's results are quoted in
-(DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per problem
-at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's command
-scores any saved model without training, with the same flags:
+Article context: the evaluation of the trained policy, the number the article's results are quoted
+in (DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per
+problem at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's
+command scores any saved model without training, with the same flags:
 
     python evaluate.py --model builtin --data builtin                                 # greedy accuracy
     python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 --out per-problem.jsonl
@@ -35,7 +35,7 @@ import torch
 
 import data
 import verifier
-from sampler import num_seqs_within, sample_groups
+from sampler import Rollout, num_seqs_within, sample_groups
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -76,11 +76,12 @@ CREDITED = "the reference"  # the vote of a sample the reward credits (a space b
 
 
 def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
-    """What each sample votes for, so that the vote counts what the reward counts: a sample the reward
-    credits (score > 0, as pass@k counts it) votes for the reference answer (CREDITED), any other for its
-    canonical final answer (None: the verifier reads none). With the default verifier this is the vote by
-    canonical answers (a credited answer is the reference's); with a custom --reward it still holds where
-    the verifier cannot read the answers (a format of the reward's own, such as answer tags)."""
+    """What each sample votes for, so that the vote counts what the reward counts: a sample the
+    reward credits (score > 0, as pass@k counts it) votes for the reference answer (CREDITED), any
+    other for its canonical final answer (None: the verifier reads none). With the default verifier
+    this is the vote by canonical answers (a credited answer is the reference's); with a custom
+    --reward it still holds where the verifier cannot read the answers (a format of the reward's
+    own, such as answer tags)."""
     return [CREDITED if s > 0 else a for a, s in zip(answers, scores)]
 
 
@@ -142,60 +143,75 @@ class OneProcess:
         return x.detach().to(torch.float64).clone()
 
 
-@torch.no_grad()
-def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None, sample=None) -> tuple[dict, list[dict]]:
-    """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt", "answer"}).
+def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
+                   generator, eos: list[int], pad: int, args: EvalArgs, sample=None) -> Rollout:
+    """Step 1 as training and evaluation run it: sampler.sample_groups under --bf16 autocast, at
+    most --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); or `sample`, a vLLM
+    engine's sample_groups (train.py --rollout vllm), which holds its own weights and
+    --max-num-seqs and runs without autocast."""
+    T = args.max_new_tokens
+    if sample is not None:
+        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
+    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
+    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
+        return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
+                             generator=generator, max_num_seqs=S)
 
-    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores the responses:
-    a data.Reward, or one function f(response, answer) (default: the --reward functions and weights). `sample`
-    draws the responses: None for sampler.sample_groups, or a vLLM engine's (train.py --rollout vllm), which holds its own
-    weights and runs without autocast."""
+
+@torch.no_grad()
+def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None,
+                   sample=None) -> tuple[dict, list[dict]]:
+    """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt",
+    "answer"}).
+
+    Rank r takes problems r, r + world, ...; `args` carries EvalArgs' fields. `reward_fn` scores
+    the responses: a data.Reward, or one function f(response, answer) (default: the --reward
+    functions and weights). `sample` draws the responses: None for sampler.sample_groups, or a vLLM
+    engine's (train.py --rollout vllm), which holds its own weights and runs without autocast."""
     n, ks = args.eval_samples, pass_ks(args.eval_samples)
     greedy = n == 1
-    reward_fn = data.as_reward(reward_fn) if reward_fn else data.Reward.load(args.reward, args.reward_weights)
-    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt, args.chat_template)
+    temperature, top_p = (0.0, 1.0) if greedy else (args.eval_temperature, args.eval_top_p)
+    if reward_fn is None:
+        reward_fn = data.Reward.load(args.reward, args.reward_weights)
+    reward_fn = data.as_reward(reward_fn)
+    encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
+                                  args.chat_template)
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    device = next(model.parameters()).device
     mine = list(range(ddp.rank, len(rows), ddp.world))
     per = max(1, EVAL_BATCH // n)
     records = []
-    hf = sample is None  # sampler.sample_groups; an engine holds its own weights and --max-num-seqs: no autocast
-    sample = sample or sample_groups
     for start in range(0, len(mine), per):
         idx = mine[start:start + per]
         prompts = [encode(rows[i]["prompt"]) for i in idx]
-        bound = dict(max_num_seqs=args.max_num_seqs or num_seqs_within(model, prompts, n, args.max_new_tokens,
-                                                                        args.kv_cache_gb)) if hf else {}
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and hf):
-            roll = sample(model, prompts, n, args.max_new_tokens, eos, pad,
-                          0.0 if greedy else args.eval_temperature, 1.0 if greedy else args.eval_top_p,
-                          generator=None if greedy else [eval_generator(args.seed, i) for i in idx], **bound)
-        lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()       # [len(idx) * n] each
+        generators = None if greedy else [eval_generator(args.seed, i) for i in idx]
+        roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos, pad, args, sample)
+        lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()  # [len(idx) * n] each
+        ids = [roll.response_ids[j, : lengths[j]] for j in range(len(lengths))]  # [L_j] each
         for b, i in enumerate(idx):
-            rs = range(b * n, (b + 1) * n)                                         # problem i's rows
-            texts = [tokenizer.decode(roll.response_ids[j, : lengths[j]], skip_special_tokens=True) for j in rs]
-            scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n,
-                               lambda rs=rs, ids=roll.response_ids, L=lengths: [ids[j, : L[j]].tolist() for j in rs])[0].tolist()
-            records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs], [truncated[j] for j in rs]))
+            rs = range(b * n, (b + 1) * n)                                    # problem i's rows
+            texts = [tokenizer.decode(ids[j], skip_special_tokens=True) for j in rs]
+            token_ids = lambda rs=rs, ids=ids: [ids[j].tolist() for j in rs]  # noqa: E731
+            scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n, token_ids)[0].tolist()
+            records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs],
+                                          [truncated[j] for j in rs]))
     return metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
 
 
-def sampled_completions(roll, tokenizer, k: int) -> list[dict]:
+def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
     """Up to k of a training batch's completions (prompt, response, reward), one per group first."""
-    if roll is None or k <= 0:
-        return []
     N, G = roll.response_ids.shape[0], roll.G
-    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]        # first sample of each group, then the rest
-    rewards = roll.extra["rewards"]
-    return [{"prompt": tokenizer.decode(roll.prompts[i // G], skip_special_tokens=True),
-             "response": tokenizer.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True),
-             "reward": float(rewards[i]), "length": int(roll.lengths[i]), "truncated": bool(roll.truncated[i])}
+    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return [{"prompt": decode(roll.prompts[i // G]),
+             "response": decode(roll.response_ids[i, : roll.lengths[i]]),
+             "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
+             "truncated": bool(roll.truncated[i])}
             for i in order[:k]]
 
 
 # ---------------------------------------------------------------------------------------------
-# Flags shared with train.py: defined once here (train.Args declares them with shared(name))
+# Flags shared with train.py: defined once here (train.Args inherits EvalArgs)
 # ---------------------------------------------------------------------------------------------
 
 def flag(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
@@ -204,37 +220,48 @@ def flag(default, help, choices=None):  # noqa: A002 - a dataclass field whose h
 
 @dataclass
 class EvalArgs:
-    model: str = flag("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub id or a local folder")
+    """The flags evaluation and sampling share with train.py (train.Args inherits them)."""
+    # -- the model and data
+    model: str = flag("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub "
+                      "id or a local folder")
     prompt_field: str = flag("prompt", "JSONL field holding the prompt (GSM8K: question)")
-    answer_field: str = flag("answer", "JSONL field holding the reference answer (GSM8K's '... #### 72' works as is)")
-    prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by the row's prompt")
-    system_prompt: str | None = flag(None, "system message for chat models (prepended as a line without a chat template)")
-    chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one (--no-chat-template: raw text)")
-    reward: list[str] | None = flag(None, "'verifier' (the default) or module:function, f(response, answer) -> float or TRL's "
-                                    "f(prompts, completions, **columns) -> list[float | None]; repeat to sum several")
-    reward_weights: list[float] | None = flag(None, "one weight per --reward, the score being their weighted sum (default: all 1)")
-    trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only for models you trust)")
-    max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 otherwise)")
-    max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; continuous batching): the KV "
-                                          "cache holds N x (P + T) positions (default: as many as --kv-cache-gb holds)")
-    kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: layers x KV heads x "
-                                   "head_dim x 2 x bytes x N x (P + T) <= this, N a multiple of G and at least G")
+    answer_field: str = flag("answer", "JSONL field holding the reference answer (GSM8K's '... "
+                             "#### 72' works as is)")
+    prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by "
+                                "the row's prompt")
+    system_prompt: str | None = flag(None, "system message for chat models (prepended as a line "
+                                     "without a chat template)")
+    chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one "
+                               "(--no-chat-template: raw text)")
+    reward: list[str] | None = flag(None, "'verifier' (the default) or module:function, "
+                                    "f(response, answer) -> float or TRL's f(prompts, completions, "
+                                    "**columns) -> list[float | None]; repeat to sum several")
+    reward_weights: list[float] | None = flag(None, "one weight per --reward, the score being "
+                                              "their weighted sum (default: all 1)")
+    trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only "
+                                   "for models you trust)")
+    # -- how much
+    max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 "
+                                      "otherwise)")
+    max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; "
+                                    "continuous batching): the KV cache holds N x (P + T) "
+                                    "positions (default: as many as --kv-cache-gb holds)")
+    kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: "
+                              "layers x KV heads x head_dim x 2 x bytes x N x (P + T) <= this, N a "
+                              "multiple of G and at least G")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
-    eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy (eval/accuracy); n > 1 logs "
-                                "mean@n, pass@k, maj@n")
-    eval_temperature: float = flag(1.0, "sampling temperature of evaluation when --eval-samples > 1 (DAPO: 1.0)")
-    eval_top_p: float = flag(1.0, "nucleus sampling of evaluation when --eval-samples > 1 (DAPO: 0.7)")
-    seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation (evaluation: with the problem index)")
+    eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy "
+                             "(eval/accuracy); n > 1 logs mean@n, pass@k, maj@n")
+    eval_temperature: float = flag(1.0, "sampling temperature of evaluation when --eval-samples > "
+                                   "1 (DAPO: 1.0)")
+    eval_top_p: float = flag(1.0, "nucleus sampling of evaluation when --eval-samples > 1 (DAPO: "
+                             "0.7)")
+    # -- the run
+    seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation "
+                     "(evaluation: with the problem index)")
     device: str | None = flag(None, "cpu or cuda (default: cuda if available)")
-    bf16: bool | None = flag(None, "bfloat16 autocast for every forward pass, weights and Adam kept in float32 (default: on with CUDA)")
-
-
-_SHARED = {f.name: f for f in dataclasses.fields(EvalArgs)}
-
-
-def shared(name: str):
-    """A fresh dataclass field with EvalArgs' default and help for `name` (train.Args declares the shared flags so)."""
-    return field(default=_SHARED[name].default, metadata=_SHARED[name].metadata)
+    bf16: bool | None = flag(None, "bfloat16 autocast for every forward pass, weights and Adam "
+                             "kept in float32 (default: on with CUDA)")
 
 
 class Parser(argparse.ArgumentParser):
@@ -243,27 +270,37 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def sections(cls) -> dict[str, str]:
-    """The sections of a flag dataclass, as `# -- title` comment lines in its body mark them: {the name of
-    each section's first field: its title} (--help shows each section as an argument group)."""
-    titles, title = {}, None
-    for line in inspect.getsource(cls).splitlines():
-        if line.startswith("    # -- "):
-            title = line.removeprefix("    # -- ").strip()
-        elif title and (name := re.match(r"    (\w+):", line)):
-            titles[name.group(1)], title = title, None
-    return titles
+def sections(cls) -> tuple[dict[str, str], list[str]]:
+    """The sections of a flag dataclass and its bases, as `# -- title` comment lines in each class
+    body mark them: ({field name: the title of its section}, the titles in order). A class inserts
+    the titles it adds after the section before them in its body (train.Args adds "optimisation"
+    after EvalArgs' "how much")."""
+    titles, order = {}, []
+    for c in [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]:  # bases first
+        title, at = None, 0
+        for line in inspect.getsource(c).splitlines():
+            if line.startswith("    # -- "):
+                title = line.removeprefix("    # -- ").strip()
+                if title in order:
+                    at = order.index(title) + 1
+                else:
+                    order.insert(at, title)
+                    at += 1
+            elif title and (name := re.match(r"    (\w+):", line)):
+                titles[name.group(1)] = title
+    return titles, order
 
 
 def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
-    """One --flag per field of the dataclass `cls` (bools as --x/--no-x), in an argument group per section
-    of its body (`sections`); overrides: extra add_argument kwargs."""
-    group, titles = p, sections(cls)
+    """One --flag per field of the dataclass `cls` (bools as --x/--no-x), in an argument group per
+    section (`sections`); overrides: extra add_argument kwargs."""
+    titles, order = sections(cls)
+    groups = {t: p.add_argument_group(t) for t in order}
     for f in dataclasses.fields(cls):
-        if f.name in titles:
-            group = p.add_argument_group(titles[f.name])
+        group = groups[titles[f.name]] if f.name in titles else p
         flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
-        kind = (f.type if isinstance(f.type, str) else f.type.__name__).removesuffix(" | None")  # None: resolved later
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        kind = kind.removesuffix(" | None")                                   # None: resolved later
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         elif kind == "list[str]":  # repeated flag: --reward a --reward b
@@ -286,13 +323,19 @@ def resolve(ns, error, builtin: bool) -> None:
         ns.bf16 = ns.device.startswith("cuda")
     if ns.reward is None:
         ns.reward = ["verifier"]
-    checks = [(ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"), (ns.eval_size >= 1, "--eval-size must be >= 1"),
-              ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
-              (ns.eval_samples >= 1, "--eval-samples must be >= 1"), (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
-              (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"), (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
-              (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
-               "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)"),
-              (ns.reward_weights is None or len(ns.reward_weights) == len(ns.reward), "--reward-weights needs one weight per --reward")]
+    checks = [  # (holds, the one-line error if not)
+        (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (ns.eval_size >= 1, "--eval-size must be >= 1"),
+        ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
+        (ns.eval_samples >= 1, "--eval-samples must be >= 1"),
+        (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
+        (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+        (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
+        (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
+         "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)"),
+        (ns.reward_weights is None or len(ns.reward_weights) == len(ns.reward),
+         "--reward-weights needs one weight per --reward"),
+    ]
     for ok, msg in checks:
         if not ok:
             error(msg)
@@ -304,10 +347,14 @@ def resolve(ns, error, builtin: bool) -> None:
 
 @dataclass
 class Cli(EvalArgs):
-    data: str = flag("builtin", "'builtin' (the built-in held-out split), a JSONL (or .json) file with a prompt and an answer "
-                     "per row, or through `datasets`: a Parquet/Arrow file, a folder or a hub data set id")
+    # -- the model and data
+    data: str = flag("builtin", "'builtin' (the built-in held-out split), a JSONL (or .json) file "
+                     "with a prompt and an answer per row, or through `datasets`: a Parquet/Arrow "
+                     "file, a folder or a hub data set id")
     data_split: str = flag("test", "split of --data when it is a folder or a hub id (datasets)")
-    out: str | None = flag(None, "write one JSON line per model and problem here (prompt, reference, samples with score and answer)")
+    # -- the run
+    out: str | None = flag(None, "write one JSON line per model and problem here (prompt, "
+                           "reference, samples with score and answer)")
 
 
 def main(argv=None) -> list[tuple[str, dict]]:

@@ -42,8 +42,8 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
     rewards = rewards.float()
     centred = rewards - rewards.mean(dim=1, keepdim=True)                  # [B, G]
     if scale == "group":
-        one = rewards.shape[1] == 1
-        std = torch.zeros_like(centred[:, :1]) if one else rewards.std(dim=1, keepdim=True)
+        none = rewards.shape[1] == 1 or rewards.numel() == 0  # G = 1, or a rank with no group
+        std = torch.zeros_like(centred[:, :1]) if none else rewards.std(dim=1, keepdim=True)
         adv = centred / (std + eps)                                         # [B, G]
     elif scale == "batch":
         std = rewards.new_tensor(batch_std) if batch_std is not None else \

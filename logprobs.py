@@ -1,7 +1,8 @@
-"""The training forward: log-probs and entropies of rollout responses under a model, each group's prompt run once.
+"""The training forward: log-probs and entropies of rollout responses under a model, each group's
+prompt run once.
 
-Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), log pi_old and log pi_ref of every
-response token; update.update_policy gets all three from `rollout_logprobs`.
+Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), log pi_old and log pi_ref
+of every response token; update.update_policy gets all three from `rollout_logprobs`.
 
 Two layers:
 - `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of LOGPROB_CHUNK
@@ -31,7 +32,8 @@ Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with l
 answers, and little with long reasoning traces (T >> P). With one process, a slice whose response lengths
 are spread runs as two length buckets (`_length_buckets`). Under DDP the prompt runs on the wrapped module
 and the responses in one DDP forward (DDP syncs in each forward, so every rank runs one per micro-batch);
-under FSDP2, or when gradient checkpointing would drop the cache, the per-response forward runs instead.
+under FSDP2, or when gradient checkpointing would drop the cache, the per-response forward runs instead
+(the caller says which: `rollout_logprobs`' shared_prefix and buckets).
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ import copy
 import inspect
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
 from sampler import Rollout, _cache_kwarg, _left_padded
@@ -55,8 +56,8 @@ BUCKET_KEEP = 0.8  # split a slice's responses in two length buckets when that l
 def _row_blocks(x: torch.Tensor, rows: int):
     """Views [c, V] (c <= rows) tiling x [..., V] row by row in row-major order, never a copy.
 
-    A contiguous x is split as one [rows, V] matrix; a sliced one (such as `.logits[:, :-1]`) is walked
-    along its leading dimension, whose entries are contiguous.
+    A contiguous x is split as one [rows, V] matrix; a sliced one (such as `.logits[:, :-1]`) is
+    walked along its leading dimension, whose entries are contiguous.
     """
     if x.dim() <= 2 or x.is_contiguous():
         yield from x.reshape(-1, x.shape[-1]).split(rows)
@@ -68,10 +69,10 @@ def _row_blocks(x: torch.Tensor, rows: int):
 def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
     """(rows, fn(block * s)) over row blocks of logits [..., V] of at most LOGPROB_CHUNK elements.
 
-    rows is a slice of the flattened row index; the [c, V] float32 result lives in a workspace allocated
-    once and overwritten by the next block (a consumer may modify it in place), so a pass allocates nothing
-    vocabulary-sized per block (on CPU a fresh block each time costs page faults and fragments the heap).
-    fn: torch.log_softmax or softmax.
+    rows is a slice of the flattened row index; the [c, V] float32 result lives in a workspace
+    allocated once and overwritten by the next block (a consumer may modify it in place), so a pass
+    allocates nothing vocabulary-sized per block (on CPU a fresh block each time costs page faults
+    and fragments the heap). fn: torch.log_softmax or softmax.
     """
     V = logits.shape[-1]
     n = min(max(1, LOGPROB_CHUNK // max(V, 1)), logits.numel() // max(V, 1))
@@ -80,7 +81,7 @@ def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
     i = 0
     for b in _row_blocks(logits, max(n, 1)):                                  # b [c, V]
         c = b.shape[0]
-        if x is not None:                                                     # float32 block * s, in place
+        if x is not None:                                              # float32 block * s, in place
             b = x[:c].copy_(b) if s == 1.0 else x[:c].copy_(b).mul_(s)
         yield slice(i, i + c), fn(b, -1, out=work[:c])
         i += c
@@ -114,11 +115,11 @@ class _TokenLogprobs(torch.autograd.Function):
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32, without a second [N, T, V].
 
-    log_softmax then gather, over row blocks of LOGPROB_CHUNK elements in a float32 workspace (also for
-    bf16 logits), so the extra memory is one block whatever N and T are; the logits may be a slice such as
-    `.logits[:, :-1]` (no copy). The backward writes the gradient block by block: one [N, T, V] tensor,
-    where autograd through log_softmax + gather makes three. Passing the temperature here rather than
-    dividing the logits first saves another vocabulary-sized copy.
+    log_softmax then gather, over row blocks of LOGPROB_CHUNK elements in a float32 workspace (also
+    for bf16 logits), so the extra memory is one block whatever N and T are; the logits may be a
+    slice such as `.logits[:, :-1]` (no copy). The backward writes the gradient block by block: one
+    [N, T, V] tensor, where autograd through log_softmax + gather makes three. Passing the
+    temperature here rather than dividing the logits first saves another vocabulary-sized copy.
     """
     return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
 
@@ -182,8 +183,9 @@ def _new_cache(model) -> DynamicCache:
 
 
 def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
-    """Rows [n] split in two by length (short ones, long ones) when padding each part to its own longest
-    computes at most BUCKET_KEEP of the positions one batch padded to the longest would; else one part."""
+    """Rows [n] split in two by length (short ones, long ones) when padding each part to its own
+    longest computes at most BUCKET_KEEP of the positions one batch padded to the longest would;
+    else one part."""
     L, order = lengths.sort(stable=True)                                      # [n] ascending
     n = L.shape[0]
     cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1] positions if split after k
@@ -194,75 +196,79 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
-    """A cache holding rows `index` of `cache`, which is left as it was (layers rebind, never write, their tensors)."""
+    """A cache holding rows `index` of `cache`, which is left as it was (layers rebind, never write,
+    their tensors)."""
     out = copy.copy(cache)
     out.layers = [copy.copy(layer) for layer in cache.layers]
-    out.batch_select_indices(index)                                           # an index: differentiable
+    out.batch_select_indices(index)                                       # an index: differentiable
     return out
 
 
-def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
-    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy [n, T], and
-    the mask [n, T]; T is the rollout's width, values past a bucket's longest response are 0.
+def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
+                     with_entropy: bool = False, shared_prefix: bool = True, buckets: bool = True):
+    """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy
+    [n, T], and the mask [n, T]; T is the rollout's width, values past a bucket's longest response
+    are 0.
 
-    The shared-prefix forward of the module docstring: each group's prompt once, its responses against it, in
-    one or two length buckets. Same values and gradients as `per_response_logprobs`
-    (test_shared_prefix_forward_equals_per_response).
+    The shared-prefix forward of the module docstring: each group's prompt once, its responses
+    against it, in one or two length buckets. Same values and gradients as `per_response_logprobs`
+    (test_shared_prefix_forward_equals_per_response). The caller says how it may run
+    (update.update_policy): shared_prefix=False runs `per_response_logprobs` instead (FSDP2, which
+    all-gathers in every forward so that ranks must run one forward per micro-batch as a
+    zero-weight pass does; gradient checkpointing with gradients, whose recompute transformers runs
+    without the cache); buckets=False keeps one bucket (DDP, which syncs in each of its forwards:
+    one per micro-batch on every rank).
     """
     a, b = _rows(roll, rows)
-    inner = getattr(model, "module", model)                                   # under DDP, the wrapped model
-    checkpointed = torch.is_grad_enabled() and inner.training and any(getattr(m, "gradient_checkpointing", False)
-                                                                      for m in inner.modules())
-    if checkpointed or any(isinstance(m, FSDPModule) for m in inner.modules()):
-        # transformers drops the cache in checkpointed layers (a recompute would append to it twice); FSDP2
-        # all-gathers in every forward, so ranks must run one forward per micro-batch as a zero-weight pass does
+    if not shared_prefix:
         return per_response_logprobs(model, roll, rows, temperature, with_entropy)
-    # DDP syncs in each of its forwards: one per micro-batch on every rank, so no length buckets there
-    several_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        torch.distributed.get_world_size() > 1
+    inner = getattr(model, "module", model)                          # under DDP, the wrapped model
     G, dev = roll.G, next(model.parameters()).device
     T_all = roll.response_ids.shape[1]
     g0 = a // G
-    prompts = roll.prompts[g0:(b - 1) // G + 1]                               # each group met by the slice, once
-    group = torch.arange(a, b) // G - g0                                      # [n] row -> its prompt in `prompts`
-    plen = torch.tensor([len(p) for p in prompts])                            # [g]
-    last = torch.tensor([p[-1] for p in prompts])                             # [g] each prompt's last token
+    prompts = roll.prompts[g0:(b - 1) // G + 1]                      # each group met by the slice
+    group = torch.arange(a, b) // G - g0                             # [n] row -> its prompt
+    plen = torch.tensor([len(p) for p in prompts])                   # [g]
+    last = torch.tensor([p[-1] for p in prompts])                    # [g] each prompt's last token
     cache, name = None, _cache_kwarg(inner)
-    if int(plen.max()) > 1:                                                   # 1. the prompts, once per group
-        head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1] each
-        head_pos = (head_mask.cumsum(-1) - 1).clamp_min(0)                    # [g, P-1] from the first real token
+    if int(plen.max()) > 1:                                         # 1. the prompts, once per group
+        head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1]
+        head_pos = (head_mask.cumsum(-1) - 1).clamp_min(0)           # [g, P-1] from the first token
         cache = _new_cache(inner)
-        # run outside DDP's forward: DDP broadcasts buffers in each forward, so a second DDP forward per
-        # micro-batch would hang ranks that run a zero-weight pass; the prompt's gradient still reaches the
-        # parameters' DDP hooks, which fire once per backward with both paths summed
-        inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev), position_ids=head_pos.to(dev),
-              use_cache=True, logits_to_keep=1, **{name: cache})
+        # run outside DDP's forward: DDP broadcasts buffers in each forward, so a second DDP forward
+        # per micro-batch would hang ranks that run a zero-weight pass; the prompt's gradient still
+        # reaches the parameters' DDP hooks, which fire once per backward with both paths summed
+        inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev),
+              position_ids=head_pos.to(dev), use_cache=True, logits_to_keep=1, **{name: cache})
     out, order = [], []
-    for r in [torch.arange(b - a)] if several_ranks else _length_buckets(roll.lengths[a:b].cpu()):  # rows r [m]
-        T = int(roll.lengths[a:b][r].max())                                   # this bucket's longest response
-        resp = roll.response_ids[a:b][r, :T].cpu()                            # [m, T]
-        ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)           # [m, T] the rows' inputs
-        pos = plen[group[r], None] - 1 + torch.arange(T)                      # [m, T] positions go on from the prompt
-        kw, attn = {}, torch.ones(ids.shape, dtype=torch.long)                # [m, T]
-        if cache is not None:                                                 # 2. one cache row per response
+    parts = _length_buckets(roll.lengths[a:b].cpu()) if buckets else [torch.arange(b - a)]
+    for r in parts:                                                  # rows r [m]
+        T = int(roll.lengths[a:b][r].max())                         # this bucket's longest response
+        resp = roll.response_ids[a:b][r, :T].cpu()                   # [m, T]
+        ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)  # [m, T] the rows' inputs
+        pos = plen[group[r], None] - 1 + torch.arange(T)           # [m, T] going on from the prompt
+        kw, attn = {}, torch.ones(ids.shape, dtype=torch.long)       # [m, T]
+        if cache is not None:                                        # 2. one cache row per response
             kw = {name: _cache_rows(cache, group[r].to(dev)), "use_cache": True}
-            attn = torch.cat([head_mask[group[r]], attn], 1)                  # [m, P-1 + T]
-        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), **kw).logits  # 3. [m, T, V]
-        pad = lambda x, T=T: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  [m, T] -> [m, T_all]
+            attn = torch.cat([head_mask[group[r]], attn], 1)         # [m, P-1 + T]
+        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev),  # 3. [m, T, V]
+                       position_ids=pos.to(dev), **kw).logits
+        pad = lambda x, T=T: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  -> [m, T_all]
         out.append((pad(token_logprobs(logits, resp.to(dev), temperature)),
                     pad(token_entropy(logits, temperature)) if with_entropy else None))
         order.append(r)
-    back = torch.cat(order).argsort().to(dev)                                 # [n] bucket order -> row order
-    logp = torch.cat([lp for lp, _ in out])[back]                             # [n, T_all]
-    ent = torch.cat([e for _, e in out])[back] if with_entropy else None      # [n, T_all]
+    back = torch.cat(order).argsort().to(dev)                        # [n] bucket order -> row order
+    logp = torch.cat([lp for lp, _ in out])[back]                    # [n, T_all]
+    ent = torch.cat([e for _, e in out])[back] if with_entropy else None  # [n, T_all]
     return logp, ent, roll.mask[a:b].to(dev)
 
 
 def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
-    """The reference form of `rollout_logprobs` (same arguments and results): every response with its own copy
-    of the prompt, left-padded prompt + response right-padded to the rollout's longest, in one forward.
-    Only the last T + 1 positions' logits are materialised (logits_to_keep), of those the T that predict the
-    response. Kept for tests and bench.py; the trainer uses `rollout_logprobs`.
+    """The reference form of `rollout_logprobs` (same arguments and results): every response with
+    its own copy of the prompt, left-padded prompt + response right-padded to the rollout's longest,
+    in one forward. Only the last T + 1 positions' logits are materialised (logits_to_keep), of
+    those the T that predict the response. Kept for tests and bench.py; the trainer uses
+    `rollout_logprobs`.
     """
     a, b = _rows(roll, rows)
     prompts = [roll.prompts[i // roll.G] for i in range(a, b)]

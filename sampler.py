@@ -29,7 +29,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 @dataclass
 class Rollout:
-    """B prompts x G responses; response rows of one prompt are contiguous (row i belongs to prompt i // G)."""
+    """B prompts x G responses; response rows of one prompt are contiguous (row i belongs to prompt i // G).
+
+    The sampler fills the fields up to `logprobs`; Step 2's fields are the trainer's (train.draw_round),
+    None until it scores the rollout. `select_groups` and `cat` carry every field."""
     prompts: list[list[int]]            # B token-id lists, unpadded
     G: int                              # responses per prompt
     pad_token_id: int                   # fills response_ids after each response's end
@@ -37,8 +40,20 @@ class Rollout:
     mask: torch.Tensor                  # [N, T] float, 1 on response tokens up to and including EOS
     lengths: torch.Tensor               # [N] long, response tokens (EOS included)
     truncated: torch.Tensor             # [N] bool, no EOS within max_new_tokens
-    logprobs: torch.Tensor              # [N, T] float, log-prob of each sampled token under the sampling policy
-    extra: dict = field(default_factory=dict)  # per-response [N] tensors the trainer attaches (rewards, ...)
+    logprobs: torch.Tensor  # [N, T] float, log-prob of each sampled token under the sampling policy
+    # Step 2: the rewards (train.draw_round)
+    rewards: torch.Tensor | None = None  # [N] float, the shaped reward the advantages compare (DAPO: +-1, penalty)
+    correct: torch.Tensor | None = None  # [N] float, the --reward score (dynamic sampling's filter reads it)
+    index: torch.Tensor | None = None    # [N] long, the position of the row's prompt in the data stream
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # --reward name -> [N] (NaN: no score)
+
+    @staticmethod
+    def empty(G: int, pad_token_id: int) -> Rollout:
+        """No rows (a rank that dynamic sampling left without a group): every per-row field [0] or [0, 0]."""
+        rows, grid = torch.zeros(0), torch.zeros(0, 0)
+        return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(), mask=grid,
+                       lengths=rows.long(), truncated=rows.bool(), logprobs=grid, rewards=rows,
+                       correct=rows, index=rows.long())
 
     @property
     def num_groups(self) -> int:
@@ -47,42 +62,51 @@ class Rollout:
     def select_groups(self, keep: torch.Tensor) -> Rollout:
         """The rollout restricted to the groups where keep [B] is True."""
         rows = keep.to(torch.bool).repeat_interleave(self.G)                  # [N]
+        take = lambda x: None if x is None else x[rows]  # noqa: E731
         return replace(
             self, prompts=[p for p, k in zip(self.prompts, keep.tolist()) if k],
             response_ids=self.response_ids[rows], mask=self.mask[rows], lengths=self.lengths[rows],
-            truncated=self.truncated[rows], logprobs=self.logprobs[rows],
-            extra={k: v[rows] for k, v in self.extra.items()})
+            truncated=self.truncated[rows], logprobs=self.logprobs[rows], rewards=take(self.rewards),
+            correct=take(self.correct), index=take(self.index),
+            reward_parts={k: v[rows] for k, v in self.reward_parts.items()})
 
     @staticmethod
     def cat(rollouts: list[Rollout]) -> Rollout:
         """Concatenate rollouts with the same G along the group axis, padding T to the longest."""
-        T = max(r.response_ids.shape[1] for r in rollouts)
+        if len(rollouts) == 1:
+            return rollouts[0]
+        T, first = max(r.response_ids.shape[1] for r in rollouts), rollouts[0]
         pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
-        keys, first = rollouts[0].extra.keys(), rollouts[0]
+
+        def join(name: str) -> torch.Tensor | None:                  # a [N] field, None if unscored
+            parts = [getattr(r, name) for r in rollouts]
+            return None if parts[0] is None else torch.cat(parts)
+
         return Rollout(
             prompts=[p for r in rollouts for p in r.prompts], G=first.G, pad_token_id=first.pad_token_id,
             response_ids=torch.cat([pad(r.response_ids, first.pad_token_id) for r in rollouts]),
             mask=torch.cat([pad(r.mask, 0.0) for r in rollouts]),
-            lengths=torch.cat([r.lengths for r in rollouts]),
-            truncated=torch.cat([r.truncated for r in rollouts]),
+            lengths=join("lengths"), truncated=join("truncated"),
             logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
-            extra={k: torch.cat([r.extra[k] for r in rollouts]) for k in keys})
+            rewards=join("rewards"), correct=join("correct"), index=join("index"),
+            reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in first.reward_parts})
 
 
 class _BufferedLayer(DynamicLayer):
     """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity` positions, allocated once.
 
-    DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor (O(T^2)
-    copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one column per row,
-    row i at its own column at[i] (rows admitted at different steps have different lengths); attention
-    reads a view of the first `seen` columns, and the attention mask hides the columns a row has not written.
+    DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor
+    (O(T^2) copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one
+    column per row, row i at its own column at[i] (rows admitted at different steps have different
+    lengths); attention reads a view of the first `seen` columns, and the attention mask hides the
+    columns a row has not written.
     """
 
     def __init__(self, capacity: int, rows: int | None = None):
         super().__init__()
         self.capacity, self.rows, self.seen, self.kbuf, self.at = capacity, rows, 0, None, None
 
-    def get_seq_length(self) -> int:                                          # the masks' query position
+    def get_seq_length(self) -> int:                                     # the masks' query position
         return self.seen
 
     def _alloc(self, like: torch.Tensor, n: int) -> None:
@@ -96,9 +120,9 @@ class _BufferedLayer(DynamicLayer):
             self._alloc(key_states, n)
         if self.seen + t > self.capacity:
             raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} were written")
-        if self.at is None:                                                   # a prefill: columns [0, t)
+        if self.at is None:                                              # a prefill: columns [0, t)
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
-        else:                                                                 # a decode step: row i at column at[i]
+        else:                                                 # a decode step: row i at column at[i]
             rows = torch.arange(n, device=self.kbuf.device)
             k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))  # autocast: prefill's dtype
             self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
@@ -113,18 +137,19 @@ class _BufferedLayer(DynamicLayer):
             self._alloc(prompt.kbuf, k * G)
         for buf, src in ((self.kbuf, prompt.kbuf), (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
             buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = src[:, None, :, :P]
-        self.seen = max(self.seen, P)                                         # keep_rows copies what was written
+        self.seen = max(self.seen, P)                            # keep_rows copies what was written
 
     def keep_rows(self, indices: torch.Tensor) -> None:
-        n, L = indices.shape[0], self.seen                                    # kept rows move to [0, n), in place
+        n, L = indices.shape[0], self.seen                      # kept rows move to [0, n), in place
         self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = self.kbuf[indices, :, :L], self.vbuf[indices, :, :L]
 
 
 def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
-    """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest sliding window.
+    """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest
+    sliding window.
 
     A sliding-window layer keeps all positions here: the model's mask applies the window (by column index)."""
-    cache = DynamicCache(config=model.config)                                 # one layer per decoder layer, by type
+    cache = DynamicCache(config=model.config)                 # one layer per decoder layer, by type
     other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
     if other:
         raise ValueError(f"sample_groups handles full and sliding-window attention caches, not {sorted(other)}")
@@ -134,8 +159,9 @@ def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicC
 
 
 def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
-    """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the lengths.
-    sample_groups and the training forward (logprobs.py) both use it, so sampling and training see the same positions."""
+    """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the
+    lengths. sample_groups and the training forward (logprobs.py) both use it, so sampling and
+    training see the same positions."""
     P = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # [n, P]
     mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)       # [n, P]
@@ -143,7 +169,8 @@ def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
 
 
 def _cache_kwarg(model) -> str:
-    """transformers 5 names the cache argument `cache`; earlier releases call it `past_key_values`."""
+    """transformers 5 names the cache argument `cache`; earlier releases call it
+    `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -160,21 +187,22 @@ SAMPLE_BLOCK = 256  # tokens per block of the two-level inverse CDF in sample_to
 
 
 def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
-    """The zeroed float32 [n, V rounded up to SAMPLE_BLOCK] buffer sample_token works in; reuse it across steps."""
+    """The zeroed float32 [n, V rounded up to SAMPLE_BLOCK] buffer sample_token works in; reuse it
+    across steps."""
     return torch.zeros(n, -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)
 
 
 def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, work=None):
     """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs [n]).
 
-    Inverse CDF: the first token whose running mass exceeds u * (the kept mass). The log-prob is that of
-    the tempered distribution softmax(logits / temperature) (before top-p), the distribution train.py
-    recomputes; temperature 0 is greedy and reports the plain log-softmax.
-    Without top-p the walk has two levels, so no vocabulary-sized running sum is built: the mass of each
-    block of SAMPLE_BLOCK tokens, a running sum over blocks to find the block where u lands, then a running
+    Inverse CDF: the first token whose running mass exceeds u * (the kept mass). The log-prob is
+    that of the tempered distribution softmax(logits / temperature) (before top-p), the distribution
+    train.py recomputes; temperature 0 is greedy and reports the plain log-softmax. Without top-p
+    the walk has two levels, so no vocabulary-sized running sum is built: the mass of each block of
+    SAMPLE_BLOCK tokens, a running sum over blocks to find the block where u lands, then a running
     sum inside that block only. `work` (sample_workspace(>= n, V)), zero beyond V, holds the
-    probabilities and is reused across steps (on CPU a fresh vocabulary-sized tensor per step costs more in
-    page faults than the arithmetic). Only top-p sorts.
+    probabilities and is reused across steps (on CPU a fresh vocabulary-sized tensor per step costs
+    more in page faults than the arithmetic). Only top-p sorts.
     """
     n, V = logits.shape
     if temperature == 0:
@@ -184,12 +212,12 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     if work is None:
         work = sample_workspace(n, V, logits.device)
     w = work[:n]                                                              # [n, nb * BLOCK]
-    nb = w.shape[1] // SAMPLE_BLOCK                                           # blocks, the last one zero-padded
-    p = w[:, :V].copy_(logits)                                                # [n, V] float32 logits
+    nb = w.shape[1] // SAMPLE_BLOCK                               # blocks, the last one zero-padded
+    p = w[:, :V].copy_(logits)                                               # [n, V] float32 logits
     p.sub_(p.amax(-1, keepdim=True))
     if temperature != 1.0:
         p.div_(temperature)
-    p.exp_()                                                                  # probabilities x a row constant
+    p.exp_()                                                        # probabilities x a row constant
     u = u.to(w)[:, None]                                                      # [n, 1]
     if top_p < 1.0:
         p, order = p.sort(dim=-1, descending=True)                            # [n, V]
@@ -199,7 +227,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
         idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
         return order.gather(-1, idx).squeeze(-1), p.gather(-1, idx).squeeze(-1).log() - cdf[:, -1].log()
     blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
-    bcdf = blocks.sum(-1).cumsum(-1)                                          # [n, nb] running mass at each block's end
+    bcdf = blocks.sum(-1).cumsum(-1)                      # [n, nb] running mass at each block's end
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
     # a walk never ends on a zero-mass token: clamp to the first block (then token) where the mass is complete
     b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"), torch.searchsorted(bcdf, total))  # [n, 1]
@@ -212,8 +240,9 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
 
 
 def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int, budget_gb: float) -> int:
-    """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in budget_gb:
-    one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes (autocast's dtype if on)."""
+    """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in
+    budget_gb: one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes
+    (autocast's dtype if on)."""
     c, device = model.config.get_text_config(), next(model.parameters()).device
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -229,14 +258,14 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
                   max_num_seqs: int | None = None, continuous: bool = True) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache -> Rollout.
 
-    eos_token_id: one id or several (chat models end a turn with one token and a document with another);
-    a response ends at the first of them, which it keeps.
-    max_num_seqs: at most this many rows decode at once (None: all B*G), so the KV cache holds
-    max_num_seqs x (P + T) positions, P the longest prompt. A group is admitted whole (its prompt prefilled
-    once for its G rows) when G slots are free, so max_num_seqs must be >= G.
-    continuous=False: static batches (admit what fits, wait until all of it has ended, admit the next), the
-    baseline bench.py measures; a model whose sliding window is shorter than P + T always gets it (below).
-    The rollout is the same for every max_num_seqs and either mode: each row's uniforms are drawn up front.
+    eos_token_id: one id or several (chat models end a turn with one token and a document with
+    another); a response ends at the first of them, which it keeps. max_num_seqs: at most this many
+    rows decode at once (None: all B*G), so the KV cache holds max_num_seqs x (P + T) positions, P
+    the longest prompt. A group is admitted whole (its prompt prefilled once for its G rows) when G
+    slots are free, so max_num_seqs must be >= G. continuous=False: static batches (admit what fits,
+    wait until all of it has ended, admit the next), the baseline bench.py measures; a model whose
+    sliding window is shorter than P + T always gets it (below). The rollout is the same for every
+    max_num_seqs and either mode: each row's uniforms are drawn up front.
     """
     if G < 1 or max_new_tokens < 1:
         raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
@@ -259,16 +288,16 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     model.eval()
     ids, pmask = _left_padded(prompts, pad_token_id, device)                 # [B, P] each
     P, plen = ids.shape[1], pmask.sum(-1)                                     # plen [B]
-    S = N if max_num_seqs is None else min(max_num_seqs, N)                   # slots: rows decoding at once
+    S = N if max_num_seqs is None else min(max_num_seqs, N)           # slots: rows decoding at once
     cache, window = _make_cache(model, P + T, rows=S)
     # the model's mask applies a sliding window at one query column for all rows: exact only when the rows
     # are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or P + T <= window)
     kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
     attn = torch.zeros(S, P + T, dtype=torch.long, device=device)             # [S, P + T] the columns each slot sees
-    rows = torch.zeros(0, dtype=torch.long, device=device)                    # [n] the response row in each slot
-    t = torch.zeros_like(rows)                                                # [n] tokens it has sampled
-    born, admitted, logits, work = [], 0, None, None                          # born: the step each slot's row came in
+    rows = torch.zeros(0, dtype=torch.long, device=device)       # [n] the response row in each slot
+    t = torch.zeros_like(rows)                                           # [n] tokens it has sampled
+    born, admitted, logits, work = [], 0, None, None        # born: the step each slot's row came in
 
     # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G slots
     # are free), instead of the batch shrinking until its longest row ends. With long-tailed lengths (most
@@ -296,8 +325,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
         lengths[rows] = torch.where(hit, t + 1, lengths[rows])
         truncated[rows] &= ~hit
         t = t + 1
-        keep = (~hit & (t < T)).tolist()                                      # the step's one host sync
-        if not all(keep):                                                     # compact: finished rows leave
+        keep = (~hit & (t < T)).tolist()                                  # the step's one host sync
+        if not all(keep):                                             # compact: finished rows leave
             idx = [i for i, k_ in enumerate(keep) if k_]
             keep_i = torch.tensor(idx, dtype=torch.long, device=device)
             for layer in cache.layers:
@@ -307,12 +336,12 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
             n, logits = len(idx), logits[:0]
         if n == 0:
             continue
-        at = P + t - 1                                                        # [n] the column of each row's new token
+        at = P + t - 1                                      # [n] the column of each row's new token
         attn[torch.arange(n, device=device), at] = 1
         L = P + step + 1 - born[0]                # columns in use: the oldest row's (rows keep their admission order)
         for layer in cache.layers:
-            layer.at, layer.seen = at, L - 1                                  # write at `at`, attend to [0, L)
-        pos = plen[rows // G] + t - 1                                         # [n] counted from the prompt's first token
+            layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
+        pos = plen[rows // G] + t - 1                    # [n] counted from the prompt's first token
         logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L], position_ids=pos[:, None],
                        **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
@@ -323,7 +352,7 @@ def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor, start: int, G
     """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows [start, start + k*G),
     each prompt's to its G rows. Returns the logits at each prompt's last position, [k, V]."""
     prompt_cache, _ = _make_cache(model, ids.shape[1])
-    pos = (pmask.cumsum(-1) - 1).clamp_min(0)                                 # [k, P] counted from the first real token
+    pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
     logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True, logits_to_keep=1,
                    **{_cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
     for layer, prompt in zip(cache.layers, prompt_cache.layers):

@@ -12,11 +12,13 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
 
 import builtin
+import curves
 import dapo
 import data
 import grpo
@@ -61,6 +63,10 @@ def test_advantages_scales_and_constant_groups():
     assert torch.equal(grpo.group_advantages(torch.full((2, 3), 0.9)), torch.zeros(2, 3))
     with pytest.raises(ValueError):
         grpo.group_advantages(r, "bogus")
+    # a rank that dynamic sampling left without a group: [0, G], quietly (no torch std warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(grpo.group_advantages(torch.zeros(0, 4), s).shape == (0, 4) for s in ("group", "batch", "none"))
 
 
 def test_advantages_keep_their_sign_when_the_std_is_below_eps():
@@ -286,7 +292,7 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
     # d/d logp of -ratio * A is -A; of k3(logp, ref) = e^(ref - logp) - (ref - logp) - 1 it is 1 - r
     grad = w * (-A[:, None] + beta * (1 - r))                                 # [4, 3]
 
-    def given_logprobs(model, roll, rows, temperature, with_entropy=False):
+    def given_logprobs(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
         logp = model.logp[rows]                                               # [n, 3]
         return logp, torch.zeros_like(logp) if with_entropy else None, roll.mask[rows]
 
@@ -294,8 +300,9 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
     policy, ref = _GivenLogprobs(pi.log()), _GivenLogprobs(pi_ref.log()).requires_grad_(False)
     roll = Rollout(prompts=[[5]], G=4, pad_token_id=0, response_ids=torch.zeros(4, 3, dtype=torch.long), mask=mask,
                    lengths=lengths, truncated=torch.zeros(4, dtype=torch.bool), logprobs=pi.log(),
-                   extra={"index": torch.zeros(4, dtype=torch.long)})
+                   index=torch.zeros(4, dtype=torch.long))
     args = SimpleNamespace(micro_batch_size=3, mini_batches=1, mu=1, temperature=1.0, reduction=reduction, loss="ppo",
+                           fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0,
                            beta=beta, kl="k3", grad_clip=0.0, lr=1.0)
     learner = update.Learner(policy, policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0), contextlib.nullcontext)
@@ -791,7 +798,7 @@ def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
     return Rollout(prompts=[[start + i] for i in range(B)], G=G, pad_token_id=0,
                    response_ids=torch.ones(N, 2, dtype=torch.long), mask=torch.ones(N, 2),
                    lengths=torch.full((N,), 2), truncated=torch.zeros(N, dtype=torch.bool),
-                   logprobs=torch.zeros(N, 2), extra={"correct": torch.tensor(rewards).view(-1)})
+                   logprobs=torch.zeros(N, 2), correct=torch.tensor(rewards).view(-1))
 
 
 def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
@@ -817,9 +824,9 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
             return halves[(r, k)], {}
 
         def gather_k(_mine, state=state):  # what all_gather would return: both ranks' flags, in rank order
-            return [dapo.keep_groups(halves[(state["round"], j)].extra["correct"].view(-1, 2)) for j in range(2)]
+            return [dapo.keep_groups(halves[(state["round"], j)].correct.view(-1, 2)) for j in range(2)]
         roll_k, _, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
-        kept += [p[0] for p in roll_k.prompts] if roll_k is not None else []
+        kept += [p[0] for p in roll_k.prompts]                   # a rank that keeps nothing: Rollout.empty
     assert sorted(kept) == [0, 2, 10, 11]
 
 
@@ -843,11 +850,10 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
     def groups(idx, K):  # the global prompt indices in each mini-batch, gathered over all ranks
         out = {}
         for rank, mine in enumerate(idx):
-            roll = _fake_rollout([[1, 0]] * len(mine)) if mine else None
-            if roll is not None:
-                roll.extra["index"] = torch.tensor(mine).repeat_interleave(G)
+            roll = _fake_rollout([[1, 0]] * len(mine)) if mine else Rollout.empty(G, 0)
+            roll.index = torch.tensor(mine, dtype=torch.long).repeat_interleave(G)
             for k, rows in enumerate(update.minibatch_rows(roll, K, _StubRanks(idx, rank))):
-                out.setdefault(k, []).extend(roll.extra["index"][rows][::G].tolist() if rows.stop > rows.start else [])
+                out.setdefault(k, []).extend(roll.index[rows][::G].tolist())
         return [sorted(v) for _, v in sorted(out.items())]
 
     # dynamic sampling's kept groups: rank 0 holds prompts 0, 2, 9 and rank 1 holds 4, 5, 12 (two rounds)
@@ -857,7 +863,7 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
     assert groups([[0, 2, 9], [4, 5, 12]], 1) == [[0, 2, 4, 5, 9, 12]]
     assert groups([[0], [4]], 4) == [[0], [4]]          # fewer groups than mini-batches: no empty updates
     assert groups([[], [4, 5]], 2) == [[4], [5]]        # a rank that kept nothing still takes part
-    assert update.minibatch_rows(None, 2, _StubRanks([[], []], 0)) == []
+    assert update.minibatch_rows(Rollout.empty(G, 0), 2, _StubRanks([[], []], 0)) == []
 
 
 def test_dapo_with_fixes_off_is_grpo():
@@ -928,10 +934,11 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     t = 0.7
     roll = _mixed_rollout(tiny_model, t)
     N = roll.response_ids.shape[0]
-    roll.extra = {"index": torch.arange(N // roll.G).repeat_interleave(roll.G)}  # each response's prompt
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)  # each response's prompt
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
     mask = dapo.overlong_filter(roll.mask, roll.truncated)
     args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t, reduction=reduction, loss="ppo",
+                           fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=grad_clip, lr=2.0)
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
@@ -945,6 +952,57 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     moved = max((p - q).abs().max().item() for p, q in zip(hand.parameters(), tiny_model.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), hand.parameters()))
     assert moved > 1e-2 and diff <= 1e-5 * max(1.0, moved), (moved, diff)
+
+
+class _AloneAs:
+    """A Dist for update_policy that says it is one of `world` ranks; each collective sees only itself."""
+    rank, master, device = 0, True, "cpu"
+
+    def __init__(self, world):
+        self.world = world
+
+    def sum(self, x):
+        return x.detach().double().clone()
+
+    def sum_named(self, sums):
+        return dict(sums)
+
+    def max(self, n):
+        return n
+
+    def gather(self, x):
+        return [x]
+
+
+@pytest.mark.parametrize("fsdp,checkpointing,world,nograd,grad", [
+    (False, False, 1, (True, True), (True, True)),      # one process: shared prefix, length buckets
+    (True, False, 1, (False, True), (False, True)),     # FSDP2 all-gathers in every forward: per response
+    (False, True, 1, (True, True), (False, True)),      # checkpointed layers drop the cache with gradients
+    (False, False, 2, (True, False), (True, False))])   # DDP syncs in each forward: one bucket per slice
+def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypatch, fsdp, checkpointing, world,
+                                                           nograd, grad):
+    """rollout_logprobs does not inspect the model: update_policy passes (shared_prefix, buckets), for the
+    no-grad old log-prob pass and for the gradient passes."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+    seen, real = set(), update.rollout_logprobs
+
+    def spy(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
+        seen.add((torch.is_grad_enabled(), shared_prefix, buckets))
+        return real(model, roll, rows, temperature, with_entropy)
+
+    monkeypatch.setattr(update, "rollout_logprobs", spy)
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0, reduction="token", loss="ppo",
+                           fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20, eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=1.0)
+    model = copy.deepcopy(tiny_model)
+    learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0), contextlib.nullcontext)
+    update.update_policy(learner, roll, torch.randn(N), roll.mask, args, _AloneAs(world))
+    assert seen == {(False, *nograd), (True, *grad)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1098,7 +1156,6 @@ def test_max_num_seqs_flags_are_checked(capsys):
 
 
 def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
-    import contextlib
 
     import evaluate
     import sampler
@@ -1108,15 +1165,14 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     def recording(*a, max_num_seqs=None, **k):
         seen.append(max_num_seqs)
         return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    monkeypatch.setattr(train, "sample_groups", recording)
-    monkeypatch.setattr(evaluate, "sample_groups", recording)
+    monkeypatch.setattr(evaluate, "sample_groups", recording)  # train.draw_round samples through evaluate's too
     model = _tiny("qwen2", torch.float32)
     task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
     for flags, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
         args = train.parse_args(["--prompts-per-step", "4", *flags])
-        train.draw_round(model, task, args, one, contextlib.nullcontext, 0)
+        train.draw_round(model, task, args, one, 0)
         assert seen.pop() == want
     args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
     _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
@@ -1151,7 +1207,7 @@ def test_rollout_select_and_cat():
     s = r.select_groups(torch.tensor([True, False, True]))
     assert s.prompts == [[0], [2]] and s.response_ids.shape[0] == 4
     c = Rollout.cat([s, r])
-    assert c.num_groups == 5 and c.extra["correct"].shape == (10,)
+    assert c.num_groups == 5 and c.correct.shape == (10,) and c.rewards is None
     # a longer rollout pads the shorter one's rows: never a valid mask position, never a log-prob
     long = _fake_rollout([[1, 0]])
     long.response_ids, long.mask, long.logprobs = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), -torch.ones(2, 5)
@@ -1772,7 +1828,7 @@ def test_bad_flags_exit_with_one_line(capsys):
     import train
     for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"],
                 ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"], ["--loss", "reinforce"],
-                ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"]):
+                ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"], ["--beta", "-0.1"]):
         with pytest.raises(SystemExit) as e:
             train.parse_args(bad)
         err = capsys.readouterr().err
@@ -1906,18 +1962,18 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
     model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # runs first in the layer
     model.model.register_forward_hook(lambda *_: forwards.append(1))  # the shared-prefix forward calls the model twice
 
-    def grads():
+    def grads(shared_prefix=True):  # checkpointed layers drop the cache: update_policy asks for per-response then
         model.train()
         model.zero_grad()
         calls.clear()
         forwards.clear()
-        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0)
+        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0, shared_prefix=shared_prefix)
         (-(logp * valid).sum() / valid.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls), len(forwards)
 
     plain, n_plain, f_plain = grads()
     parallel.checkpoint_activations(model)
-    ckpt, n_ckpt, f_ckpt = grads()
+    ckpt, n_ckpt, f_ckpt = grads(shared_prefix=False)
     assert n_plain == f_plain and n_ckpt == 2 * f_ckpt         # the layer ran again in backward: it was checkpointed
     assert max((plain[k] - ckpt[k]).abs().max().item() for k in plain) <= 1e-5
     assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)
@@ -2205,7 +2261,6 @@ def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
 def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tiny_model):
     # Step 2 on the tiny model: a right answer scores 1, a wrong one --wrong-reward, plus DAPO's soft overlong
     # penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored advantages would hide both)
-    import contextlib
 
     import parallel
     import train
@@ -2214,14 +2269,14 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
     task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
                       data.as_reward(lambda text, answer: float(int(text.split()[0]) % 2 == 0)), eos=[1], pad=0)
-    roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), contextlib.nullcontext, 0)
+    roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), 0)
     right = torch.tensor([float(int(roll.response_ids[i, 0]) % 2 == 0) for i in range(12)])
     L = roll.lengths.float()
     penalty = torch.where(L <= 4, 0.0, (4 - L) / 4)                   # 0 up to 8 - 4 tokens, then down to -1 at 8
     want = torch.where(right == 1, 1.0, -0.5) + penalty
-    assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.extra["correct"], right)
-    assert torch.allclose(roll.extra["rewards"], want)
-    s = train.drawn_sums([roll])
+    assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.correct, right)
+    assert torch.allclose(roll.rewards, want)
+    s = curves.drawn_sums([roll])
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
 
 
@@ -2234,7 +2289,6 @@ def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
 def test_step_metrics_worked_by_hand():
     # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2, one
     # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples, "len" none
-    import train
     d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0, "groups": 2.0,
          "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
          "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
@@ -2243,7 +2297,7 @@ def test_step_metrics_worked_by_hand():
              "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
     rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
             "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
-    row = train.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    row = curves.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
     assert row == pytest.approx({
         "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
         "reward/mean": 0.25,             # 2 / 8 samples
@@ -2268,11 +2322,11 @@ def test_step_metrics_worked_by_hand():
         "updates": 2.0,
     })
     # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
-    row = train.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    row = curves.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
     assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
     assert "clip/dual_frac" not in row
     # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
-    row = train.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    row = curves.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
     assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
 
@@ -2293,11 +2347,13 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
             where = groups.setdefault(line[:-1], [])
         elif m := re.match(r"  (?:-h, )?(--[\w-]+)", line):
             where.append(m.group(1))
-    titles = ["options", "what to train on", "how much", "optimisation",
+    titles = ["options", "the model and data", "how much", "optimisation",
               "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
     assert list(groups) == titles and groups["options"] == ["--help"]
-    assert [flags[0] for flags in list(groups.values())[1:]] == ["--algo", "--steps", "--lr", "--beta", "--seed"]
-    assert "--data" in groups["what to train on"] and "--mini-batches" in groups["optimisation"]
+    # EvalArgs' flags (train.Args inherits them) come first in their sections
+    assert [flags[0] for flags in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
+    assert "--algo" in groups["the model and data"] and "--mini-batches" in groups["optimisation"]
+    assert "--eval-samples" in groups["how much"] and "--bf16" in groups["the run"]
     assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
     listed = [f for flags in list(groups.values())[1:] for f in flags]
     assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(train.Args))  # each once
@@ -2319,14 +2375,14 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
     halves = []
     for part in (r, r[:4], r[4:]):
         roll = _fake_rollout([[1, 0, 0, 1]] * (len(part) // 4))
-        roll.extra["rewards"] = part
+        roll.rewards = part
         halves.append(roll)
     assert train.reward_std(halves[0], parallel.Dist("cpu")) == pytest.approx(float(r.double().std()), abs=1e-12)  # n - 1
     for k in (1, 2):  # rank k - 1 of 2: its own rewards, and the other rank's count, sum and sum of squares
         other = r[4:].double() if k == 1 else r[:4].double()
         sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(), (other * other).sum()])
         assert train.reward_std(halves[k], _TwoRanks(sums)) == pytest.approx(float(r.double().std()), abs=1e-12)
-    assert train.reward_std(None, parallel.Dist("cpu")) == 0.0
+    assert train.reward_std(Rollout.empty(4, 0), parallel.Dist("cpu")) == 0.0
 
 
 @pytest.mark.slow
@@ -2355,7 +2411,7 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     import train
     grpo_args, dapo_args = train.parse_args(["--algo", "grpo"]), train.parse_args(["--algo", "dapo", "--max-rounds", "4"])
     # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
-    check = train.SignalCheck(grpo_args)
+    check = curves.SignalCheck(grpo_args)
     said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
     assert len(said[0]) == 1 and said[1] == [] and check.silent
     msg = said[0][0]
@@ -2365,13 +2421,13 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     third = check(_signal_row(3, 0.0, 1.0))
     assert len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0] and check(_signal_row(4, 0, 1)) == []
     # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains (not silent)
-    check = train.SignalCheck(dapo_args)
+    check = curves.SignalCheck(dapo_args)
     assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
     said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
     assert len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0] and check.silent
     assert "every sample is right" in said[0]
     assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []      # once a run; and some samples scored: no "none right"
-    mixed = train.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
+    mixed = curves.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
     assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
 
 

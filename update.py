@@ -56,15 +56,15 @@ class UpdateStats:
     update_s: float                 # seconds of the gradient passes and optimizer steps after them
 
 
-def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[slice]:
+def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
     """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
 
     Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
     index over all ranks), so the same groups share an update on any number of ranks. A rank's groups are
     in prompt order, so its share of each mini-batch is one contiguous block of rows.
     """
-    G = roll.G if roll is not None else 1
-    idx = roll.extra["index"][::G].contiguous() if roll is not None else torch.zeros(0, dtype=torch.long)  # [b] prompt index
+    G = roll.G
+    idx = roll.index[::G].contiguous()                                   # [b] each group's prompt index
     b_max = ddp.max(idx.numel())
     everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
     everyone = everyone[everyone >= 0].sort().values                                             # [B]
@@ -75,7 +75,7 @@ def minibatch_rows(roll: Rollout | None, K: int, ddp: parallel.Dist) -> list[sli
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 
-def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args,
+def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
                   ddp: parallel.Dist) -> UpdateStats:
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, the surrogate's tokens weighted by truncated IS with
@@ -98,18 +98,24 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
         n = rows.stop - rows.start
         starts = range(rows.start, rows.start + ddp.max(math.ceil(n / mb)) * mb, mb)
         micro = [slice(a, min(a + mb, rows.stop)) for a in starts]
-        m = mask[rows] if n else torch.zeros(0, 1)
+        m = mask[rows]                                                  # [n, T]
         num_tokens, num_seqs = ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()
         minibatches.append((micro, num_tokens, num_seqs))
     passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
+    # how the training forward may run (logprobs.rollout_logprobs): each response with its own prompt under
+    # FSDP2, and with gradients under --gradient-checkpointing; one length bucket per slice with several ranks
+    nograd = dict(shared_prefix=not args.fsdp, buckets=ddp.world == 1)
+    grad = dict(nograd, shared_prefix=not (args.fsdp or args.gradient_checkpointing))
     t0 = time.time()
     several = args.mu * len(minibatches) > 1
     with (torch.no_grad(), amp(), parallel.unsharded(model if several else None),
           parallel.unsharded(ref)):
         # old policy only when it differs from the current one, reference only when beta > 0
-        old_logp = {(s.start, s.stop): rollout_logprobs(model, roll, s, args.temperature)[0] for s in passes} if several else None
+        logp_of = lambda m: {(s.start, s.stop): rollout_logprobs(m, roll, s, args.temperature, **nograd)[0]  # noqa: E731
+                             for s in passes}                            # (start, stop) -> [n, T]
+        old_logp = logp_of(model) if several else None
         with learner.as_reference():
-            ref_logp = {(s.start, s.stop): rollout_logprobs(ref, roll, s, args.temperature)[0] for s in passes} if ref is not None else None
+            ref_logp = logp_of(ref) if ref is not None else None
     t_logprob, t0 = time.time() - t0, time.time()
     first = dict.fromkeys(UPDATE_SUMS, 0.0)                           # the first update
     rest = dict.fromkeys(UPDATE_SUMS, 0.0)                            # the others
@@ -129,7 +135,7 @@ def update_policy(learner: Learner, roll: Rollout | None, advantages, mask, args
                         one = torch.zeros(1, 1, dtype=torch.long, device=ddp.device)
                         (policy(input_ids=one).logits.sum() * 0.0).backward()
                         continue
-                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, with_entropy=epoch == 0 or bonus)
+                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, epoch == 0 or bonus, **grad)
                     key, dev = (s.start, s.stop), logp.device
                     old = old_logp[key] if old_logp is not None else logp.detach()  # [n, T]
                     m_s = mask[s].to(dev)                                   # [n, T]
