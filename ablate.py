@@ -4,32 +4,28 @@ Article section: "DAPO：四项修正" (each fix a 问题 and its DAPO 修正) a
 AIME 2024: naive GRPO 30, + overlong filtering 36, + clip-higher 38, + soft overlong punishment 41,
 + token-level loss 42, + dynamic sampling 50).
 
-`python ablate.py` runs EXPERIMENTS: one per fix, in a regime where its problem appears on the built-in
-task (a smaller group, a tighter or a looser token budget, several updates per step at a higher sampling
-temperature), naive GRPO with the fix off vs on, several seeds, each arm a run of train.py. It writes
-RESULTS/NAME.md (each measure's mean ± sd over seeds, and each difference with 2 standard errors) and
-RESULTS/NAME.png (the curves, mean over seeds and the seeds' range; needs matplotlib) per experiment.
+`python ablate.py` runs EXPERIMENTS, one per fix in a regime where its problem should appear (a group
+size, a token budget, off-policy updates, a base model variant of builtin.py): naive GRPO with the fix off
+vs on, several seeds, each arm a run of train.py. It writes RESULTS/NAME.md (mean ± sd over seeds, each
+difference with 2 standard errors) and RESULTS/NAME.png (needs matplotlib); results/README.md reads them.
 
     python ablate.py                              # every experiment, 3 seeds per arm
     python ablate.py --quick                      # one seed per arm: a look, no spread
     python ablate.py --only dynamic-sampling      # one experiment
 
-`python ablate.py --rows` is the progressive ablation instead: six rows, each adding one fix to the row
-above, the last being exactly `train.py --algo dapo`, at the same budget of sampled responses
-(`--max-samples`: dynamic sampling's extra samples count against it, so that row takes fewer optimizer
-steps); all rows use beta = 0 and +-1 rewards, as DAPO does. Writes OUT/ablation.md and OUT/ablation.png.
+`python ablate.py --rows` is the progressive ablation instead: ROWS, each adding one fix to the row above,
+the last exactly `train.py --algo dapo`, all at beta 0 and +-1 rewards and one budget of sampled responses
+(`--max-samples`: dynamic sampling's extra draws count). Writes OUT/ablation.md and OUT/ablation.png.
 
     python ablate.py --rows --seeds 0 --budget 2560  # a quick look
     python ablate.py --rows --train-flags "--mini-batches 4" --variant "+ GSPO=--loss gspo --eps-high 4e-4" \
         --variant "+ CISPO=--loss cispo --eps-high 4"   # DAPO + another objective, off-policy updates
 
-A --variant NAME=FLAGS row is the last row (DAPO) plus FLAGS: any objective of variants.py, or any flag.
-The clip-higher row passes --eps-high 0.28 on the command line, so a variant row gives its own.
+A --variant NAME=FLAGS row is DAPO plus FLAGS (the clip-higher row passes --eps-high, so give your own).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -43,7 +39,7 @@ import builtin
 import dapo
 import train
 import verifier
-from curves import curve, plot_panels, plot_runs, read_metrics
+from curves import Run, at_samples, by_step, curve, end, final, load_run, logged, over_run, plot_panels, plot_runs
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
     ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
@@ -53,7 +49,6 @@ ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the ro
     ("+ token-level loss", ["--reduction", "token"], 42),
     ("+ dynamic sampling (= DAPO)", ["--dynamic-sampling"], 50),
 ]
-
 
 
 def row_flags(i: int, rows: list[tuple] = ROWS) -> list[str]:
@@ -75,15 +70,19 @@ def samples_to_reach(rows: list[dict], target: float) -> float | None:
     return hits[0] if hits else None
 
 
-def fmt(values: list[float], digits: int = 3) -> str:
+def fmt(values: list[float], digits: int | None = None) -> str:
+    """'mean ± sd' of the values given (None dropped; '-' if none), with `digits` decimals (default: 1
+    from 10 up, else 3)."""
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+    mean, sd = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    digits = (1 if abs(mean) >= 10 else 3) if digits is None else digits
+    return f"{mean:.{digits}f} ± {sd:.{digits}f}"
 
 
 def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = ROWS) -> str:
+    """--rows: one line per row, from each seed's metrics.jsonl rows."""
     lines = ["| row | held-out acc. at end | acc. at 1/4 budget | samples to 90% | entropy (last 5 steps) | "
              "length (last 5) | truncated (last 5) | tokens clipped low / high | steps | paper AIME24 |", "|" + " --- |" * 10]
     for (name, _, paper), seeds in zip(rows, runs.values()):
@@ -94,30 +93,30 @@ def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = RO
         clip = lambda key, seeds=seeds: statistics.mean(statistics.mean(v for _, v in curve(r, key)) for r in seeds)  # noqa: E731
         reached = f"{statistics.mean([x for x in reach if x is not None]):.0f} ({sum(x is not None for x in reach)}/{len(reach)} seeds)" \
             if any(x is not None for x in reach) else f"never (0/{len(reach)})"
-        lines.append(f"| {name} | {fmt([curve(r, 'eval/accuracy')[-1][1] for r in seeds])} | {fmt(quarter)} | {reached} | "
-                     f"{fmt(tail('entropy'), 4)} | {fmt(tail('len/mean'), 1)} | {fmt(tail('len/truncated_frac'))} | "
+        lines.append(f"| {name} | {fmt([curve(r, 'eval/accuracy')[-1][1] for r in seeds], 3)} | {fmt(quarter, 3)} | {reached} | "
+                     f"{fmt(tail('entropy'), 4)} | {fmt(tail('len/mean'), 1)} | {fmt(tail('len/truncated_frac'), 3)} | "
                      f"{clip('clip/low_frac'):.2%} / {clip('clip/high_frac'):.2%} | {statistics.mean(steps):.0f} | "
                      f"{'-' if paper is None else paper} |")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
-# One experiment per fix, in the regime where its problem appears: the fix off vs on, several seeds
+# Runs, and the measures read from them: a measure is Run -> value, a curve Run -> [(x, value)]
 # ---------------------------------------------------------------------------------------------
 
-@dataclass
-class Run:
-    """One finished train.py run: its config.json, metrics.jsonl and completions.jsonl (every response
-    trained on: the experiments pass --log-completions with room for all of them)."""
-    config: dict
-    metrics: list[dict]
-    completions: list[dict]
-
-
-def load_run(out: str) -> Run:
-    with open(os.path.join(out, "config.json")) as fh:
-        config = json.load(fh)
-    return Run(config, read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(out, "completions.jsonl")))
+def run_arms(name: str, arms: list[tuple[str, list[str]]], seeds: list[int], out: str) -> dict[str, list[Run]]:
+    """Every arm (label, train.py flags) x seed as a run in OUT/NAME/LABEL-seedN; a finished run is kept,
+    so rerunning resumes. Seed after seed, so that a stop leaves as many seeds in each arm."""
+    runs: dict[str, list[Run]] = {label: [] for label, _ in arms}
+    for seed in seeds:
+        for label, flags in arms:
+            folder = os.path.join(out, name, f"{re.sub(r'[^a-z0-9.]+', '-', label.lower()).strip('-')}-seed{seed}")
+            if not os.path.exists(os.path.join(folder, "final", "config.json")):
+                print(f"{name}: {label}, seed {seed}", flush=True)
+                random.seed(seed)  # random_reward's coin
+                train.main([*flags, "--seed", str(seed), "--out", folder])
+            runs[label].append(load_run(folder))
+    return runs
 
 
 def solution(prompt: str) -> int:
@@ -147,41 +146,17 @@ def repeats(c: dict) -> bool:
 
 def distinct_answers(cs: list[dict]) -> float:
     """The mean number of distinct final answers in a step's groups (its completions grouped by prompt)."""
-    groups: dict[str, set] = {}
-    for c in cs:
-        groups.setdefault(c["prompt"], set()).add(verifier.extract_answer(c["response"]))
-    return statistics.mean(len(g) for g in groups.values())
+    return statistics.mean(len({verifier.extract_answer(c["response"]) for c in cs if c["prompt"] == p}) for p in {c["prompt"] for c in cs})
 
 
 def share(pred: Callable[[dict], bool], among: Callable[[dict], bool] = lambda c: True):
     """completions -> the share of those `among` that `pred` holds for (None if there are none)."""
-    def fn(cs: list[dict]) -> float | None:
-        pool = [pred(c) for c in cs if among(c)]
-        return sum(pool) / len(pool) if pool else None
-    return fn
+    return lambda cs: sum(pool) / len(pool) if (pool := [pred(c) for c in cs if among(c)]) else None
 
 
 def mean_length(among: Callable[[dict], bool]):
     """completions -> the mean length in tokens of those `among` (None if there are none)."""
-    def fn(cs: list[dict]) -> float | None:
-        pool = [c["length"] for c in cs if among(c)]
-        return statistics.mean(pool) if pool else None
-    return fn
-
-
-def by_step(fn: Callable[[list[dict]], float | None]) -> Callable[[Run], list[tuple[int, float]]]:
-    """A curve over training: (step, fn(the completions trained on at that step)) where fn gives a value."""
-    def points(run: Run) -> list[tuple[int, float]]:
-        steps: dict[int, list[dict]] = {}
-        for c in run.completions:
-            steps.setdefault(c["step"], []).append(c)
-        return [(s, v) for s, v in ((s, fn(cs)) for s, cs in sorted(steps.items())) if v is not None]
-    return points
-
-
-def logged(key: str) -> Callable[[Run], list[tuple[int, float]]]:
-    """A curve of a metric of metrics.jsonl over training steps (eval/* at the step it was taken)."""
-    return lambda run: [(r["step"], r[key]) for r in run.metrics if key in r]
+    return lambda cs: statistics.mean(pool) if (pool := [c["length"] for c in cs if among(c)]) else None
 
 
 def informative_groups(run: Run) -> list[tuple[int, float]]:
@@ -191,29 +166,20 @@ def informative_groups(run: Run) -> list[tuple[int, float]]:
             for r in run.metrics if "loss" in r]
 
 
-def at_samples(points: Callable[[Run], list[tuple[float, float]]], samples: Callable[[Run], float]) -> Callable[[Run], float | None]:
-    """Run -> the curve's last value taken with at most samples(run) responses drawn (x: responses sampled)."""
-    def fn(run: Run) -> float | None:
-        pts = [v for s, v in points(run) if s <= samples(run)]
-        return pts[-1] if pts else None
-    return fn
-
-
-def end(points: Callable[[Run], list[tuple[float, float]]], k: int = 5) -> Callable[[Run], float | None]:
-    """Run -> the mean of a curve's last k points (the end of training)."""
-    return lambda run: statistics.mean(v for _, v in points(run)[-k:]) if points(run) else None
-
-
-def over_run(points: Callable[[Run], list[tuple[float, float]]]) -> Callable[[Run], float | None]:
-    """Run -> the mean of a curve over the whole run."""
-    return lambda run: statistics.mean(v for _, v in points(run)) if points(run) else None
+def equal_budget(run: Run) -> float:
+    """The responses a run without dynamic sampling draws in its steps: steps x prompts x G."""
+    return run.config["steps"] * run.config["prompts_per_step"] * run.config["group_size"]
 
 
 def random_reward(response: str, answer: str) -> float:
     """The random-reward control (--reward ablate:random_reward): 1 or 0 by a fair coin, whatever the
-    response. Python's global RNG, which nothing else in a run draws from; run_experiment seeds it per run."""
+    response. Python's global RNG, which nothing else in a run draws from; run_arms seeds it per run."""
     return float(random.random() < 0.5)
 
+
+# ---------------------------------------------------------------------------------------------
+# One experiment per fix, in the regime where its problem appears: the fix off vs on, several seeds
+# ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Experiment:
@@ -223,20 +189,19 @@ class Experiment:
     arms: tuple[tuple[str, tuple[str, ...]], ...]  # (label, flags); the first is the baseline (the fix off)
     measures: tuple[tuple[str, Callable[[Run], float | None]], ...]  # the table: one value per run
     panels: tuple[tuple[str, str, Callable[[Run], list[tuple[float, float]]]], ...]  # the figure: (title, x, curve)
+    variant: builtin.Variant | None = None         # the base model: this variant of builtin.py's (None: the shipped one)
+
+    def model_flags(self) -> tuple[str, ...]:
+        """--model and the built-in task's defaults a model folder does not get (train.BUILTIN_DEFAULTS, 40 tokens)."""
+        return () if self.variant is None else ("--model", builtin.variant_model(self.variant), "--lr",
+                                                str(train.BUILTIN_DEFAULTS["lr"]), "--max-new-tokens", "40")
 
 
 def difference(base: list[float], other: list[float]) -> tuple[float, float | None]:
     """mean(other) - mean(base) and its standard error (Welch: sqrt(s1^2/n1 + s2^2/n2); None with one seed)."""
-    d = statistics.mean(other) - statistics.mean(base)
-    if len(base) < 2 or len(other) < 2:
-        return d, None
-    return d, math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other))
-
-
-def num(mean: float, sd: float) -> str:
-    """'mean ± sd', with 1 decimal from 10 up, else 3."""
-    digits = 1 if abs(mean) >= 10 else 3
-    return f"{mean:.{digits}f} ± {sd:.{digits}f}"
+    se = math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other)) \
+        if min(len(base), len(other)) > 1 else None
+    return statistics.mean(other) - statistics.mean(base), se
 
 
 def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
@@ -246,7 +211,7 @@ def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
              "|" + " --- |" * (2 * len(labels))]
     for name, fn in exp.measures:
         values = {x: [v for v in map(fn, runs[x]) if v is not None] for x in labels}
-        cells = [num(statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) if v else "-" for v in values.values()]
+        cells = [fmt(v) for v in values.values()]
         for x in labels[1:]:
             if not values[x] or not values[labels[0]]:
                 cells.append("-")
@@ -259,36 +224,12 @@ def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
     return "\n".join(lines) + f"\n\nmean ± sd over {'/'.join(map(str, sorted(seeds)))} seeds per arm."
 
 
-def run_experiment(exp: Experiment, seeds: list[int], out: str) -> dict[str, list[Run]]:
-    """Every arm x seed as a train.py run (a finished run is kept: rerunning resumes the experiment)."""
-    runs: dict[str, list[Run]] = {label: [] for label, _ in exp.arms}
-    for seed in seeds:  # seed after seed, so that an experiment stopped early has as many seeds in each arm
-        for label, flags in exp.arms:
-            folder = os.path.join(out, exp.name, f"{re.sub(r'[^a-z0-9.]+', '-', label.lower()).strip('-')}-seed{seed}")
-            if not os.path.exists(os.path.join(folder, "final", "config.json")):
-                print(f"{exp.name}: {label}, seed {seed}", flush=True)
-                random.seed(seed)  # random_reward's coin
-                train.main([*exp.flags, *flags, "--seed", str(seed), "--out", folder])
-            runs[label].append(load_run(folder))
-    return runs
-
-
-def equal_budget(run: Run) -> float:
-    """The responses a run without dynamic sampling draws in its steps: steps x prompts x G."""
-    c = run.config
-    return c["steps"] * c["prompts_per_step"] * c["group_size"]
-
-
-def final(key: str) -> Callable[[Run], float | None]:
-    """Run -> the last logged value of a metric (eval/accuracy: the evaluation after the last step)."""
-    return lambda run: logged(key)(run)[-1][1] if logged(key)(run) else None
-
-
 NAIVE = ("--algo", "grpo", "--beta", "0", "--wrong-reward", "-1")  # naive GRPO with DAPO's +-1 rewards (ROWS[0])
 SMALL = ("--prompts-per-step", "16", "--steps", "16", "--eval-every", "16", "--eval-size", "128",  # held-out: before, after
          "--log-completions", "100000")                                                           # every response trained on
 WRONG = lambda c: not right(c)  # noqa: E731
 SAMPLED = (("accuracy of the sampled responses", "step", logged("reward/correct")),)
+HELD_OUT = (("held-out greedy accuracy at the end", final("eval/accuracy")),)
 ENTROPY = (("entropy, last 5 steps", end(logged("entropy"))),
            ("distinct answers per group, last 5 steps", end(by_step(distinct_answers))),
            ("tokens clipped at the upper bound", over_run(logged("clip/high_frac"))))
@@ -297,14 +238,14 @@ ENTROPY_PANELS = (("entropy (nats/token)", "step", logged("entropy")),
                   ("tokens clipped high", "step", logged("clip/high_frac")))
 CLIP_ARMS = (("eps_high 0.2", ()), ("eps_high 0.28", ("--eps-high", str(dapo.EPS_HIGH))))
 CLIP_REGIME = ("--mini-batches", "4", "--temperature", "1.5")  # off-policy updates; a sampling temperature with spread
+G4 = ("--group-size", "4")
 
 EXPERIMENTS = (
     Experiment(
         "dynamic-sampling",
         "问题: a group whose answers are all right (or all wrong) has zero advantages and gives no gradient, and "
         "such groups grow as accuracy rises. DAPO 修正: resample until every group in the batch is mixed (Eq. 11).",
-        NAIVE + SMALL + ("--group-size", "4"),
-        (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
+        NAIVE + SMALL + G4, (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
         (("sampled groups all right or all wrong, last 5 steps", end(logged("reward/frac_zero_std"))),
          ("groups with a gradient per update (of 16)", over_run(informative_groups)),
          ("accuracy of the sampled responses, last 5 updates", end(logged("reward/correct"))),
@@ -321,34 +262,33 @@ EXPERIMENTS = (
         "问题: a truncated response gets the reward of a wrong one, though its reasoning may be sound, which "
         "confuses training. DAPO 修正: mask truncated responses out of the loss (overlong filtering), and punish "
         "length softly over the last L_cache tokens (Eq. 13).",
-        NAIVE + SMALL + ("--group-size", "4", "--max-new-tokens", "40"),
+        NAIVE + SMALL + G4 + ("--max-new-tokens", "40"),
         (("hard: truncated = wrong", ()), ("filter", ("--overlong-filter",)),
          ("filter + soft penalty", ("--overlong-filter", "--overlong-penalty"))),
         (("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
          ("truncated on the way to a right answer, share of the truncated",
           over_run(by_step(share(on_the_way, lambda c: c["truncated"])))),
-         ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
-         ("held-out greedy accuracy at the end", final("eval/accuracy"))),
+         ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))), *HELD_OUT),
         (("truncated responses", "step", logged("len/truncated_frac")),
          ("truncated on the way to right (of all)", "step", by_step(share(on_the_way))), *SAMPLED)),
     Experiment(
         "token-level-loss",
         "问题: the per-response mean gives each token of a long response less weight, so long wrong responses "
         "(rambling, repetition) are pushed down less. DAPO 修正: average over all tokens of the batch (Eq. 12).",
-        NAIVE + SMALL + ("--group-size", "4", "--max-new-tokens", "96"),
-        (("sequence", ()), ("token", ("--reduction", "token"))),
+        NAIVE + SMALL + G4 + ("--max-new-tokens", "96"), (("sequence", ()), ("token", ("--reduction", "token"))),
         (("length of wrong responses, last 5 steps", end(by_step(mean_length(WRONG)))),
          ("wrong responses that repeat a line, last 5 steps", end(by_step(share(repeats, WRONG)))),
-         ("length of all responses, last 5 steps", end(logged("len/mean"))),
-         ("held-out greedy accuracy at the end", final("eval/accuracy"))),
+         ("length of right responses, last 5 steps", end(by_step(mean_length(right)))),
+         ("length of all responses, last 5 steps", end(logged("len/mean"))), *HELD_OUT),
         (("length of wrong responses", "step", by_step(mean_length(WRONG))),
-         ("wrong responses that repeat a line", "step", by_step(share(repeats, WRONG))), *SAMPLED)),
+         ("wrong responses that repeat a line", "step", by_step(share(repeats, WRONG))),
+         ("length of right responses", "step", by_step(mean_length(right))), *SAMPLED),
+        builtin.Variant()),  # the shipped model's wrong answers are all ~15-token shortcuts: nothing to dilute
     Experiment(
         "clip-higher",
         "问题: with symmetric clipping a low-probability token's ratio is capped at 1 + eps early, so exploration "
         "dies: entropy collapses. DAPO 修正: decouple the bounds and raise the upper one (eps_high 0.28, Eq. 10).",
-        NAIVE + SMALL + CLIP_REGIME, CLIP_ARMS, ENTROPY + (("held-out greedy accuracy at the end", final("eval/accuracy")),),
-        ENTROPY_PANELS + SAMPLED),
+        NAIVE + SMALL + CLIP_REGIME, CLIP_ARMS, ENTROPY + HELD_OUT, ENTROPY_PANELS + SAMPLED),
     Experiment(
         "clip-higher-random-reward",
         "The control: a fair coin for reward leaves nothing to learn, and symmetric clipping alone is published to "
@@ -360,15 +300,9 @@ EXPERIMENTS = (
 def rows_main(a) -> None:
     """--rows: the progressive ablation (ROWS, each adding one fix) at an equal sample budget."""
     rows = ROWS + [variant_row(v) for v in a.variant]
-    runs: dict[str, list[list[dict]]] = {}
-    for i, (name, _, _) in enumerate(rows):
-        for seed in a.seeds:
-            out = os.path.join(a.out, f"row{i}-seed{seed}")
-            if not os.path.exists(os.path.join(out, "final", "config.json")):  # finished runs are kept: rerun resumes the table
-                print(f"{name}, seed {seed}")
-                train.main([*row_flags(i, rows), *shlex.split(a.train_flags), "--seed", str(seed), "--max-samples", str(a.budget),
-                            "--steps", "1000", "--eval-every", str(a.eval_every), "--out", out])
-            runs.setdefault(name, []).append(read_metrics(os.path.join(out, "metrics.jsonl")))
+    budget = ["--max-samples", str(a.budget), "--steps", "1000", "--eval-every", str(a.eval_every)]
+    arms = [(name, [*row_flags(i, rows), *shlex.split(a.train_flags), *budget]) for i, (name, _, _) in enumerate(rows)]
+    runs = {name: [r.metrics for r in rs] for name, rs in run_arms("rows", arms, a.seeds, a.out).items()}
     md = table(runs, a.budget, rows)
     with open(os.path.join(a.out, "ablation.md"), "w") as fh:
         fh.write(md + "\n")
@@ -380,12 +314,11 @@ def rows_main(a) -> None:
 def experiments_main(a) -> None:
     """The experiments (EXPERIMENTS, or --only some): runs, then results/NAME.md and results/NAME.png each."""
     seeds = [0] if a.quick else a.seeds
-    for exp in EXPERIMENTS:
-        if a.only and exp.name not in a.only:
-            continue
-        runs = run_experiment(exp, seeds, a.out)
+    for exp in (e for e in EXPERIMENTS if not a.only or e.name in a.only):
+        runs = run_arms(exp.name, [(label, [*exp.model_flags(), *exp.flags, *f]) for label, f in exp.arms], seeds, a.out)
+        model = "" if exp.variant is None else f" on the base model variant builtin.{exp.variant} (`--model` its folder)"
         md = (f"# {exp.name}\n\n{exp.claim}\n\n`python ablate.py --only {exp.name}`: train.py "
-              f"{' '.join(exp.flags)}, then per arm: " + "; ".join(f"{x}: `{' '.join(f) or '(nothing)'}`" for x, f in exp.arms)
+              f"{' '.join(exp.flags)}{model}, then per arm: " + "; ".join(f"{x}: `{' '.join(f) or '(nothing)'}`" for x, f in exp.arms)
               + f"; seeds {' '.join(map(str, seeds))}.\n\n{experiment_table(exp, runs)}\n")
         os.makedirs(a.results, exist_ok=True)  # --results may name a new folder: the runs' tables must not be lost
         with open(os.path.join(a.results, f"{exp.name}.md"), "w") as fh:

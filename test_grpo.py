@@ -1614,7 +1614,7 @@ def test_recipe_key_changes_with_every_part_of_the_recipe_and_only_with_it():
                ('CHARS = "0123456789', 'CHARS = "9876543210'),               # the tokenizer's vocabulary
                ('behavior="isolated"', 'behavior="merged_with_previous"'),   # and its pre-tokenizer
                ("rms_norm_eps=1e-5", "rms_norm_eps=1e-6"),                    # the model
-               ("betas=(0.9, 0.98)", "betas=(0.9, 0.99)"),                    # the optimiser
+               ("sft_lr, weight_decay=0.0, betas=(0.9, 0.98)", "sft_lr, weight_decay=0.0, betas=(0.9, 0.99)"),  # the optimiser
                ("pos += range(len(s))", "pos += range(1, len(s) + 1)")]       # the packing
     same = [("# every character the task's prompts and solutions use", "# the characters"),
             ('"""\'+5\' or \'-5\', for a constant written after another term."""', '"""A signed constant."""'),
@@ -3036,6 +3036,57 @@ def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs,
     assert ("tiny.png" in os.listdir(tmp_path / "res")) == ("figure:" in capsys.readouterr().out)
     with pytest.raises(SystemExit):
         ablate.main(["--train-flags", "--mu 2"])                              # a --rows flag without --rows
+
+def test_stuttered_demonstrations_repeat_steps_never_the_answer():
+    """builtin.stuttered (the token-level experiment's variant): each step line 1 + 0-3 times, the answer once."""
+    sol = builtin.solve_steps("3x+5=x+9", 2, verbose=True)                    # 4 step lines, then 'Answer: 2'
+    assert builtin.stuttered(sol, random.Random(0), 0.0) == sol
+    for seed in range(20):
+        out = builtin.stuttered(sol, random.Random(seed), 1.0).split("\n")
+        assert out[-1] == "Answer: 2" and out.count("Answer: 2") == 1 and verify("\n".join(out), "2") == 1.0
+        assert [x for i, x in enumerate(out) if i == 0 or x != out[i - 1]] == sol.split("\n")  # runs of the same lines, in order
+        assert all(2 <= out.count(x) <= 4 for x in sol.split("\n")[:-1])
+    demos = builtin.variant_demos(builtin.Variant(steps=4, batch_size=50), builtin.BaseModelConfig())
+    stutters = sum(len(set(r.split("\n"))) < len(r.split("\n")) for _, r in demos)
+    assert len(demos) == 200 and 0.4 < stutters / 200 < 0.9                  # 1 - 0.7^k of k-step solutions (k 1-4)
+    assert not any(builtin.is_heldout(p.strip()) for p, _ in demos)
+
+
+def test_variant_key_and_build(tmp_path, monkeypatch):
+    """A variant's key changes with its fields, its code and the base recipe; editing its code leaves the
+    base model's key (and so the shipped weights) alone. variant_model builds once, then finds the folder."""
+    with open(builtin.__file__) as fh:
+        src = fh.read()
+    v, cfg = builtin.Variant(), builtin.BaseModelConfig()
+    key = builtin.variant_key(v, cfg, src)
+    for f in dataclasses.fields(v):
+        x = getattr(v, f.name)
+        assert builtin.variant_key(dataclasses.replace(v, **{f.name: x + 1 if isinstance(x, int) else x / 2}), cfg, src) != key
+    assert builtin.variant_key(v, dataclasses.replace(cfg, seed=1), src) != key
+    for old, new in (("[line] * (1 + (rng.randint(1, 3)", "[line] * (1 + (rng.randint(1, 2)"),   # stuttered
+                     ("rng = random.Random(v.seed + 7)", "rng = random.Random(v.seed + 8)"),      # variant_demos
+                     ("lr=v.lr, weight_decay=0.0, betas=(0.9, 0.98))\n    model.train()\n    for k",
+                      "lr=v.lr, weight_decay=0.0, betas=(0.9, 0.99))\n    model.train()\n    for k")):  # fine_tune
+        assert src.count(old) == 1, old
+        assert builtin.variant_key(v, cfg, src.replace(old, new)) != key, old
+        assert builtin.recipe_key(cfg, src.replace(old, new)) == builtin.recipe_key(cfg, src), old
+    tiny = builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, sft_steps=2, sft_batch_size=8)
+    small, logs = builtin.Variant(steps=2, batch_size=4), []
+    folder = builtin.variant_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a))
+    assert folder == str(tmp_path / f"variant-{builtin.variant_key(small, tiny)}") and len(logs) == 3  # base (2 lines), variant
+    _, _, base = data.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
+    _, tok, model = data.load_model(folder)
+    assert tok.eos_token_id == 1 and any(not torch.equal(p, q) for p, q in zip(base.parameters(), model.parameters()))
+    assert builtin.variant_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a)) == folder and len(logs) == 3
+    # an experiment on a variant runs train.py on its folder with the built-in task's learning rate
+    import ablate
+    import train
+    monkeypatch.setattr(builtin, "variant_model", lambda v: folder)
+    exp = next(e for e in ablate.EXPERIMENTS if e.name == "token-level-loss")
+    args = train.parse_args([*exp.model_flags(), *exp.flags])
+    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, train.BUILTIN_DEFAULTS["lr"], 96, 16)
+    assert ablate.Experiment("x", "", ("--steps", "2"), (), (), ()).model_flags() == ()
+
 
 # ---------------------------------------------------------------------------------------------
 # Runs through train.main and evaluate.main: the loss flags reach the update, the evaluate command
