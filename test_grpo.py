@@ -3497,3 +3497,155 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
         state[mode] = rows[-1]["memory/state_bytes"]
     print(f"per-rank state bytes on 2 GPUs: DDP {state['ddp']}, FSDP {state['fsdp']}")
     assert state["fsdp"] <= 0.55 * state["ddp"]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs: every `module.name`, --flag, test name and relative link in README.md and docs/ exists
+# ---------------------------------------------------------------------------------------------
+
+# Flags of other programs that the pages' commands pass (torchrun's launcher, python -m venv), and a
+# flag the pages name to say it is not offered.
+FOREIGN_FLAGS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--master_addr",
+                 "--master_port", "--system-site-packages", "--lora-dropout"}
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "txt", "pt", "toml", "lock"}  # `train.py`, not train.<name>
+
+
+def _doc_pages() -> dict[str, str]:
+    """README.md, results/README.md and docs/*.md, relative path -> text."""
+    docs = os.path.join(HERE, "docs")
+    paths = ["README.md", "results/README.md", *(f"docs/{n}" for n in sorted(os.listdir(docs)) if n.endswith(".md"))]
+    paths = [p for p in paths if os.path.exists(os.path.join(HERE, p))]
+    return {p: _read(os.path.join(HERE, p)) for p in paths}
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
+
+
+def _at(page: str, text: str, m, what: str | None = None) -> str:
+    """'page:line: what' for the match m in the page's text (what: the whole match by default)."""
+    return f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0) if what is None else what}"
+
+
+def _cli_actions() -> list:
+    """The argparse actions of every command-line script here: each script that parses flags runs as
+    __main__ until its parser's parse_known_args, which hands the parser over instead of parsing."""
+    import argparse
+    import runpy
+
+    class Parsed(Exception):
+        pass
+
+    def capture(parser, *args, **kwargs):
+        raise Parsed(parser)
+
+    actions, saved = [], (argparse.ArgumentParser.parse_known_args, sys.argv)
+    argparse.ArgumentParser.parse_known_args = capture
+    try:
+        for name in sorted(os.listdir(HERE)):
+            path = os.path.join(HERE, name)
+            src = _read(path) if name.endswith(".py") and name != "test_grpo.py" else ""
+            if "__main__" not in src or "parse_args(" not in src:
+                continue
+            sys.argv = [path]
+            with pytest.raises(Parsed) as got:  # a script that returns here parsed nothing: a bug in this test
+                runpy.run_path(path, run_name="__main__")
+            actions += got.value.args[0]._actions
+    finally:
+        argparse.ArgumentParser.parse_known_args, sys.argv = saved
+    return actions
+
+
+def _github_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (code blocks skipped): lower case, punctuation
+    dropped (letters of any script, digits, '_' and '-' kept), spaces to '-'."""
+    import re
+    anchors, fenced = set(), False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and (m := re.match(r"#+ (.*)", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def _docs_problems(pages: dict[str, str]) -> list[str]:
+    """What the pages name that does not exist, one line each: `module.name[.member]` (and keyword
+    arguments written as `module.fn(kw=...)`), --flag and its value where the flag has choices,
+    test_name, [text](relative link) with its #anchor."""
+    import importlib
+    import inspect
+    import re
+
+    modules = sorted(n[:-3] for n in os.listdir(HERE) if n.endswith(".py"))
+    actions = _cli_actions()
+    flags = {s for a in actions for s in a.option_strings} | FOREIGN_FLAGS
+    choices = {}
+    for a in actions:
+        for s in a.option_strings if a.choices is not None else []:
+            choices.setdefault(s, set()).update(map(str, a.choices))
+    tests = set(re.findall(r"^def (test_\w+)\(", _read(os.path.join(HERE, "test_grpo.py")), re.M))
+    # grpo.fn, grpo.fn(kw=...), sampler.Rollout.field; --flag, --flag value, --flag a/b
+    name_re = r"(?<![\w./-])(" + "|".join(modules) + r")((?:\.\w+)+)(\(([^()`]*)\))?"
+    flag_re = r"(?<![\w-])(--[a-z][\w-]*)(?:[ =]([a-z0-9][\w.-]*(?:/[\w.-]+)*))?"
+    missing, problems = object(), []
+    for page, text in pages.items():
+        for m in re.finditer(name_re, text):
+            parts = m.group(2).split(".")[1:]
+            obj = importlib.import_module(m.group(1))
+            for part in parts if parts[0] not in FILE_SUFFIXES else []:
+                fields = getattr(obj, "__dataclass_fields__", {})  # a field without a default
+                obj = getattr(obj, part, fields.get(part, missing))
+                if obj is missing:
+                    problems.append(f"{_at(page, text, m)}: no {part}")
+                    break
+            else:
+                params = inspect.signature(obj).parameters if m.group(3) and callable(obj) else {}
+                kwargs = re.findall(r"(\w+)=(?!=)", m.group(4) or "")
+                if all(p.kind != p.VAR_KEYWORD for p in params.values()):
+                    problems += [f"{_at(page, text, m)}: no argument {kw}" for kw in kwargs if kw not in params]
+        for m in re.finditer(flag_re, text):
+            if m.group(1) not in flags:
+                problems.append(f"{_at(page, text, m)}: no such flag")
+            elif m.group(2) and m.group(1) in choices:
+                problems += [f"{_at(page, text, m)}: no choice {v}"
+                             for v in m.group(2).split("/") if v not in choices[m.group(1)]]
+        for m in re.finditer(r"\btest_\w+", text):
+            if m.group(0) != "test_grpo" and m.group(0) not in tests:
+                problems.append(f"{_at(page, text, m)}: no such test in test_grpo.py")
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target, _, anchor = m.group(1).partition("#")
+            path = os.path.normpath(os.path.join(HERE, os.path.dirname(page), target))
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            if target and not os.path.exists(path):
+                problems.append(f"{_at(page, text, m, m.group(1))}: no such file")
+            elif anchor and anchor not in _github_anchors(_read(path) if target else text):
+                problems.append(f"{_at(page, text, m, m.group(1))}: no such heading")
+    return problems
+
+
+def test_docs_name_only_functions_flags_tests_and_files_that_exist():
+    pages = _doc_pages()
+    assert {"README.md", "docs/objectives.md", "docs/metrics.md"} <= set(pages)
+    assert _docs_problems(pages) == []
+
+
+def test_docs_check_finds_a_stale_name_argument_flag_choice_test_link_and_anchor():
+    # one right and one wrong of each kind; file names (train.py, curves.png) are not module names
+    page = """# Quickstart (CPU, nothing downloaded)
+`grpo.policy_loss` `grpo.no_such_fn` `sampler.Rollout.lengths` `sampler.Rollout.no_field` `train.py` `runs/curves.png`
+`grpo.token_weights(mask, "token", num_tokens=...)` `grpo.token_weights(mask, num_tokenz=...)`
+--algo dapo --algo dapi --no-dynamic-sampling --no-such-flag --nproc_per_node 8 --adv-scale group/batch/nine
+`test_token_weights_by_hand` `test_no_such_test`
+[ok](docs/metrics.md) [gone](docs/gone.md) [here](#quickstart-cpu-nothing-downloaded) [there](#no-such-heading)
+[ok](docs/metrics.md#logged-metrics-outmetricsjsonl) [no](docs/metrics.md#quickstart-cpu-nothing-downloaded)
+"""
+    assert _docs_problems({"README.md": page}) == [
+        "README.md:2: grpo.no_such_fn: no no_such_fn", "README.md:2: sampler.Rollout.no_field: no no_field",
+        "README.md:3: grpo.token_weights(mask, num_tokenz=...): no argument num_tokenz",
+        "README.md:4: --algo dapi: no choice dapi", "README.md:4: --no-such-flag: no such flag",
+        "README.md:4: --adv-scale group/batch/nine: no choice nine",
+        "README.md:5: test_no_such_test: no such test in test_grpo.py",
+        "README.md:6: docs/gone.md: no such file", "README.md:6: #no-such-heading: no such heading",
+        "README.md:7: docs/metrics.md#quickstart-cpu-nothing-downloaded: no such heading"]
