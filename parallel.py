@@ -226,6 +226,24 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.n
     return n
 
 
+@contextlib.contextmanager
+def recompute(policy: torch.nn.Module, on: bool):
+    """--gradient-checkpointing's layers recompute in backward only in training mode (transformers
+    checks the layer's own `training`), and the model stays in eval mode: set it on those layers
+    alone, for the gradient passes (dropout, in their children, stays off; no-grad passes, which
+    some transformers versions would run without the KV cache in training mode, are left alone)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in policy.modules() if on and isinstance(m, GradientCheckpointingLayer)
+              and m.gradient_checkpointing and not m.training]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.training = False
+
+
 def checkpoint_activations(model) -> None:
     """Keep only each decoder layer's input in the forward and recompute the layer in backward (non-reentrant
     torch.utils.checkpoint, through transformers: `activation_checkpointing_enable` since transformers 5)."""

@@ -2523,6 +2523,42 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
     assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)
 
 
+def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny_model):
+    """--gradient-checkpointing reaches the update: the model stays in eval mode (as from_pretrained
+    gives it), yet each checkpointed layer runs again in backward, only during the gradient passes,
+    with the same update as without checkpointing."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    import parallel
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(0))
+
+    def run(checkpointing):
+        model, calls, forwards = copy.deepcopy(tiny_model), [], []
+        if checkpointing:
+            parallel.checkpoint_activations(model)
+        model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # first in the layer
+        model.model.register_forward_hook(lambda *_: forwards.append(1))     # once per forward of the model
+        args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=1, temperature=1.0, reduction="token",
+                               loss="ppo", fsdp=False, gradient_checkpointing=checkpointing, max_new_tokens=20,
+                               eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                               kl="k3", grad_clip=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        learner = update.Learner(model, model, None, opt, contextlib.nullcontext)
+        update.update_policy(learner, roll, adv, roll.mask, args, parallel.Dist("cpu"))
+        assert not any(m.training for m in model.modules())                 # eval mode again after
+        return model, len(calls), len(forwards)
+
+    plain, n_plain, f_plain = run(False)
+    ckpt, n_ckpt, f_ckpt = run(True)
+    assert n_plain == f_plain and n_ckpt == 2 * f_ckpt                       # the layer ran again in backward
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(plain.parameters(), ckpt.parameters()))
+
+
 @pytest.mark.slow
 def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactly(tiny_run_inputs, tmp_path):
     """FSDP2 on 2 gloo ranks against one plain process (same seed and global batch), 3 steps: the same rewards

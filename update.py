@@ -130,7 +130,8 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
             learner.opt.zero_grad(set_to_none=True)
             for i, s in enumerate(micro):
                 last = i == len(micro) - 1
-                with parallel.grad_sync(policy, last), amp():
+                with (parallel.grad_sync(policy, last), amp(),
+                      parallel.recompute(policy, args.gradient_checkpointing)):
                     if s.start >= s.stop:  # none of this rank's rows: a zero-weight pass for DDP
                         one = torch.zeros(1, 1, dtype=torch.long, device=ddp.device)
                         (policy(input_ids=one).logits.sum() * 0.0).backward()
