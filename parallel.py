@@ -232,8 +232,11 @@ def recompute(policy: torch.nn.Module, on: bool):
     checks the layer's own `training`), and the model stays in eval mode: set it on those layers
     alone, for the gradient passes (dropout, in their children, stays off; no-grad passes, which
     some transformers versions would run without the KV cache in training mode, are left alone)."""
+    if not on:  # the default: nothing to walk on every micro-batch
+        yield
+        return
     from transformers.modeling_layers import GradientCheckpointingLayer
-    layers = [m for m in policy.modules() if on and isinstance(m, GradientCheckpointingLayer)
+    layers = [m for m in policy.modules() if isinstance(m, GradientCheckpointingLayer)
               and m.gradient_checkpointing and not m.training]
     for m in layers:
         m.training = True
