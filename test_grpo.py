@@ -3325,6 +3325,10 @@ class _RecordingLLM:
     def collective_rpc(self, method, kwargs):
         self.calls.append((method, [(n, t.dtype) for n, t in kwargs["weights_iterator"]]))
 
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
@@ -3336,7 +3340,11 @@ def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
     engine.push(model)
     reload = ("reload_weights", [(n, torch.bfloat16) for n in model.state_dict()])
     want = [("sleep", 2), ("wake_up", ["weights"]), reload, ("wake_up", ["kv_cache"])] if cuda else [reload]
-    assert engine.llm.calls == want and not engine.asleep
+    # then the prefix cache goes, on CPU too: no prompt is decoded on K/V the old weights computed
+    assert engine.llm.calls == [*want, ("reset_prefix_cache",)] and not engine.asleep
+    engine.llm.reset_prefix_cache = lambda: False     # vLLM could not drop it: an error, never stale K/V
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        engine.push(model)
 
 
 @pytest.fixture(scope="session")
@@ -3362,7 +3370,7 @@ def vllm_model(tmp_path_factory):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=None,
         tie_word_embeddings=True, initializer_range=0.2)).eval()
     model.save_pretrained(d)
     tok.save_pretrained(d)
@@ -3378,6 +3386,10 @@ def vllm_engine(vllm_env, vllm_model):
 
 
 VLLM_PROMPTS = [[12, 5, 20, 9], [7, 30, 14, 3, 25, 11, 16, 8, 2], [22]]
+# prompts as real runs have them: a shared 400-token instruction (3 full KV blocks of vLLM's 128 tokens,
+# which its prefix cache reuses across requests), then each prompt's own tokens
+VLLM_INSTRUCTION = [int(t) for t in torch.randint(3, 33, (400,), generator=torch.Generator().manual_seed(5))]
+VLLM_LONG_PROMPTS = [VLLM_INSTRUCTION + p for p in VLLM_PROMPTS]
 
 
 def _same_rollout(a: Rollout, b: Rollout, atol: float) -> None:
@@ -3395,41 +3407,52 @@ def test_vllm_greedy_equals_sample_groups_on_the_same_weights(vllm_engine, vllm_
     # greedily, token 30 ends prompt 0 at its 5th token and prompt 2 at its 2nd; prompt 1 runs to T
     assert engine.lengths.tolist() == [5, 5, T, T, 2, 2] and engine.truncated.tolist() == [False] * 2 + [True] * 2 + [False] * 2
     _same_rollout(engine, hf, atol=1e-4)                     # float32 both sides: other kernels, same tokens
+    # a budget of 5: prompt 0's end token is its last one, which ends it (not truncated); prompt 1 is cut
+    five = vllm_engine.sample_groups(model, VLLM_PROMPTS, 1, 5, eos, 0, 0.0)
+    assert five.lengths.tolist() == [5, 5, 2] and five.truncated.tolist() == [False, True, False]
+    _same_rollout(five, sample_groups(model, VLLM_PROMPTS, 1, 5, eos, 0, 0.0), atol=1e-4)
+    # prompts of 3+ KV blocks sharing a 400-token prefix (the second call reads the first's cached blocks)
+    for _ in range(2):
+        long = vllm_engine.sample_groups(model, VLLM_LONG_PROMPTS, 2, T, eos, 0, 0.0)
+        _same_rollout(long, sample_groups(model, VLLM_LONG_PROMPTS, 2, T, eos, 0, 0.0), atol=1e-4)
 
 
 @pytest.mark.vllm
 def test_vllm_samples_follow_each_prompts_seed_with_the_trainers_logprobs(vllm_engine, vllm_model):
     model, G, T, temp = vllm_model[1], 3, 16, 0.7
     gens = lambda idx: [data.prompt_generator(0, j) for j in idx]  # noqa: E731
-    batch = vllm_engine.sample_groups(model, VLLM_PROMPTS, G, T, [1], 0, temp, generator=gens([0, 1, 2]))
-    alone = vllm_engine.sample_groups(model, VLLM_PROMPTS[1:2], G, T, [1], 0, temp, generator=gens([1]))
+    prompts = VLLM_LONG_PROMPTS                                  # 400 shared tokens, then each prompt's own
+    batch = vllm_engine.sample_groups(model, prompts, G, T, [1], 0, temp, generator=gens([0, 1, 2]))
+    alone = vllm_engine.sample_groups(model, prompts[1:2], G, T, [1], 0, temp, generator=gens([1]))
     t = alone.response_ids.shape[1]
     assert batch.response_ids[G:2 * G, :t].tolist() == alone.response_ids.tolist()  # the batch does not matter
-    assert len({tuple(r) for r in batch.response_ids.tolist()}) == G * len(VLLM_PROMPTS)  # G different samples each
-    other = vllm_engine.sample_groups(model, VLLM_PROMPTS[1:2], G, T, [1], 0, temp, generator=gens([7]))
+    assert len({tuple(r) for r in batch.response_ids.tolist()}) == G * len(prompts)  # G different samples each
+    other = vllm_engine.sample_groups(model, prompts[1:2], G, T, [1], 0, temp, generator=gens([7]))
     assert other.response_ids.tolist() != alone.response_ids.tolist()               # another seed, other samples
     # the sampled tokens' log-probs are those of softmax(logits / temperature), as the trainer recomputes them
-    trainer, _, valid = rollout_logprobs(model, batch, slice(0, G * len(VLLM_PROMPTS)), temp)
+    trainer, _, valid = rollout_logprobs(model, batch, slice(0, G * len(prompts)), temp)
     torch.testing.assert_close(batch.logprobs, trainer * valid, atol=1e-4, rtol=0)
 
 
 @pytest.mark.vllm
 def test_vllm_push_after_updates_gives_hf_greedy_on_the_trained_weights(vllm_engine, vllm_model):
     import copy
-    model, T = copy.deepcopy(vllm_model[1]), 24
-    before = sample_groups(model, VLLM_PROMPTS, 1, T, [1], 0, 0.0)
+    # prompts sharing 3 full KV blocks: the stale call below leaves them in vLLM's prefix cache, computed
+    # by the old weights, so a push that kept the cache would decode the new weights on old K/V
+    model, T, prompts = copy.deepcopy(vllm_model[1]), 24, VLLM_LONG_PROMPTS
+    before = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     for _ in range(3):  # a few large updates: push the model towards other continuations
-        model(input_ids=torch.tensor([VLLM_PROMPTS[1]]), labels=torch.tensor([VLLM_PROMPTS[1][::-1]])).loss.backward()
+        model(input_ids=torch.tensor([prompts[1]]), labels=torch.tensor([prompts[1][::-1]])).loss.backward()
         opt.step()
         opt.zero_grad()
-    after = sample_groups(model, VLLM_PROMPTS, 1, T, [1], 0, 0.0)
+    after = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
     assert after.response_ids.tolist() != before.response_ids.tolist()
-    stale = vllm_engine.sample_groups(model, VLLM_PROMPTS, 1, T, [1], 0, 0.0)
+    stale = vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0)
     assert stale.response_ids.tolist() == before.response_ids.tolist()  # without a push: the old weights
     try:
         vllm_engine.push(model)
-        _same_rollout(vllm_engine.sample_groups(model, VLLM_PROMPTS, 1, T, [1], 0, 0.0), after, atol=1e-4)
+        _same_rollout(vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0), after, atol=1e-4)
     finally:
         vllm_engine.push(vllm_model[1])                    # the other tests' weights back
 
@@ -3441,12 +3464,16 @@ def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_mode
     fed full tensors gathered from the shards): the same rewards at every step (the per-prompt seeds), the
     same evaluations (through the engines), weights within 1e-3, truncated IS on at cap 2, and the
     sampler/trainer mismatch at the float32 level at every step (an engine left with old weights drifts
-    away from the policy step by step). The tiny runs' large learning rate makes every step move the policy."""
-    runs = {}
+    away from the policy step by step). The tiny runs' large learning rate makes every step move the policy.
+    Every prompt opens with the same ~400-token instruction, as real prompts share a chat header and system
+    prompt: 3 full KV blocks that vLLM's prefix cache keeps across requests (and across weight pushes,
+    unless the engine drops it), as each evaluation's prompts repeat the last one's."""
+    runs, instruction = {}, "3x+4=19\nAnswer: 5\n" * 22
     for n in (1, 2):
         out = tmp_path / f"w{n}"
         flags = [*_tiny_flags(tiny_run_inputs, out), "--model", str(vllm_model[0]), "--steps", "3", "--eval-every", "1",
-                 "--algo", "dapo", "--rollout", "vllm", "--grad-clip", "0", *(["--fsdp"] if n == 2 else [])]
+                 "--algo", "dapo", "--rollout", "vllm", "--grad-clip", "0", "--prompt-template", instruction + "{prompt}",
+                 *(["--fsdp"] if n == 2 else [])]
         _torchrun(n, os.path.join(HERE, "train.py"), *flags)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert json.loads((out / "config.json").read_text())["tis_cap"] == 2.0

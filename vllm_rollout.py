@@ -22,6 +22,8 @@ graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
   one full tensor is in flight, never a second copy of the model.
 - On CUDA the engine sleeps during the update (`Engine.sleep`: KV cache and weights released) and
   wakes with the weights first, then the KV cache, around `push`.
+- Every push ends by emptying vLLM's prefix cache (on by default: a prompt's full 128-token blocks are
+  reused across requests), so no prompt is ever decoded on K/V the previous weights computed.
 """
 from __future__ import annotations
 
@@ -124,6 +126,11 @@ class Engine:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+        # the prefix cache holds K/V the old weights computed for every full block (128 tokens on CPU) of
+        # earlier prompts: a prompt sharing one (a chat header, a system prompt, the same eval prompts)
+        # would be decoded on it. sleep(level=2) drops it on CUDA; on CPU nothing else does
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still running)")
 
     def close(self) -> None:
         """Shut the engine down while the process group it joined still exists (vLLM then destroys its
