@@ -258,6 +258,10 @@ def tiny_model():
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]]
+# prompts at a real run's shape: a shared 140-token instruction (longer than a 128-token KV block), then
+# each prompt's own 3, 6 and 1 tokens, so the prompts still differ in length and are left-padded
+INSTRUCTION = [int(t) for t in torch.randint(2, 40, (140,), generator=torch.Generator().manual_seed(4))]
+LONG_PROMPTS = [INSTRUCTION + p for p in PROMPTS]
 
 
 def _full_forward_logprobs(model, prompt, response, temperature=1.0):
@@ -1078,13 +1082,14 @@ def _tiny_gpt2():
     log-probs (RoPE models, the others here, see only the distance between positions)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=0,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=256, pad_token_id=0,
                                       eos_token_id=1, bos_token_id=None)).eval()
 
 
-def _mixed_rollout(model, temperature, G=4, T=20):
-    """PROMPTS (3, 6 and 1 tokens) x G samples, some ending in EOS and some truncated."""
-    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
+def _mixed_rollout(model, temperature, G=4, T=20, prompts=PROMPTS):
+    """PROMPTS (3, 6 and 1 tokens; LONG_PROMPTS: 143, 146, 141) x G samples, some ending in EOS and some
+    truncated."""
+    roll = sample_groups(model, prompts, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
                          generator=torch.Generator().manual_seed(3))
     assert len(set(roll.lengths.tolist())) > 2 and roll.truncated.any() and (~roll.truncated).any()
     return roll
@@ -1094,17 +1099,21 @@ def _micro_batches(N, mb):
     return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
 
 
-@pytest.mark.parametrize("kind,keep", [("llama", 0.8), ("llama", 1.0), ("mistral", 1.0), ("gpt2", 1.0)])
-def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monkeypatch):
+@pytest.mark.parametrize("kind,keep,prompts", [("llama", 0.8, PROMPTS), ("llama", 1.0, PROMPTS), ("mistral", 1.0, PROMPTS),
+                                                ("gpt2", 1.0, PROMPTS), ("llama", 0.8, LONG_PROMPTS),
+                                                ("mistral", 1.0, LONG_PROMPTS), ("gpt2", 1.0, LONG_PROMPTS)],
+                         ids=["llama", "llama-buckets", "mistral", "gpt2", "llama-long", "mistral-long", "gpt2-long"])
+def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, prompts, monkeypatch):
     # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
-    # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute positions
+    # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute positions;
+    # -long: prompts of 141-146 tokens sharing a 140-token prefix
     from functools import partial
 
     from logprobs import per_response_logprobs, rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     model = {"llama": lambda: tiny_model, "mistral": lambda: _tiny("mistral", torch.float32), "gpt2": _tiny_gpt2}[kind]()
     t, G = 0.7, 4
-    roll = _mixed_rollout(model, t, G)
+    roll = _mixed_rollout(model, t, G, prompts=prompts)
     N, T_all = roll.response_ids.shape
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(N, generator=g)
@@ -1135,16 +1144,18 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, monke
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("kind,temperature,keep", [("llama", 1.0, 0.8), ("llama", 0.7, 0.8), ("llama", 0.7, 1.0),
-                                                   ("gpt2", 0.7, 1.0)])
-def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, keep, monkeypatch):
+@pytest.mark.parametrize("kind,temperature,keep,prompts", [
+    ("llama", 1.0, 0.8, PROMPTS), ("llama", 0.7, 0.8, PROMPTS), ("llama", 0.7, 1.0, PROMPTS), ("gpt2", 0.7, 1.0, PROMPTS),
+    ("llama", 0.7, 0.8, LONG_PROMPTS), ("gpt2", 0.7, 1.0, LONG_PROMPTS)],
+    ids=["llama-t1", "llama", "llama-buckets", "gpt2", "llama-long", "gpt2-long"])
+def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, keep, prompts, monkeypatch):
     # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
     # off-by-one position, position ids that ignore the left padding (gpt2: absolute positions), or a dropped
     # temperature all break this
     from logprobs import rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     model = tiny_model if kind == "llama" else _tiny_gpt2()
-    roll = _mixed_rollout(model, temperature)
+    roll = _mixed_rollout(model, temperature, prompts=prompts)
     N = roll.response_ids.shape[0]
     for mb in (N, 5):
         with torch.no_grad():
@@ -1225,18 +1236,22 @@ def _tiny(kind, dtype):
     return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval().to(dtype)  # sliding-window layers
 
 
-@pytest.mark.parametrize("kind,dtype", [("qwen2", torch.float32), ("qwen2", torch.bfloat16), ("mistral", torch.float32)])
-def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype):
+@pytest.mark.parametrize("kind,dtype,prompts", [
+    ("qwen2", torch.float32, PROMPTS), ("qwen2", torch.bfloat16, PROMPTS), ("mistral", torch.float32, PROMPTS),
+    ("qwen2", torch.float32, LONG_PROMPTS), ("mistral", torch.float32, LONG_PROMPTS)],
+    ids=["qwen2", "qwen2-bf16", "mistral", "qwen2-long", "mistral-long"])
+def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype, prompts):
+    # -long: prompts of 141-146 tokens sharing a 140-token prefix (past a KV block, and the window of 5)
     import sampler
     model, G, T = _tiny(kind, dtype), 3, 24
     layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8)[0].layers}
     assert layers == {"_BufferedLayer"} and sampler._make_cache(model, 8)[1] == (None if kind == "qwen2" else 5)
     # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
-    free = sample_groups(model, PROMPTS[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
+    free = sample_groups(model, prompts[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     eos = int(free.response_ids[0, 3])
-    roll = sample_groups(model, PROMPTS, G, T, eos_token_id=eos, pad_token_id=0, temperature=0.0)
+    roll = sample_groups(model, prompts, G, T, eos_token_id=eos, pad_token_id=0, temperature=0.0)
     assert roll.lengths[0] <= 4 and roll.lengths.max() > roll.lengths[0]
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=eos,
                              pad_token_id=0)[0, len(p):].tolist()
         for r in range(i * G, (i + 1) * G):
