@@ -1889,6 +1889,26 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
         load("train.parquet")
 
 
+def test_trl_reward_columns_are_the_keys_of_every_row():
+    # JSONL rows need not share their keys (a Dataset's always do): a column only later rows hold
+    # still reaches the reward, None for the rows without it, whichever row comes first
+    rows = [{"prompt": "p0", "answer": "1", "columns": {"answer": "1"}},
+            {"prompt": "p1", "answer": "2", "columns": {"answer": "2", "level": 3}},
+            {"prompt": "p2", "answer": "3", "columns": {"answer": "3", "hint": "odd"}}]
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen.update(columns)
+        return [1.0] * len(completions)
+
+    data.Reward([("spy", spy)])(["p0", "p1", "p2"], ["a", "b", "c"], rows)
+    assert seen == {"answer": ["1", "2", "3"], "level": [None, 3, None],
+                    "hint": [None, None, "odd"]}
+    total, parts = data.Reward([("level", trl_level_match)])(["p0", "p1", "p2"], ["2"] * 3, rows)
+    assert parts["level"][1] == 3.0 and parts["level"][0].isnan()
+    assert total.tolist() == [0.0, 3.0, 0.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # evaluate.py: pass@k, maj@n, mean@n over ranks, the command
 # ---------------------------------------------------------------------------------------------
