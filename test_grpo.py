@@ -1889,6 +1889,91 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
         load("train.parquet")
 
 
+def _chat_tokenizer():
+    """A byte-level tokenizer (any text round-trips) with a ChatML chat template, as Qwen's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def _chatml(messages: list[dict]) -> str:
+    """What _chat_tokenizer's template renders for these messages (generation prompt on), written
+    out by hand."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
+
+
+def test_message_prompts_keep_their_system_turn_and_bad_prompts_name_their_row(tiny_run_inputs,
+                                                                               tmp_path, capsys):
+    import train
+    tok = _chat_tokenizer()
+    own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q1"},
+           {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
+    fmt = data.PromptFormatter(tok, "{prompt} (think first)", system="You are a tutor.")
+    # the row's own system turn wins over --system-prompt; the template rewrites the last user turn
+    want = [*own[:3], {"role": "user", "content": "Q2 (think first)"}]
+    assert tok.decode(fmt(own)) == _chatml(want)
+    assert own[3]["content"] == "Q2"                                     # the row is left as it was
+    assert tok.decode(fmt(own[1:2])) == _chatml([{"role": "system", "content": "You are a tutor."},
+                                                 {"role": "user", "content": "Q1 (think first)"}])
+    assert fmt(own[1:2]) == fmt("Q1")  # a text prompt: the one-user-turn message list it stands for
+    # a message list has no raw-text form: --no-chat-template, or a tokenizer without a chat
+    # template, is one line naming the first such row, before any sampling
+    rows = [{"prompt": "2x=4", "answer": "2"}, {"prompt": own, "answer": "2"}]
+    for formatter, why in ((data.PromptFormatter(tok, chat=False), "--no-chat-template sends raw"),
+                           (data.PromptFormatter(builtin.make_tokenizer()),
+                            "the tokenizer has no chat template")):
+        formatter.check(rows[:1], "--data x")
+        message = rf"^--data x: row 2: its prompt is a list of chat messages: {why}"
+        with pytest.raises(data.InputError, match=message):
+            formatter.check(rows, "--data x")
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for extra, why in (([], "the tokenizer has no chat template"),
+                       (["--no-chat-template"], "--no-chat-template")):
+        with pytest.raises(SystemExit) as e:
+            train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--data", str(jsonl),
+                        *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"--data {jsonl}: row 2: " in err and why in err
+    # a prompt that is neither text nor messages, a dotted field that is not there: file and line
+    bad = tmp_path / "bad.jsonl"
+    for prompt, got in ((7, "int 7"), ({"role": "user"}, 'dict {"role": "user"}'),
+                        (["a", "b"], 'list ["a", "b"]'), ([], "list []"),
+                        ([{"role": "user", "content": None}], "list"),
+                        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "list"),
+                        (None, "NoneType null")):
+        bad.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                               for p in ("ok", prompt)))
+        with pytest.raises(data.InputError) as e:
+            data.load_rows(str(bad), "train")
+        message = f"{bad}:2: field 'prompt' is neither a text nor a list of chat messages"
+        assert str(e.value).startswith(message) and f"(got {got}" in str(e.value)
+        assert "\n" not in str(e.value)
+    verl = tmp_path / "verl.jsonl"
+    for reward_model, message in (({"style": "rule"}, r"\(reward_model's fields: style\)"),
+                                  ("34", r"\(reward_model is a str, not an object\)")):
+        verl.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
+                                    "reward_model": reward_model}) + "\n")
+        with pytest.raises(data.InputError,
+                           match=rf"^{verl}:1: no field 'reward_model.ground_truth' {message}$"):
+            data.load_rows(str(verl), "train", answer_field="reward_model.ground_truth")
+    verl.write_text(json.dumps({"prompt": "1+1", "a.b": "2", "a": {"b": "3"}}) + "\n")
+    assert data.load_rows(str(verl), "train", answer_field="a.b")[0]["answer"] == "2"  # a key wins
+
+
 def test_trl_reward_columns_are_the_keys_of_every_row():
     # JSONL rows need not share their keys (a Dataset's always do): a column only later rows hold
     # still reaches the reward, None for the rows without it, whichever row comes first
