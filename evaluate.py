@@ -199,11 +199,12 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
 
 
 def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
-    """Up to k of a training batch's completions (prompt, response, reward), one per group first."""
+    """Up to k of a training batch's completions (prompt, response, reward), one per group first.
+    The prompt is the text the model saw, special tokens kept (a chat template's turn markers)."""
     N, G = roll.response_ids.shape[0], roll.G
     order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return [{"prompt": decode(roll.prompts[i // G]),
+    return [{"prompt": tokenizer.decode(roll.prompts[i // G]),
              "response": decode(roll.response_ids[i, : roll.lengths[i]]),
              "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
              "truncated": bool(roll.truncated[i])}
