@@ -6,9 +6,17 @@ Step 2's verifier compares against.
 
 A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet and
 Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for them).
-`--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`); GSM8K's rows work as
-they are with `--prompt-field question`, since its `answer` ends in `#### N` and the verifier reads the
-number after `####` in the reference too.
+`--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`), a dotted path
+naming a nested one (`reward_model.ground_truth`); GSM8K's rows work as they are with
+`--prompt-field question`, since its `answer` ends in `#### N` and the verifier reads the number
+after `####` in the reference too.
+
+A prompt is a text, or a list of chat messages {"role", "content"}: TRL's conversational format, and
+verl's (DAPO-Math-17k's rows are {"data_source", "prompt": [{"role": "user", ...}], "ability",
+"reward_model": {"ground_truth", "style"}, "extra_info"}, read with
+`--answer-field reward_model.ground_truth`). The messages go through the chat template as they are
+(PromptFormatter), and reward functions with TRL's signature get them, and the completions, in
+TRL's conversational form (Reward).
 """
 from __future__ import annotations
 
@@ -34,8 +42,10 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
               limit: int | None = None, hf_split: str = "train") -> list[dict]:
     """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file, or a .json
     file holding one array of objects; a Parquet or Arrow file, a folder (data files, or a save_to_disk
-    folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. "columns" keeps every field but
-    the prompt's, for reward functions with TRL's signature."""
+    folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. The fields are names, or
+    dotted paths into nested columns; "prompt" is a text or a list of chat messages, as the row
+    holds it, "answer" a text. "columns" keeps every top-level field but the prompt's, for reward
+    functions with TRL's signature."""
     if path == "builtin":
         import builtin
         if split == "train":  # a stream drawn from the task's distribution (repeats allowed), never held-out problems
@@ -51,16 +61,49 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
     for i, row in records:
         if not isinstance(row, dict):
             raise InputError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
-        for f in (prompt_field, answer_field):
-            if f not in row:
-                raise InputError(f"{path}:{i}: no field {f!r} (fields: {', '.join(sorted(row)) or 'none'})")
-        rows.append({"prompt": str(row[prompt_field]), "answer": str(row[answer_field]),
-                     "columns": {k: v for k, v in row.items() if k != prompt_field}})  # for TRL-style rewards
+        where = f"{path}:{i}"
+        prompt = _prompt(_field(row, prompt_field, where), f"{where}: field {prompt_field!r}")
+        answer = _field(row, answer_field, where)
+        rows.append({"prompt": prompt, "answer": str(answer),  # columns: for TRL-style rewards
+                     "columns": {k: v for k, v in row.items() if k != prompt_field}})
         if limit and len(rows) >= limit:
             break
     if not rows:
         raise InputError(f"{path}: no rows")
     return rows
+
+
+def _field(row: dict, name: str, where: str):
+    """row[name], or for a dotted path the nested value (`reward_model.ground_truth`:
+    row["reward_model"]["ground_truth"]); a key that holds the dots itself comes first."""
+    if name in row:
+        return row[name]
+    node, seen = row, []
+    for part in name.split("."):
+        if not isinstance(node, dict):
+            raise InputError(f"{where}: no field {name!r} ({'.'.join(seen)} is a "
+                             f"{type(node).__name__}, not an object)")
+        if part not in node:
+            inside = f"{'.'.join(seen)}'s " if seen else ""
+            raise InputError(f"{where}: no field {name!r} ({inside}fields: "
+                             f"{', '.join(sorted(node)) or 'none'})")
+        node = node[part]
+        seen.append(part)
+    return node
+
+
+def _prompt(value, where: str) -> str | list[dict]:
+    """A row's prompt as it is: a text, or a list of chat messages, each {"role": text, "content":
+    text} (other keys kept); anything else is one line naming the row."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in value):
+        return value
+    got = f"{type(value).__name__} {json.dumps(value, default=str)[:60]}"
+    raise InputError(f"{where} is neither a text nor a list of chat messages "
+                     f'[{{"role": ..., "content": text}}, ...] (got {got})')
 
 
 def _json_records(path: str):
@@ -138,12 +181,16 @@ def is_batch_reward(fn) -> bool:
 class Reward:
     """The score of each response: the --reward functions, each times its --reward-weights weight, summed.
 
-    A function with TRL's batch signature gets, by name, `prompts` (the rows' prompt texts, before any
-    template), `completions` (the response texts), `completion_ids` (token ids) and every other column of the
-    rows (the data set's fields but the prompt field, the answer field among them, under their own names);
-    one without **kwargs gets only the names it declares. It returns one float or None per response; None is
-    no score: that component leaves the response's sum, as TRL sums with nansum (a response no component
-    scores gets 0). `__call__` returns the sums [N] and each component [N] (NaN where it gave no score).
+    A function with TRL's batch signature gets, by name, `prompts` (the rows' prompts before any
+    template: texts, or for a conversational row a copy of its messages), `completions` (the
+    response texts; for a conversational row TRL's form, one assistant message [{"role":
+    "assistant", "content": text}]), `completion_ids` (token ids) and every other column of the rows
+    (the data set's fields but the prompt field, the answer field among them, under their own names:
+    the keys of all the rows, None where a row lacks one); one without **kwargs gets only the names
+    it declares. It returns one float or None per response; None is no score: that component leaves
+    the response's sum, as TRL sums with nansum (a response no component scores gets 0). `__call__`
+    returns the sums [N] and each component [N] (NaN where it gave no score). A function f(response,
+    answer) gets the response text, whatever the prompt.
     """
 
     def __init__(self, fns: list[tuple[str, object]], weights: list[float] | None = None):
@@ -177,7 +224,11 @@ class Reward:
     def _batch(name, fn, prompts, completions, rows, completion_ids) -> list:
         columns = {k: [r.get("columns", {"answer": r["answer"]}).get(k) for r in rows]
                    for k in dict.fromkeys(k for r in rows for k in r.get("columns", {"answer": None}))}
-        kw = {**columns, "prompts": prompts, "completions": completions}
+        chat = [isinstance(p, list) for p in prompts]  # TRL's conversational format: a message list
+        kw = {**columns,
+              "prompts": [[dict(m) for m in p] if c else p for p, c in zip(prompts, chat)],
+              "completions": [[{"role": "assistant", "content": t}] if c else t
+                              for t, c in zip(completions, chat)]}
         params = inspect.signature(fn).parameters
         if "completion_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
             kw["completion_ids"] = completion_ids() if completion_ids else None
@@ -200,21 +251,60 @@ def as_reward(fn) -> Reward:
 
 
 class PromptFormatter:
-    """Turns a row's prompt text into token ids: an optional template, then the chat template if any."""
+    """Turns a row's prompt into token ids.
+
+    A text: --prompt-template ({prompt} replaced by the text), then, where the tokenizer has a chat
+    template, that template over a user turn of it (after a system turn of --system-prompt), else
+    the text itself (the system prompt a line before it). A list of chat messages (TRL's
+    conversational format, verl's): the chat template over the messages as they are, with the
+    generation prompt, as TRL renders them; the row's own system turn is kept, and --system-prompt
+    is put first only where the messages have none; --prompt-template rewrites the content of the
+    last user turn. Messages need the chat template: --no-chat-template, or a tokenizer without one,
+    is an error (`check` names the first such row).
+    """
 
     def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None, chat: bool = True):
         if "{prompt}" not in template:
             raise InputError(f"--prompt-template must contain {{prompt}}, got {template!r}")
         self.tokenizer, self.template, self.system = tokenizer, template, system
         self.chat = chat and getattr(tokenizer, "chat_template", None) is not None
+        self.why_not = None if self.chat else (  # why a list of messages cannot be sent
+            "--no-chat-template sends raw text, and a list of messages is not one (drop the flag)"
+            if not chat else "the tokenizer has no chat template to render a list of messages with")
 
-    def __call__(self, prompt: str) -> list[int]:
+    def __call__(self, prompt: str | list[dict]) -> list[int]:
+        if isinstance(prompt, list):
+            if not self.chat:
+                raise InputError(f"a prompt is a list of chat messages: {self.why_not}")
+            return self._render(self.messages(prompt))
+        if self.chat:
+            return self._render(self.messages([{"role": "user", "content": prompt}]))
         text = self.template.replace("{prompt}", prompt)
-        if not self.chat:
-            return self.tokenizer(f"{self.system}\n{text}" if self.system else text)["input_ids"]
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": text}]
+        return self.tokenizer(f"{self.system}\n{text}" if self.system else text)["input_ids"]
+
+    def messages(self, prompt: list[dict]) -> list[dict]:
+        """The messages the chat template renders for a row's messages (a new list: the row's stays
+        as it is)."""
+        messages = [dict(m) for m in prompt]
+        last_user = next((m for m in reversed(messages) if m["role"] == "user"), None)
+        if last_user is not None:
+            last_user["content"] = self.template.replace("{prompt}", last_user["content"])
+        if self.system and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.system})
+        return messages
+
+    def _render(self, messages: list[dict]) -> list[int]:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def check(self, rows: list[dict], source: str) -> None:
+        """One line naming the first row whose prompt is a list of messages, where there is no chat
+        template to render it (before any sampling, rather than at the row's turn)."""
+        if self.why_not:
+            k = next((k for k, r in enumerate(rows, 1) if isinstance(r["prompt"], list)), None)
+            if k is not None:
+                raise InputError(f"{source}: row {k}: its prompt is a list of chat messages: "
+                                 f"{self.why_not}")
 
 
 def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tuple[int, dict]]:

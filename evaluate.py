@@ -199,11 +199,12 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
 
 
 def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
-    """Up to k of a training batch's completions (prompt, response, reward), one per group first."""
+    """Up to k of a training batch's completions (prompt, response, reward), one per group first.
+    The prompt is the text the model saw, special tokens kept (a chat template's turn markers)."""
     N, G = roll.response_ids.shape[0], roll.G
     order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return [{"prompt": decode(roll.prompts[i // G]),
+    return [{"prompt": tokenizer.decode(roll.prompts[i // G]),
              "response": decode(roll.response_ids[i, : roll.lengths[i]]),
              "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
              "truncated": bool(roll.truncated[i])}
@@ -224,15 +225,20 @@ class EvalArgs:
     # -- the model and data
     model: str = flag("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub "
                       "id or a local folder")
-    prompt_field: str = flag("prompt", "JSONL field holding the prompt (GSM8K: question)")
-    answer_field: str = flag("answer", "JSONL field holding the reference answer (GSM8K's '... "
-                             "#### 72' works as is)")
+    prompt_field: str = flag("prompt", "field holding the prompt: a text, or a list of chat "
+                             "messages (TRL's conversational format); a dotted path reaches a "
+                             "nested field (GSM8K: question)")
+    answer_field: str = flag("answer", "field holding the reference answer, or a dotted path "
+                             "(DAPO-Math-17k: reward_model.ground_truth; GSM8K's '... #### 72' "
+                             "works as is)")
     prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by "
-                                "the row's prompt")
+                                "the row's prompt (a list of messages: the content of its last "
+                                "user turn)")
     system_prompt: str | None = flag(None, "system message for chat models (prepended as a line "
-                                     "without a chat template)")
+                                     "without a chat template; a list of messages with a system "
+                                     "turn of its own keeps that one)")
     chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one "
-                               "(--no-chat-template: raw text)")
+                               "(--no-chat-template: raw text, an error for a list of messages)")
     reward: list[str] | None = flag(None, "'verifier' (the default) or module:function, "
                                     "f(response, answer) -> float or TRL's f(prompts, completions, "
                                     "**columns) -> list[float | None]; repeat to sum several")
@@ -369,6 +375,8 @@ def main(argv=None) -> list[tuple[str, dict]]:
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
             _, tokenizer, model = data.load_model(spec, args.trust_remote_code)
+            data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
+                                 args.chat_template).check(rows, f"--data {args.data}")
             m, records = evaluate_model(model.to(args.device), tokenizer, rows, args, OneProcess(), reward_fn)
             results.append((spec, m))
             lines += [json.dumps({"model": spec, **r}) for r in records]

@@ -1904,6 +1904,323 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
         load("train.parquet")
 
 
+# Hub data sets as they are: a few rows of each real schema, read by the docs' recipes. The schemas
+# (field names, nesting, types) are those of openai/gsm8k (main), BytedTsinghua-SIA/DAPO-Math-17k
+# (verl's format) and trl-lib/DeepMath-103K (TRL's conversational prompt-only format); the problems
+# are made up.
+DAPO_INSTRUCTION = ("Solve the following math problem step by step. The last line of your response "
+                    "should be of the form Answer: $Answer (without quotes) where $Answer is the "
+                    "answer to the problem.\n\n{}\n\n"
+                    "Remember to put your answer on its own line after \"Answer:\".")
+SCHEMA_PROBLEMS = [("Let $f(x) = 3x + 2$. Find $f(f(1))$.", "17"),
+                   ("How many positive divisors does $36$ have?", "9"),
+                   ("What is the remainder when $2^{10}$ is divided by $7$?", "2")]
+RECIPE_SCHEMAS = {"openai/gsm8k:main": "gsm8k", "BytedTsinghua-SIA/DAPO-Math-17k": "dapo",
+                  "trl-lib/DeepMath-103K": "trl"}  # a docs recipe's --data: the schema of its rows
+
+
+def _schema_rows(schema: str) -> list[dict]:
+    """Rows of a real schema: gsm8k, dapo (verl's), trl (conversational; one row with a system
+    turn), text (a plain JSONL)."""
+    if schema == "gsm8k":
+        return [{"question": q, "answer": f"It takes a few steps.\n#### {a}"}
+                for q, a in SCHEMA_PROBLEMS]
+    if schema == "dapo":
+        return [{"data_source": "math_dapo",
+                 "prompt": [{"content": DAPO_INSTRUCTION.format(q), "role": "user"}],
+                 "ability": "MATH", "reward_model": {"ground_truth": a, "style": "rule-lean"},
+                 "extra_info": {"index": f"0f3c9a52-77e1-4d0b-9c1e-5b2a8d4e{i:04d}"}}
+                for i, (q, a) in enumerate(SCHEMA_PROBLEMS)]
+    if schema == "trl":
+        rows = [{"prompt": [{"content": q, "role": "user"}], "solution": a}
+                for q, a in SCHEMA_PROBLEMS]
+        rows[1]["prompt"].insert(0, {"content": "You are a careful mathematician.",
+                                     "role": "system"})
+        return rows
+    return [{"prompt": q, "answer": a} for q, a in SCHEMA_PROBLEMS]
+
+
+def _chat_tokenizer():
+    """A byte-level tokenizer (any text round-trips) with a ChatML chat template, as Qwen's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def _chatml(messages: list[dict]) -> str:
+    """What _chat_tokenizer's template renders for these messages (generation prompt on), written
+    out by hand."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
+
+
+def _doc_commands(page: str, script: str) -> list[list[str]]:
+    """The `script` commands of a docs page's bash blocks, each as the words after `script`
+    (comments dropped, continuation lines joined, a quoted text may span lines: as bash reads
+    them)."""
+    import re
+    import shlex
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", _read(os.path.join(HERE, page)), re.S):
+        text = ""
+        for line in block.splitlines(keepends=True):
+            text += line
+            if text.endswith("\\\n"):
+                continue
+            try:
+                words = shlex.split(text.replace("\\\n", " "), comments=True)
+            except ValueError:  # an open quote: the text goes on on the next line
+                continue
+            text = ""
+            at = [i for i, w in enumerate(words) if w.endswith(script)]
+            if at:
+                commands.append(words[at[0] + 1:])
+    return commands
+
+
+def _trl_accuracy(completions, solution, **kwargs):
+    """trl.rewards.accuracy_reward's contract, where TRL is not installed: the content of each
+    completion's one assistant message against the solution column (verifier.verify here,
+    math_verify in TRL)."""
+    return [verify(c[0]["content"], s) for c, s in zip(completions, solution)]
+
+
+def _recipe_flags(schema: str, data_path, model) -> list[str]:
+    """The docs recipe of this schema with --data / --eval-data on the test's file and --model on
+    the test's folder, every other flag as the page gives it (text rows: train.py's defaults)."""
+    pages = ("docs/real-models.md", "docs/from-trl.md")
+    recipes = {RECIPE_SCHEMAS[f[f.index("--data") + 1]]: f
+               for page in pages for f in _doc_commands(page, "train.py")}
+    assert set(recipes) == {"gsm8k", "dapo", "trl"}, "a recipe without its schema in RECIPE_SCHEMAS"
+    flags = list(recipes.get(schema, ["--data", "x", "--eval-data", "x"]))
+    for name, value in (("--data", data_path), ("--eval-data", data_path), ("--model", model)):
+        if name in flags:
+            flags[flags.index(name) + 1] = str(value)
+        else:
+            flags += [name, str(value)]
+    if "trl.rewards:accuracy_reward" in flags:  # TRL's own, where TRL and math-verify are installed
+        try:
+            import math_verify  # noqa: F401
+            import trl.rewards  # noqa: F401
+        except ImportError:
+            flags[flags.index("trl.rewards:accuracy_reward")] = "test_grpo:_trl_accuracy"
+    return flags
+
+
+@pytest.mark.parametrize("schema", ["gsm8k", "dapo", "trl", "text"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_docs_recipes_read_the_real_rows_of_their_data_sets(tmp_path, schema, fmt):
+    import train
+    raw = _schema_rows(schema)
+    path = tmp_path / f"rows.{fmt}"
+    if fmt == "parquet":
+        datasets = pytest.importorskip("datasets", reason="Parquet is read through `datasets`")
+        datasets.Dataset.from_list(raw).to_parquet(str(path))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in raw))
+    args = train.parse_args(_recipe_flags(schema, path, tmp_path))
+    fields = args.prompt_field, args.answer_field
+    rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split)
+    eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split)
+    assert len(rows) == len(eval_rows) == 3
+    tok = _chat_tokenizer()
+    encode = data.PromptFormatter(tok, args.prompt_template, args.system_prompt, args.chat_template)
+    encode.check(rows, "--data")
+    answers = [a for _, a in SCHEMA_PROBLEMS]
+    for r, raw_row, (question, answer) in zip(rows, raw, SCHEMA_PROBLEMS):
+        if schema == "gsm8k":  # the text through --prompt-template, as one user turn
+            want = [{"role": "user", "content": args.prompt_template.replace("{prompt}", question)}]
+            assert want[0]["content"].endswith("within \\boxed{}.")
+            assert r["answer"] == raw_row["answer"]
+        elif schema == "text":
+            want = [{"role": "user", "content": question}]
+            assert r["answer"] == answer
+        else:  # the row's messages as they are (a system turn kept); the answer: the nested one
+            want = raw_row["prompt"]
+            assert r["prompt"] == want and r["answer"] == answer
+        ids = encode(r["prompt"])
+        assert tok.decode(ids) == _chatml(want), tok.decode(ids)
+        if schema == "dapo":  # the real instruction: prompts over a 128-token KV block, one prefix
+            assert len(ids) > 128 and ids[:100] == encode(rows[0]["prompt"])[:100]
+    # the recipe's reward: a right final answer scores 1, a wrong one 0 (DAPO asks for "Answer: N")
+    right = [f"So the answer line is\nAnswer: {a}" if schema == "dapo" else f"\\boxed{{{a}}}"
+             for a in answers]
+    prompts, completions = [r["prompt"] for r in rows] * 2, right + ["\\boxed{1000}"] * 3
+    total, _ = data.Reward.load(args.reward, args.reward_weights)(prompts, completions, rows * 2)
+    assert total.tolist() == [1.0] * 3 + [0.0] * 3
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):  # what GRPOTrainer passes
+        seen.update(prompts=prompts, completions=completions, columns=columns)
+        return [0.0] * len(completions)
+
+    data.Reward([("spy", spy)])(prompts[:3], completions[:3], rows)
+    chat = schema in ("dapo", "trl")  # TRL's conversational format: one assistant message each
+    assert seen["completions"] == ([[{"role": "assistant", "content": c}] for c in right] if chat
+                                   else right)
+    assert seen["prompts"] == [r.get("prompt", r.get("question")) for r in raw]
+    others = {k: [r[k] for r in raw] for k in raw[0] if k != args.prompt_field}
+    assert seen["columns"] == others  # dapo: reward_model, extra_info, ... as the rows hold them
+    if schema == "dapo":
+        assert seen["columns"]["reward_model"][0] == {"ground_truth": "17", "style": "rule-lean"}
+
+
+def test_message_prompts_keep_their_system_turn_and_bad_prompts_name_their_row(tiny_run_inputs,
+                                                                               tmp_path, capsys):
+    import train
+    tok = _chat_tokenizer()
+    own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q1"},
+           {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
+    fmt = data.PromptFormatter(tok, "{prompt} (think first)", system="You are a tutor.")
+    # the row's own system turn wins over --system-prompt; the template rewrites the last user turn
+    want = [*own[:3], {"role": "user", "content": "Q2 (think first)"}]
+    assert tok.decode(fmt(own)) == _chatml(want)
+    assert own[3]["content"] == "Q2"                                     # the row is left as it was
+    assert tok.decode(fmt(own[1:2])) == _chatml([{"role": "system", "content": "You are a tutor."},
+                                                 {"role": "user", "content": "Q1 (think first)"}])
+    assert fmt(own[1:2]) == fmt("Q1")  # a text prompt: the one-user-turn message list it stands for
+    # a message list has no raw-text form: --no-chat-template, or a tokenizer without a chat
+    # template, is one line naming the first such row, before any sampling
+    rows = [{"prompt": "2x=4", "answer": "2"}, {"prompt": own, "answer": "2"}]
+    for formatter, why in ((data.PromptFormatter(tok, chat=False), "--no-chat-template sends raw"),
+                           (data.PromptFormatter(builtin.make_tokenizer()),
+                            "the tokenizer has no chat template")):
+        formatter.check(rows[:1], "--data x")
+        message = rf"^--data x: row 2: its prompt is a list of chat messages: {why}"
+        with pytest.raises(data.InputError, match=message):
+            formatter.check(rows, "--data x")
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for extra, why in (([], "the tokenizer has no chat template"),
+                       (["--no-chat-template"], "--no-chat-template")):
+        with pytest.raises(SystemExit) as e:
+            train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--data", str(jsonl),
+                        *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"--data {jsonl}: row 2: " in err and why in err
+    # a prompt that is neither text nor messages, a dotted field that is not there: file and line
+    bad = tmp_path / "bad.jsonl"
+    for prompt, got in ((7, "int 7"), ({"role": "user"}, 'dict {"role": "user"}'),
+                        (["a", "b"], 'list ["a", "b"]'), ([], "list []"),
+                        ([{"role": "user", "content": None}], "list"),
+                        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "list"),
+                        (None, "NoneType null")):
+        bad.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                               for p in ("ok", prompt)))
+        with pytest.raises(data.InputError) as e:
+            data.load_rows(str(bad), "train")
+        message = f"{bad}:2: field 'prompt' is neither a text nor a list of chat messages"
+        assert str(e.value).startswith(message) and f"(got {got}" in str(e.value)
+        assert "\n" not in str(e.value)
+    verl = tmp_path / "verl.jsonl"
+    for reward_model, message in (({"style": "rule"}, r"\(reward_model's fields: style\)"),
+                                  ("34", r"\(reward_model is a str, not an object\)")):
+        verl.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
+                                    "reward_model": reward_model}) + "\n")
+        with pytest.raises(data.InputError,
+                           match=rf"^{verl}:1: no field 'reward_model.ground_truth' {message}$"):
+            data.load_rows(str(verl), "train", answer_field="reward_model.ground_truth")
+    verl.write_text(json.dumps({"prompt": "1+1", "a.b": "2", "a": {"b": "3"}}) + "\n")
+    assert data.load_rows(str(verl), "train", answer_field="a.b")[0]["answer"] == "2"  # a key wins
+
+
+def test_trl_reward_columns_are_the_keys_of_every_row():
+    # JSONL rows need not share their keys (a Dataset's always do): a column only later rows hold
+    # still reaches the reward, None for the rows without it, whichever row comes first
+    rows = [{"prompt": "p0", "answer": "1", "columns": {"answer": "1"}},
+            {"prompt": "p1", "answer": "2", "columns": {"answer": "2", "level": 3}},
+            {"prompt": "p2", "answer": "3", "columns": {"answer": "3", "hint": "odd"}}]
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, **columns):
+        seen.update(columns)
+        return [1.0] * len(completions)
+
+    data.Reward([("spy", spy)])(["p0", "p1", "p2"], ["a", "b", "c"], rows)
+    assert seen == {"answer": ["1", "2", "3"], "level": [None, 3, None],
+                    "hint": [None, None, "odd"]}
+    total, parts = data.Reward([("level", trl_level_match)])(["p0", "p1", "p2"], ["2"] * 3, rows)
+    assert parts["level"][1] == 3.0 and parts["level"][0].isnan()
+    assert total.tolist() == [0.0, 3.0, 0.0]
+
+
+TRL_SEEN = []  # what trl_spy_reward was called with, in-process runs
+
+
+def trl_spy_reward(prompts, completions, reward_model, **kwargs):
+    """TRL's signature, recording its arguments; scores a response by its length (mixed groups)."""
+    TRL_SEEN.append({"prompts": prompts, "completions": completions, "reward_model": reward_model})
+    return [len(c[0]["content"]) / 100 for c in completions]
+
+
+@pytest.mark.slow
+def test_train_and_evaluate_run_on_dapo_math_rows(tmp_path):
+    import importlib
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import evaluate
+    import train
+    tok = _chat_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    raw = _schema_rows("dapo")
+    rows_file = tmp_path / "dapo.jsonl"
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in raw))
+    seen = importlib.import_module("test_grpo").TRL_SEEN  # the module --reward imports
+    seen.clear()
+    train.main(["--model", str(tmp_path / "model"), "--data", str(rows_file),
+                "--eval-data", str(rows_file), "--answer-field", "reward_model.ground_truth",
+                "--reward", "test_grpo:trl_spy_reward", "--reward", "verifier",
+                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
+                "--steps", "1", "--eval-samples", "2", "--log-completions", "4", "--algo", "grpo",
+                "--out", str(tmp_path / "run"), "--device", "cpu"])
+    rendered = {_chatml(r["prompt"]) for r in raw}
+    logged = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
+    logged = [json.loads(x) for x in logged]
+    assert len(logged) == 4 and all(c["prompt"] in rendered for c in logged)  # what the model saw
+    # the reward's calls: evaluation before the step (3 problems x 2), the step (2 x 2), after
+    assert [len(c["prompts"]) for c in seen] == [2, 2, 2, 4, 2, 2, 2]
+    assert [c["prompts"] for c in seen[:3]] == [[r["prompt"]] * 2 for r in raw]  # the messages
+    step = seen[3]
+    assert all(p in [r["prompt"] for r in raw] for p in step["prompts"])
+    assert all(isinstance(c, list) and len(c) == 1 and set(c[0]) == {"role", "content"} and
+               c[0]["role"] == "assistant" for c in step["completions"])
+    assert [m["ground_truth"] for m in step["reward_model"]] == \
+        [r["reward_model"]["ground_truth"] for p in step["prompts"] for r in raw
+         if r["prompt"] == p]
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/maj@2" in metrics[0] and "reward/trl_spy_reward" in metrics[1]
+    # evaluate.py with evaluation.md's recipe (its budget cut to a tiny run): the per-problem lines
+    # keep each row's messages as they are, and its nested reference
+    recipe = _doc_commands("docs/evaluation.md", "evaluate.py")[0]
+    flags = recipe[recipe.index("--data"):]  # after its --model list: the tiny model instead
+    flags[flags.index("--data") + 1] = str(rows_file)
+    flags[flags.index("--out") + 1] = str(tmp_path / "per-problem.jsonl")
+    evaluate.main(["--model", str(tmp_path / "model"), *flags, "--max-new-tokens", "4",
+                   "--eval-samples", "2", "--max-num-seqs", "2", "--device", "cpu", "--no-bf16"])
+    records = [json.loads(x) for x in (tmp_path / "per-problem.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == [r["prompt"] for r in raw]
+    assert [r["reference"] for r in records] == [a for _, a in SCHEMA_PROBLEMS]
+
+
 # ---------------------------------------------------------------------------------------------
 # evaluate.py: pass@k, maj@n, mean@n over ranks, the command
 # ---------------------------------------------------------------------------------------------

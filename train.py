@@ -249,7 +249,7 @@ def parse_args(argv=None) -> Args:
 class Task:
     """What sampling and scoring need besides the policy: the prompts and how answers are read."""
     rows: list[dict]
-    encode: Callable[[str], list[int]]          # prompt text -> token ids (template, chat template)
+    encode: Callable[[str | list[dict]], list[int]]  # prompt (text, messages) -> token ids
     decode: Callable[[Rollout, int], str]       # (rollout, row) -> response text
     reward_fn: data.Reward                      # (prompts, responses, rows) -> ([N], parts)
     eos: list[int]
@@ -342,6 +342,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         model.to(ddp.device)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                   args.chat_template)
+    encode.check(train_rows, f"--data {args.data}")  # messages need a chat template: say so now
+    encode.check(eval_rows, f"--eval-data {args.eval_data}")
     eos = data.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]],  # noqa: E731
