@@ -1978,6 +1978,22 @@ def test_majority_vote_counts_what_the_reward_counts():
     assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED  # never a canonical text
 
 
+def test_majority_vote_merges_one_answer_written_three_ways():
+    import evaluate
+    # 2 of 5 samples right (4); three wrong ones give 1/2 as 0.5, \frac{1}{2} and 1/2: one answer, so it has
+    # the majority (3 votes to 2), maj@5 is 0. Voted as written, they would split 1-1-1 and the right 4 win.
+    responses = ["\\boxed{4}", "Answer: 0.5", "so \\boxed{\\frac{1}{2}}", "x = 4", "the answer is 1/2"]
+    scores = [verify(x, "4") for x in responses]
+    assert scores == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert len({extract_answer(responses[i]) for i in (1, 2, 4)}) == 3             # three texts, one number
+    r = _record(0, responses, scores)
+    assert [s["answer"] for s in r["samples"]] == [canonical("4"), *[canonical("1/2")] * 2, canonical("4"),
+                                                    canonical("1/2")]
+    assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
+    m = evaluate.metrics(evaluate.totals([r], [1]), 5, [1])
+    assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
+
+
 class _Rank:
     """Dist for one rank of `world` without a process group: sum returns this rank's share."""
     def __init__(self, rank, world):
@@ -2854,6 +2870,23 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
 
 
+def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
+    # GRPO + --format-weight: no answer is right (reward/correct 0) but half the groups' rewards differ, so the
+    # steps train (advantages != 0). Step 3 says "none right", and is still not a step that trained nothing
+    # (train.py's bar shows signal=none only for those); a step whose groups are all equal is, after it.
+    import train
+    check = curves.SignalCheck(train.parse_args(["--algo", "grpo", "--format-weight", "0.5"]))
+    said, silent = [], []
+    for step in (1, 2, 3, 4):
+        said.append(check(_signal_row(step, 0.0, 0.5)))
+        silent.append(check.silent)
+    assert said[:2] == [[], []] and said[3] == [] and silent == [False] * 4
+    assert len(said[2]) == 1 and said[2][0].startswith("warning: no learning signal at step 3: no sample of the first 3")
+    assert "(this step trained nothing)" not in said[2][0]
+    assert check(_signal_row(5, 0.0, 1.0)) != [] and check.silent             # every group equal: silent
+    assert check(_signal_row(6, 0.0, 0.5)) == [] and not check.silent          # and the next step trains again
+
+
 @pytest.mark.slow
 def test_a_run_without_learning_signal_says_so_on_stderr(tiny_run_inputs, tmp_path, capsys):
     # the verifier never credits the random model: every group all wrong, dynamic sampling keeps none, 3 steps
@@ -2975,6 +3008,46 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     assert torch.allclose(ref, want, atol=1e-6)                             # the reference is the base model
     assert (logp.detach() - want).abs().max() > 1e-3                        # which the adapted policy is not
     assert torch.equal(again, logp.detach()) and {n for n, p in model.named_parameters() if p.requires_grad} == adapters
+
+
+def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny_run_inputs, monkeypatch):
+    # peft.inject_adapter_in_model documents the injection only (peft 0.21 also freezes the rest, as its
+    # get_peft_model does); add_adapters freezes every base weight itself, so here peft leaves all trainable.
+    # Then one update as train.py builds it (AdamW over the parameters that require grad, weight decay on,
+    # beta > 0 with the adapters off as the reference): every base weight is bit-for-bit unchanged.
+    import contextlib
+    from types import SimpleNamespace
+
+    import lora
+    import parallel
+    peft = pytest.importorskip("peft", reason="--lora-r needs peft")
+    inject = peft.inject_adapter_in_model
+
+    def leaves_all_trainable(config, model, adapter_name="default"):
+        out = inject(config, model, adapter_name=adapter_name)
+        model.requires_grad_(True)
+        return out
+    monkeypatch.setattr(peft, "inject_adapter_in_model", leaves_all_trainable)
+    tok, model, _ = _lora_model(tiny_run_inputs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base = {n for n in before if ".lora_" not in n}
+    assert len(base) == len(before) - 28 and not any(model.get_parameter(n).requires_grad for n in base)
+    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 4, 8, eos,
+                         tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    args = SimpleNamespace(micro_batch_size=5, mini_batches=2, mu=1, temperature=1.0, reduction="token", loss="ppo",
+                           fsdp=False, gradient_checkpointing=False, max_new_tokens=8, eps_low=0.2, eps_high=0.28,
+                           clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    learner = update.Learner(model, model, model, opt, contextlib.nullcontext, lambda: lora.adapters_off(model))
+    update.update_policy(learner, roll, torch.randn(N, generator=torch.Generator().manual_seed(2)), roll.mask, args,
+                         parallel.Dist("cpu"))
+    after = dict(model.named_parameters())
+    assert [n for n in base if not torch.equal(after[n], before[n])] == []                  # the base: untouched
+    assert [n for n in before if n not in base and torch.equal(after[n], before[n])] == []  # every A and B moved
+    assert not any(after[n].requires_grad for n in base)                                   # still frozen
 
 
 def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs, tmp_path):
