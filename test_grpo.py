@@ -1354,6 +1354,55 @@ def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkey
             run(2)
 
 
+def _slot_schedule(lengths, G, S, continuous):
+    """Rows of each decode forward when groups of G enter S slots in order, each row leaving after its length:
+    continuous, a group enters as soon as G slots are free; static, only once the batch is empty."""
+    waiting, running, forwards = list(lengths), [], []
+    while waiting or running:
+        admit = continuous or not running
+        while admit and waiting and len(running) + G <= S:
+            running, waiting = running + waiting[:G], waiting[G:]         # one group, prefilled with the others
+        running = [left - 1 for left in running if left > 1]              # each row samples a token
+        if running:
+            forwards.append(len(running))                                 # the survivors' next forward
+    return forwards
+
+
+def test_max_num_seqs_refills_a_freed_slot_at_once(monkeypatch):
+    # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups; one slot idle),
+    # lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon as G are free
+    # (continuous batching), so the decode forwards are the schedule of _slot_schedule(continuous=True), not
+    # the static one's (the rollout is the same either way). Through evaluate.sample_rollout, as train.py samples.
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import evaluate
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         pad_token_id=0, eos_token_id=1, bos_token_id=None)).eval()
+    prefix = [4 + i % 44 for i in range(130)]
+    prompts = [prefix + list(range(5, 5 + k)) for k in (1, 5, 2, 4, 3, 1)]
+    G, S, T, ends = 3, 7, 16, [1, 2, 3, 20]
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(prompts))]  # noqa: E731
+    args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
+    roll = evaluate.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
+    lengths = roll.lengths.tolist()
+    assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5
+    prefills = [c for c in calls if c[1] > 1]                             # [k groups, P of the k]
+    decodes = [c[0] for c in calls if c[1] == 1]                          # rows of each decode forward
+    want, static = _slot_schedule(lengths, G, S, True), _slot_schedule(lengths, G, S, False)
+    assert decodes == want and max(decodes) <= S and len(want) < len(static)
+    assert sum(k for k, _ in prefills) == len(prompts) and len(prefills) > 3   # groups entered as slots freed
+    calls.clear()
+    plain = sample_groups(model, prompts, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=S, continuous=False)
+    assert [c[0] for c in calls if c[1] == 1] == static                   # the baseline it is measured against
+    assert torch.equal(plain.response_ids, roll.response_ids) and torch.equal(plain.lengths, roll.lengths)
+
+
 def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
     import sampler
     made, make = [], sampler._make_cache
