@@ -956,6 +956,90 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
     assert seen == {(False, *nograd), (True, *grad)}
 
 
+def _update_args(**kw):
+    """update_policy's args (the train.Args fields it reads): 2 mini-batches, micro-batches of 3,
+    no clip."""
+    from types import SimpleNamespace
+    base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
+                loss="ppo", fsdp=False, gradient_checkpointing=False, max_new_tokens=20,
+                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                kl="k3", grad_clip=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_update_policy_backwards_world_times_the_loss_for_ddps_mean(tiny_model):
+    # DDP averages the ranks' gradients, and each rank's loss is its share of the global mean (the
+    # denominators are all ranks' counts), so each rank backwards W x its share: the mean is then
+    # the sum. A rank that says it is one of 2 (its collectives see itself alone) backwards twice
+    # the gradient of one process on the same rows; SGD (lr 1, no clip) moves each weight by it.
+    import contextlib
+    import copy
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    moves, losses = [], []
+    for world in (1, 2):
+        model = copy.deepcopy(tiny_model)
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        learner = update.Learner(model, model, None, sgd, contextlib.nullcontext)
+        stats = update.update_policy(learner, roll, advantages, roll.mask,
+                                     _update_args(mini_batches=1), _AloneAs(world))
+        moves.append(torch.cat([(p - q).detach().view(-1)
+                                for p, q in zip(model.parameters(), tiny_model.parameters())]))
+        losses.append(stats.first["loss"])
+    assert moves[0].abs().max() > 1e-3
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)            # the logged loss: unscaled
+    assert torch.allclose(moves[1], 2 * moves[0], atol=1e-6, rtol=1e-4)  # float32, weights ~1
+
+
+class _NoSyncRecorder(torch.nn.parallel.DistributedDataParallel):
+    """A DDP (so parallel.grad_sync takes it for one) without a process group: it runs the model and
+    records, for each forward, its rows and whether it ran outside no_sync (DDP reads that flag as a
+    forward starts: outside, the backward all-reduces). A real DDP in this process can deadlock when
+    it is freed (its gloo threads wait for the GIL, held by the thread that joins them)."""
+
+    def __init__(self, module):
+        torch.nn.Module.__init__(self)
+        self.module, self.inside, self.synced = module, False, []
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def inside():
+            assert not self.inside
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+        return inside()
+
+    def forward(self, *args, **kwargs):
+        self.synced.append((kwargs["input_ids"].shape[0], not self.inside))
+        return self.module(*args, **kwargs)
+
+
+def test_ddp_syncs_only_the_last_micro_batch_of_each_update(tiny_model):
+    # 3 groups of 4 in 2 mini-batches (8 + 4 rows), micro-batches of 3: [3, 3, 2] then [3, 1], twice
+    # (--mu 2); only each update's last micro-batch all-reduces. The Dist says 2 ranks, so each
+    # micro-batch runs as one DDP forward (ranks' forwards must pair up); the old log-probs run on
+    # the model, not through DDP.
+    import contextlib
+    import copy
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    model = copy.deepcopy(tiny_model)
+    policy = _NoSyncRecorder(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    learner = update.Learner(policy, model, None, sgd, contextlib.nullcontext)
+    update.update_policy(learner, roll, torch.randn(N), roll.mask, _update_args(mu=2), _AloneAs(2))
+    one_pass = [(3, False), (3, False), (2, True), (3, False), (1, True)]
+    assert policy.synced == one_pass * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # logprobs.py: the token kernel (log-probs, entropy) and the shared-prefix training forward
 # (rollout_logprobs) against the per-response one
@@ -1355,52 +1439,58 @@ def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkey
 
 
 def _slot_schedule(lengths, G, S, continuous):
-    """Rows of each decode forward when groups of G enter S slots in order, each row leaving after its length:
-    continuous, a group enters as soon as G slots are free; static, only once the batch is empty."""
+    """Rows of each decode forward when groups of G enter S slots in order, each row leaving after
+    its length: continuous, a group enters as soon as G slots are free; static, only once the batch
+    is empty."""
     waiting, running, forwards = list(lengths), [], []
     while waiting or running:
         admit = continuous or not running
         while admit and waiting and len(running) + G <= S:
-            running, waiting = running + waiting[:G], waiting[G:]         # one group, prefilled with the others
-        running = [left - 1 for left in running if left > 1]              # each row samples a token
+            running, waiting = running + waiting[:G], waiting[G:]  # a group, prefilled with others
+        running = [left - 1 for left in running if left > 1]       # each row samples a token
         if running:
-            forwards.append(len(running))                                 # the survivors' next forward
+            forwards.append(len(running))                          # the survivors' next forward
     return forwards
 
 
-def test_max_num_seqs_refills_a_freed_slot_at_once(monkeypatch):
-    # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups; one slot idle),
-    # lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon as G are free
-    # (continuous batching), so the decode forwards are the schedule of _slot_schedule(continuous=True), not
-    # the static one's (the rollout is the same either way). Through evaluate.sample_rollout, as train.py samples.
+def test_max_num_seqs_refills_a_freed_slot_at_once():
+    # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups, one slot
+    # idle), lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon
+    # as G are free (continuous batching): the decode forwards follow the continuous _slot_schedule,
+    # not the static one (the rollout is the same either way). Through evaluate.sample_rollout, as
+    # train.py samples.
     from types import SimpleNamespace
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import evaluate
     torch.manual_seed(1)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         pad_token_id=0, eos_token_id=1, bos_token_id=None)).eval()
+    cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model = Qwen2ForCausalLM(cfg).eval()
     prefix = [4 + i % 44 for i in range(130)]
     prompts = [prefix + list(range(5, 5 + k)) for k in (1, 5, 2, 4, 3, 1)]
     G, S, T, ends = 3, 7, 16, [1, 2, 3, 20]
-    calls = []
-    model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(prompts))]  # noqa: E731
+    calls = []                                                 # (rows, positions) of each forward
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                    with_kwargs=True)
+    gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
     args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
     roll = evaluate.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
     lengths = roll.lengths.tolist()
     assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5
-    prefills = [c for c in calls if c[1] > 1]                             # [k groups, P of the k]
-    decodes = [c[0] for c in calls if c[1] == 1]                          # rows of each decode forward
+    prefills = [c for c in calls if c[1] > 1]                     # [k groups, P of the k]
+    decodes = [c[0] for c in calls if c[1] == 1]                  # rows of each decode forward
     want, static = _slot_schedule(lengths, G, S, True), _slot_schedule(lengths, G, S, False)
     assert decodes == want and max(decodes) <= S and len(want) < len(static)
-    assert sum(k for k, _ in prefills) == len(prompts) and len(prefills) > 3   # groups entered as slots freed
+    assert sum(k for k, _ in prefills) == 6 and len(prefills) > 3  # groups entered as slots freed
     calls.clear()
-    plain = sample_groups(model, prompts, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=S, continuous=False)
-    assert [c[0] for c in calls if c[1] == 1] == static                   # the baseline it is measured against
-    assert torch.equal(plain.response_ids, roll.response_ids) and torch.equal(plain.lengths, roll.lengths)
+    plain = sample_groups(model, prompts, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=S,
+                          continuous=False)
+    assert [c[0] for c in calls if c[1] == 1] == static       # the baseline it is measured against
+    assert torch.equal(plain.response_ids, roll.response_ids)
+    assert torch.equal(plain.lengths, roll.lengths)
 
 
 def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
@@ -2029,15 +2119,17 @@ def test_majority_vote_counts_what_the_reward_counts():
 
 def test_majority_vote_merges_one_answer_written_three_ways():
     import evaluate
-    # 2 of 5 samples right (4); three wrong ones give 1/2 as 0.5, \frac{1}{2} and 1/2: one answer, so it has
-    # the majority (3 votes to 2), maj@5 is 0. Voted as written, they would split 1-1-1 and the right 4 win.
-    responses = ["\\boxed{4}", "Answer: 0.5", "so \\boxed{\\frac{1}{2}}", "x = 4", "the answer is 1/2"]
+    # 2 of 5 samples right (4); three wrong ones give 1/2 as 0.5, \frac{1}{2} and 1/2: one answer,
+    # so it has the majority (3 votes to 2), maj@5 is 0. Voted as written, they would split 1-1-1
+    # and the right 4 would win.
+    responses = ["\\boxed{4}", "Answer: 0.5", "so \\boxed{\\frac{1}{2}}", "x = 4",
+                 "the answer is 1/2"]
     scores = [verify(x, "4") for x in responses]
     assert scores == [1.0, 0.0, 0.0, 1.0, 0.0]
-    assert len({extract_answer(responses[i]) for i in (1, 2, 4)}) == 3             # three texts, one number
+    assert len({extract_answer(responses[i]) for i in (1, 2, 4)}) == 3     # three texts, one number
     r = _record(0, responses, scores)
-    assert [s["answer"] for s in r["samples"]] == [canonical("4"), *[canonical("1/2")] * 2, canonical("4"),
-                                                    canonical("1/2")]
+    half, four = canonical("1/2"), canonical("4")
+    assert [s["answer"] for s in r["samples"]] == [four, half, half, four, half]
     assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
     m = evaluate.metrics(evaluate.totals([r], [1]), 5, [1])
     assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
@@ -2920,9 +3012,10 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
 
 
 def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
-    # GRPO + --format-weight: no answer is right (reward/correct 0) but half the groups' rewards differ, so the
-    # steps train (advantages != 0). Step 3 says "none right", and is still not a step that trained nothing
-    # (train.py's bar shows signal=none only for those); a step whose groups are all equal is, after it.
+    # GRPO + --format-weight: no answer is right (reward/correct 0) but half the groups' rewards
+    # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
+    # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
+    # groups are all equal is one, after it.
     import train
     check = curves.SignalCheck(train.parse_args(["--algo", "grpo", "--format-weight", "0.5"]))
     said, silent = [], []
@@ -2930,10 +3023,11 @@ def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
         said.append(check(_signal_row(step, 0.0, 0.5)))
         silent.append(check.silent)
     assert said[:2] == [[], []] and said[3] == [] and silent == [False] * 4
-    assert len(said[2]) == 1 and said[2][0].startswith("warning: no learning signal at step 3: no sample of the first 3")
+    assert len(said[2]) == 1
+    assert said[2][0].startswith("warning: no learning signal at step 3: no sample of the first 3")
     assert "(this step trained nothing)" not in said[2][0]
-    assert check(_signal_row(5, 0.0, 1.0)) != [] and check.silent             # every group equal: silent
-    assert check(_signal_row(6, 0.0, 0.5)) == [] and not check.silent          # and the next step trains again
+    assert check(_signal_row(5, 0.0, 1.0)) != [] and check.silent     # every group equal: silent
+    assert check(_signal_row(6, 0.0, 0.5)) == [] and not check.silent  # the next step trains again
 
 
 @pytest.mark.slow
@@ -3059,11 +3153,13 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     assert torch.equal(again, logp.detach()) and {n for n, p in model.named_parameters() if p.requires_grad} == adapters
 
 
-def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny_run_inputs, monkeypatch):
-    # peft.inject_adapter_in_model documents the injection only (peft 0.21 also freezes the rest, as its
-    # get_peft_model does); add_adapters freezes every base weight itself, so here peft leaves all trainable.
-    # Then one update as train.py builds it (AdamW over the parameters that require grad, weight decay on,
-    # beta > 0 with the adapters off as the reference): every base weight is bit-for-bit unchanged.
+def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny_run_inputs,
+                                                                            monkeypatch):
+    # peft.inject_adapter_in_model documents the injection only (peft 0.21 also freezes the rest, as
+    # get_peft_model does); add_adapters freezes every base weight itself, so here peft leaves all
+    # trainable. Then one update as train.py builds it (AdamW over the parameters that require grad,
+    # weight decay on, beta > 0 with the adapters off as the reference; the step's 3 groups in 2
+    # mini-batches): every base weight is bit-for-bit unchanged, every A and B has moved.
     import contextlib
     from types import SimpleNamespace
 
@@ -3080,23 +3176,28 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     tok, model, _ = _lora_model(tiny_run_inputs)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     base = {n for n in before if ".lora_" not in n}
-    assert len(base) == len(before) - 28 and not any(model.get_parameter(n).requires_grad for n in base)
+    assert len(base) == len(before) - 28                          # A and B of 14 projections
+    assert not any(model.get_parameter(n).requires_grad for n in base)
     encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
-    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 4, 8, eos,
-                         tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    prompts = [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)]
+    roll = sample_groups(model, prompts, 4, 8, eos, tok.pad_token_id, temperature=1.0,
+                         generator=torch.Generator().manual_seed(1))
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    args = SimpleNamespace(micro_batch_size=5, mini_batches=2, mu=1, temperature=1.0, reduction="token", loss="ppo",
-                           fsdp=False, gradient_checkpointing=False, max_new_tokens=8, eps_low=0.2, eps_high=0.28,
-                           clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-    learner = update.Learner(model, model, model, opt, contextlib.nullcontext, lambda: lora.adapters_off(model))
-    update.update_policy(learner, roll, torch.randn(N, generator=torch.Generator().manual_seed(2)), roll.mask, args,
-                         parallel.Dist("cpu"))
+    args = SimpleNamespace(micro_batch_size=5, mini_batches=2, mu=1, temperature=1.0,
+                           reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
+                           max_new_tokens=8, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
+    learner = update.Learner(model, model, model, opt, contextlib.nullcontext,
+                             lambda: lora.adapters_off(model))
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    update.update_policy(learner, roll, advantages, roll.mask, args, parallel.Dist("cpu"))
     after = dict(model.named_parameters())
-    assert [n for n in base if not torch.equal(after[n], before[n])] == []                  # the base: untouched
-    assert [n for n in before if n not in base and torch.equal(after[n], before[n])] == []  # every A and B moved
-    assert not any(after[n].requires_grad for n in base)                                   # still frozen
+    assert [n for n in base if not torch.equal(after[n], before[n])] == []            # untouched
+    assert [n for n in before if n not in base and torch.equal(after[n], before[n])] == []  # moved
+    assert not any(after[n].requires_grad for n in base)                              # still frozen
 
 
 def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs, tmp_path):
