@@ -1992,6 +1992,34 @@ def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path,
     assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
 
 
+def _spy(monkeypatch, module, name):
+    """Calls of module.name (arguments, return value) recorded as they happen; the real one runs."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append((args, real(*args, **kwargs)))
+        return seen[-1][1]
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_reward_weights_weigh_the_rewards_train_py_trains_on(tiny_run_inputs, tmp_path,
+                                                              monkeypatch):
+    # one step of train.py in this process with --reward has_x --reward trl_length and
+    # --reward-weights 1 0.5: each drawn response's score (Rollout.correct, what DAPO's +-1 reward
+    # and the filter read) is has_x + 0.5 trl_length, row by row; the row logs the same mean
+    import train
+    drawn = _spy(monkeypatch, train, "draw_round")
+    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length",
+                    "--reward-weights", "1", "0.5")
+    (_, (roll, _)), = drawn
+    x, length = roll.reward_parts["has_x"], roll.reward_parts["trl_length"]          # [N] each
+    assert (length < 0).any() and 0 < x.sum() < x.numel()
+    assert torch.allclose(roll.correct, x + 0.5 * length, atol=1e-6)
+    penalty = dapo.overlong_penalty(roll.lengths, 12, 2)                  # --algo dapo: +-1, Eq. 13
+    assert torch.allclose(roll.rewards, 2 * roll.correct - 1 + penalty, atol=1e-6)
+    assert row["reward/correct"] == pytest.approx(float(roll.correct.mean()), abs=1e-6)
+
 def test_data_json_array_file_keeps_every_column(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1}, {"q": "2+2", "sol": 4}]))
     rows = data.load_rows(str(tmp_path / "rows.json"), "train", "q", "sol")
@@ -2299,6 +2327,23 @@ def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_
     assert [r["updates"] for r in rows["off"]] == [4, 4]
     assert [r["lr"] for r in rows["off"]] == pytest.approx([1e-2 * 2 / 4, 1e-2 * 3 / 4])
 
+
+def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_inputs, tmp_path,
+                                                                   monkeypatch):
+    # one step of train.py in this process with 3 new tokens (most responses truncated): with the
+    # filter (dapo's default) update_policy gets the loss mask with every truncated row zeroed,
+    # without it the rollout's own mask; the same samples either way
+    updates = _spy(monkeypatch, update, "update_policy")
+    masks = {}
+    for name, extra in (("on", []), ("off", ["--no-overlong-filter"])):
+        _one_step(tiny_run_inputs, tmp_path / name, "--max-new-tokens", "3",
+                  "--overlong-cache", "1", *extra)
+        (_, roll, _, mask, *_), _ = updates.pop()
+        masks[name] = mask
+    assert 0 < int(roll.truncated.sum()) < roll.truncated.numel()
+    assert torch.equal(masks["off"], roll.mask)
+    assert torch.equal(masks["on"], roll.mask * ~roll.truncated[:, None])
+    assert masks["on"].sum() < masks["off"].sum()
 
 @pytest.mark.slow
 def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
@@ -2861,6 +2906,53 @@ def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         checkpoint.lock_folder(str(tmp_path / "busy"), _OtherRank(0.0))
     assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 prints the one line
+
+
+class _Twin:
+    """Dist of rank `rank` of 2 without a process group, whose peer holds exactly what it holds: a
+    sum doubles, a gather repeats (so rank 0's verdicts, the lock's among them, come out as on 2
+    ranks)."""
+    world, device = 2, "cpu"
+
+    def __init__(self, rank):
+        self.rank, self.master = rank, rank == 0
+
+    def sum(self, x):
+        return x.detach().to(torch.float64) * 2
+
+    def sum_named(self, sums):
+        return {k: 2.0 * v for k, v in sums.items()}
+
+    def max(self, n):
+        return n
+
+    def gather(self, x):
+        return [x, x]
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypatch):
+    # train.main in this process as rank 1 of 2, then as rank 0 (DDP's wrap left out: no process
+    # group): with a checkpoint every step and completions logged, rank 1 writes nothing under OUT
+    # (not even the lock), rank 0 all of it
+    import parallel
+    import train
+    monkeypatch.setattr(parallel, "wrap", lambda model, ddp, fsdp: model)
+    files = {}
+    for rank in (1, 0):
+        monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, rank=rank: _Twin(rank))
+        out = tmp_path / f"rank{rank}"
+        train.main([*_tiny_flags(tiny_run_inputs, out), "--steps", "1", "--save-every", "1",
+                    "--no-dynamic-sampling"])
+        files[rank] = sorted(str(f.relative_to(out)) for f in out.rglob("*"))  # none: no folder
+    assert files[1] == []
+    assert {".lock", "config.json", "metrics.jsonl", "completions.jsonl", "checkpoint.pt",
+            "final/model.safetensors"} <= set(files[0])
 
 
 @pytest.mark.slow
