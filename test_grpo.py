@@ -3197,6 +3197,36 @@ def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inpu
     assert config["run_name"] == "run" and config["reward"] == ["test_grpo:has_x"] and config["world_size"] == 1
 
 
+def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, monkeypatch):
+    # a stand-in wandb module records what LiveCurves calls; one step of train.py in this process:
+    # wandb gets every metrics.jsonl row (eval rows too: step 1 holds two, the update's and the
+    # eval's) at its step, the config once, and the run is finished
+    import types
+    calls = []
+
+    class Run:
+        def log(self, scalars, step=None, **kw):
+            calls.append(("log", dict(scalars), step, kw))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return Run()
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    out = tmp_path / "run"
+    _one_step(tiny_run_inputs, out, "--report-to", "wandb", "--run-name", "w")
+    (_, kw), *logs, finish = calls
+    assert kw == {"project": "grpo-dapo", "name": "w", "dir": str(out),
+                  "config": json.loads((out / "config.json").read_text())} and finish == ("finish",)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [c[0] for c in logs] == ["log"] * len(rows) and all(c[3] == {} for c in logs)
+    assert [(c[2], c[1]) for c in logs] == [(r["step"], {k: v for k, v in r.items() if k != "step"})
+                                            for r in rows]
+    assert [c[2] for c in logs] == [0, 1, 1]
+
 def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     import train
     monkeypatch.setitem(sys.modules, "wandb", None)
