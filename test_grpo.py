@@ -960,6 +960,90 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
     assert seen == {(False, *nograd), (True, *grad)}
 
 
+def _update_args(**kw):
+    """update_policy's args (the train.Args fields it reads): 2 mini-batches, micro-batches of 3,
+    no clip."""
+    from types import SimpleNamespace
+    base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
+                loss="ppo", fsdp=False, gradient_checkpointing=False, max_new_tokens=20,
+                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                kl="k3", grad_clip=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_update_policy_backwards_world_times_the_loss_for_ddps_mean(tiny_model):
+    # DDP averages the ranks' gradients, and each rank's loss is its share of the global mean (the
+    # denominators are all ranks' counts), so each rank backwards W x its share: the mean is then
+    # the sum. A rank that says it is one of 2 (its collectives see itself alone) backwards twice
+    # the gradient of one process on the same rows; SGD (lr 1, no clip) moves each weight by it.
+    import contextlib
+    import copy
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    moves, losses = [], []
+    for world in (1, 2):
+        model = copy.deepcopy(tiny_model)
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        learner = update.Learner(model, model, None, sgd, contextlib.nullcontext)
+        stats = update.update_policy(learner, roll, advantages, roll.mask,
+                                     _update_args(mini_batches=1), _AloneAs(world))
+        moves.append(torch.cat([(p - q).detach().view(-1)
+                                for p, q in zip(model.parameters(), tiny_model.parameters())]))
+        losses.append(stats.first["loss"])
+    assert moves[0].abs().max() > 1e-3
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)            # the logged loss: unscaled
+    assert torch.allclose(moves[1], 2 * moves[0], atol=1e-6, rtol=1e-4)  # float32, weights ~1
+
+
+class _NoSyncRecorder(torch.nn.parallel.DistributedDataParallel):
+    """A DDP (so parallel.grad_sync takes it for one) without a process group: it runs the model and
+    records, for each forward, its rows and whether it ran outside no_sync (DDP reads that flag as a
+    forward starts: outside, the backward all-reduces). A real DDP in this process can deadlock when
+    it is freed (its gloo threads wait for the GIL, held by the thread that joins them)."""
+
+    def __init__(self, module):
+        torch.nn.Module.__init__(self)
+        self.module, self.inside, self.synced = module, False, []
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def inside():
+            assert not self.inside
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+        return inside()
+
+    def forward(self, *args, **kwargs):
+        self.synced.append((kwargs["input_ids"].shape[0], not self.inside))
+        return self.module(*args, **kwargs)
+
+
+def test_ddp_syncs_only_the_last_micro_batch_of_each_update(tiny_model):
+    # 3 groups of 4 in 2 mini-batches (8 + 4 rows), micro-batches of 3: [3, 3, 2] then [3, 1], twice
+    # (--mu 2); only each update's last micro-batch all-reduces. The Dist says 2 ranks, so each
+    # micro-batch runs as one DDP forward (ranks' forwards must pair up); the old log-probs run on
+    # the model, not through DDP.
+    import contextlib
+    import copy
+    roll = _mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    model = copy.deepcopy(tiny_model)
+    policy = _NoSyncRecorder(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    learner = update.Learner(policy, model, None, sgd, contextlib.nullcontext)
+    update.update_policy(learner, roll, torch.randn(N), roll.mask, _update_args(mu=2), _AloneAs(2))
+    one_pass = [(3, False), (3, False), (2, True), (3, False), (1, True)]
+    assert policy.synced == one_pass * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # logprobs.py: the token kernel (log-probs, entropy) and the shared-prefix training forward
 # (rollout_logprobs) against the per-response one
@@ -1367,6 +1451,61 @@ def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkey
     if G > 1:
         with pytest.raises(ValueError, match="max_num_seqs=2 < G=3"):
             run(2)
+
+
+def _slot_schedule(lengths, G, S, continuous):
+    """Rows of each decode forward when groups of G enter S slots in order, each row leaving after
+    its length: continuous, a group enters as soon as G slots are free; static, only once the batch
+    is empty."""
+    waiting, running, forwards = list(lengths), [], []
+    while waiting or running:
+        admit = continuous or not running
+        while admit and waiting and len(running) + G <= S:
+            running, waiting = running + waiting[:G], waiting[G:]  # a group, prefilled with others
+        running = [left - 1 for left in running if left > 1]       # each row samples a token
+        if running:
+            forwards.append(len(running))                          # the survivors' next forward
+    return forwards
+
+
+def test_max_num_seqs_refills_a_freed_slot_at_once():
+    # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups, one slot
+    # idle), lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon
+    # as G are free (continuous batching): the decode forwards follow the continuous _slot_schedule,
+    # not the static one (the rollout is the same either way). Through evaluate.sample_rollout, as
+    # train.py samples.
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import evaluate
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model = Qwen2ForCausalLM(cfg).eval()
+    prefix = [4 + i % 44 for i in range(130)]
+    prompts = [prefix + list(range(5, 5 + k)) for k in (1, 5, 2, 4, 3, 1)]
+    G, S, T, ends = 3, 7, 16, [1, 2, 3, 20]
+    calls = []                                                 # (rows, positions) of each forward
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                    with_kwargs=True)
+    gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
+    args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
+    roll = evaluate.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
+    lengths = roll.lengths.tolist()
+    assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5
+    prefills = [c for c in calls if c[1] > 1]                     # [k groups, P of the k]
+    decodes = [c[0] for c in calls if c[1] == 1]                  # rows of each decode forward
+    want, static = _slot_schedule(lengths, G, S, True), _slot_schedule(lengths, G, S, False)
+    assert decodes == want and max(decodes) <= S and len(want) < len(static)
+    assert sum(k for k, _ in prefills) == 6 and len(prefills) > 3  # groups entered as slots freed
+    calls.clear()
+    plain = sample_groups(model, prompts, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=S,
+                          continuous=False)
+    assert [c[0] for c in calls if c[1] == 1] == static       # the baseline it is measured against
+    assert torch.equal(plain.response_ids, roll.response_ids)
+    assert torch.equal(plain.lengths, roll.lengths)
 
 
 def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
@@ -1868,6 +2007,34 @@ def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path,
     assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
 
 
+def _spy(monkeypatch, module, name):
+    """Calls of module.name (arguments, return value) recorded as they happen; the real one runs."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append((args, real(*args, **kwargs)))
+        return seen[-1][1]
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_reward_weights_weigh_the_rewards_train_py_trains_on(tiny_run_inputs, tmp_path,
+                                                              monkeypatch):
+    # one step of train.py in this process with --reward has_x --reward trl_length and
+    # --reward-weights 1 0.5: each drawn response's score (Rollout.correct, what DAPO's +-1 reward
+    # and the filter read) is has_x + 0.5 trl_length, row by row; the row logs the same mean
+    import train
+    drawn = _spy(monkeypatch, train, "draw_round")
+    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length",
+                    "--reward-weights", "1", "0.5")
+    (_, (roll, _)), = drawn
+    x, length = roll.reward_parts["has_x"], roll.reward_parts["trl_length"]          # [N] each
+    assert (length < 0).any() and 0 < x.sum() < x.numel()
+    assert torch.allclose(roll.correct, x + 0.5 * length, atol=1e-6)
+    penalty = dapo.overlong_penalty(roll.lengths, 12, 2)                  # --algo dapo: +-1, Eq. 13
+    assert torch.allclose(roll.rewards, 2 * roll.correct - 1 + penalty, atol=1e-6)
+    assert row["reward/correct"] == pytest.approx(float(roll.correct.mean()), abs=1e-6)
+
 def test_data_json_array_file_keeps_every_column(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1}, {"q": "2+2", "sol": 4}]))
     rows = data.load_rows(str(tmp_path / "rows.json"), "train", "q", "sol")
@@ -2310,6 +2477,24 @@ def test_majority_vote_counts_what_the_reward_counts():
     assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED  # never a canonical text
 
 
+def test_majority_vote_merges_one_answer_written_three_ways():
+    import evaluate
+    # 2 of 5 samples right (4); three wrong ones give 1/2 as 0.5, \frac{1}{2} and 1/2: one answer,
+    # so it has the majority (3 votes to 2), maj@5 is 0. Voted as written, they would split 1-1-1
+    # and the right 4 would win.
+    responses = ["\\boxed{4}", "Answer: 0.5", "so \\boxed{\\frac{1}{2}}", "x = 4",
+                 "the answer is 1/2"]
+    scores = [verify(x, "4") for x in responses]
+    assert scores == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert len({extract_answer(responses[i]) for i in (1, 2, 4)}) == 3     # three texts, one number
+    r = _record(0, responses, scores)
+    half, four = canonical("1/2"), canonical("4")
+    assert [s["answer"] for s in r["samples"]] == [four, half, half, four, half]
+    assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
+    m = evaluate.metrics(evaluate.totals([r], [1]), 5, [1])
+    assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
+
+
 class _Rank:
     """Dist for one rank of `world` without a process group: sum returns this rank's share."""
     def __init__(self, rank, world):
@@ -2474,6 +2659,23 @@ def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_
     assert [r["updates"] for r in rows["off"]] == [4, 4]
     assert [r["lr"] for r in rows["off"]] == pytest.approx([1e-2 * 2 / 4, 1e-2 * 3 / 4])
 
+
+def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_inputs, tmp_path,
+                                                                   monkeypatch):
+    # one step of train.py in this process with 3 new tokens (most responses truncated): with the
+    # filter (dapo's default) update_policy gets the loss mask with every truncated row zeroed,
+    # without it the rollout's own mask; the same samples either way
+    updates = _spy(monkeypatch, update, "update_policy")
+    masks = {}
+    for name, extra in (("on", []), ("off", ["--no-overlong-filter"])):
+        _one_step(tiny_run_inputs, tmp_path / name, "--max-new-tokens", "3",
+                  "--overlong-cache", "1", *extra)
+        (_, roll, _, mask, *_), _ = updates.pop()
+        masks[name] = mask
+    assert 0 < int(roll.truncated.sum()) < roll.truncated.numel()
+    assert torch.equal(masks["off"], roll.mask)
+    assert torch.equal(masks["on"], roll.mask * ~roll.truncated[:, None])
+    assert masks["on"].sum() < masks["off"].sum()
 
 @pytest.mark.slow
 def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
@@ -3038,6 +3240,53 @@ def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 prints the one line
 
 
+class _Twin:
+    """Dist of rank `rank` of 2 without a process group, whose peer holds exactly what it holds: a
+    sum doubles, a gather repeats (so rank 0's verdicts, the lock's among them, come out as on 2
+    ranks)."""
+    world, device = 2, "cpu"
+
+    def __init__(self, rank):
+        self.rank, self.master = rank, rank == 0
+
+    def sum(self, x):
+        return x.detach().to(torch.float64) * 2
+
+    def sum_named(self, sums):
+        return {k: 2.0 * v for k, v in sums.items()}
+
+    def max(self, n):
+        return n
+
+    def gather(self, x):
+        return [x, x]
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypatch):
+    # train.main in this process as rank 1 of 2, then as rank 0 (DDP's wrap left out: no process
+    # group): with a checkpoint every step and completions logged, rank 1 writes nothing under OUT
+    # (not even the lock), rank 0 all of it
+    import parallel
+    import train
+    monkeypatch.setattr(parallel, "wrap", lambda model, ddp, fsdp: model)
+    files = {}
+    for rank in (1, 0):
+        monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, rank=rank: _Twin(rank))
+        out = tmp_path / f"rank{rank}"
+        train.main([*_tiny_flags(tiny_run_inputs, out), "--steps", "1", "--save-every", "1",
+                    "--no-dynamic-sampling"])
+        files[rank] = sorted(str(f.relative_to(out)) for f in out.rglob("*"))  # none: no folder
+    assert files[1] == []
+    assert {".lock", "config.json", "metrics.jsonl", "completions.jsonl", "checkpoint.pt",
+            "final/model.safetensors"} <= set(files[0])
+
+
 @pytest.mark.slow
 def test_finished_fsdp_runs_exit_0_every_time_with_no_gloo_thread_left(tiny_run_inputs, tmp_path):
     """A finished 2-rank --fsdp run aborted at teardown now and then (rank 1, "terminate called without an
@@ -3186,6 +3435,25 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
 
 
+def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
+    # GRPO + --format-weight: no answer is right (reward/correct 0) but half the groups' rewards
+    # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
+    # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
+    # groups are all equal is one, after it.
+    import train
+    check = curves.SignalCheck(train.parse_args(["--algo", "grpo", "--format-weight", "0.5"]))
+    said, silent = [], []
+    for step in (1, 2, 3, 4):
+        said.append(check(_signal_row(step, 0.0, 0.5)))
+        silent.append(check.silent)
+    assert said[:2] == [[], []] and said[3] == [] and silent == [False] * 4
+    assert len(said[2]) == 1
+    assert said[2][0].startswith("warning: no learning signal at step 3: no sample of the first 3")
+    assert "(this step trained nothing)" not in said[2][0]
+    assert check(_signal_row(5, 0.0, 1.0)) != [] and check.silent     # every group equal: silent
+    assert check(_signal_row(6, 0.0, 0.5)) == [] and not check.silent  # the next step trains again
+
+
 @pytest.mark.slow
 def test_a_run_without_learning_signal_says_so_on_stderr(tiny_run_inputs, tmp_path, capsys):
     # the verifier never credits the random model: every group all wrong, dynamic sampling keeps none, 3 steps
@@ -3261,6 +3529,36 @@ def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inpu
     assert config["run_name"] == "run" and config["reward"] == ["test_grpo:has_x"] and config["world_size"] == 1
 
 
+def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, monkeypatch):
+    # a stand-in wandb module records what LiveCurves calls; one step of train.py in this process:
+    # wandb gets every metrics.jsonl row (eval rows too: step 1 holds two, the update's and the
+    # eval's) at its step, the config once, and the run is finished
+    import types
+    calls = []
+
+    class Run:
+        def log(self, scalars, step=None, **kw):
+            calls.append(("log", dict(scalars), step, kw))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return Run()
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    out = tmp_path / "run"
+    _one_step(tiny_run_inputs, out, "--report-to", "wandb", "--run-name", "w")
+    (_, kw), *logs, finish = calls
+    assert kw == {"project": "grpo-dapo", "name": "w", "dir": str(out),
+                  "config": json.loads((out / "config.json").read_text())} and finish == ("finish",)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [c[0] for c in logs] == ["log"] * len(rows) and all(c[3] == {} for c in logs)
+    assert [(c[2], c[1]) for c in logs] == [(r["step"], {k: v for k, v in r.items() if k != "step"})
+                                            for r in rows]
+    assert [c[2] for c in logs] == [0, 1, 1]
+
 def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     import train
     monkeypatch.setitem(sys.modules, "wandb", None)
@@ -3307,6 +3605,53 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     assert torch.allclose(ref, want, atol=1e-6)                             # the reference is the base model
     assert (logp.detach() - want).abs().max() > 1e-3                        # which the adapted policy is not
     assert torch.equal(again, logp.detach()) and {n for n, p in model.named_parameters() if p.requires_grad} == adapters
+
+
+def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny_run_inputs,
+                                                                            monkeypatch):
+    # peft.inject_adapter_in_model documents the injection only (peft 0.21 also freezes the rest, as
+    # get_peft_model does); add_adapters freezes every base weight itself, so here peft leaves all
+    # trainable. Then one update as train.py builds it (AdamW over the parameters that require grad,
+    # weight decay on, beta > 0 with the adapters off as the reference; the step's 3 groups in 2
+    # mini-batches): every base weight is bit-for-bit unchanged, every A and B has moved.
+    import contextlib
+    from types import SimpleNamespace
+
+    import lora
+    import parallel
+    peft = pytest.importorskip("peft", reason="--lora-r needs peft")
+    inject = peft.inject_adapter_in_model
+
+    def leaves_all_trainable(config, model, adapter_name="default"):
+        out = inject(config, model, adapter_name=adapter_name)
+        model.requires_grad_(True)
+        return out
+    monkeypatch.setattr(peft, "inject_adapter_in_model", leaves_all_trainable)
+    tok, model, _ = _lora_model(tiny_run_inputs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base = {n for n in before if ".lora_" not in n}
+    assert len(base) == len(before) - 28                          # A and B of 14 projections
+    assert not any(model.get_parameter(n).requires_grad for n in base)
+    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    prompts = [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)]
+    roll = sample_groups(model, prompts, 4, 8, eos, tok.pad_token_id, temperature=1.0,
+                         generator=torch.Generator().manual_seed(1))
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    args = SimpleNamespace(micro_batch_size=5, mini_batches=2, mu=1, temperature=1.0,
+                           reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
+                           max_new_tokens=8, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
+    learner = update.Learner(model, model, model, opt, contextlib.nullcontext,
+                             lambda: lora.adapters_off(model))
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    update.update_policy(learner, roll, advantages, roll.mask, args, parallel.Dist("cpu"))
+    after = dict(model.named_parameters())
+    assert [n for n in base if not torch.equal(after[n], before[n])] == []            # untouched
+    assert [n for n in before if n not in base and torch.equal(after[n], before[n])] == []  # moved
+    assert not any(after[n].requires_grad for n in base)                              # still frozen
 
 
 def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs, tmp_path):
