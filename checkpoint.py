@@ -1,9 +1,12 @@
 """Checkpoints: everything an exact resume needs, written atomically.
 
-Not an article section: the run's bookkeeping. `save` writes model, optimizer, scheduler, RNG states,
-step and data position to one file through a temporary name and os.replace, so a crash or SIGKILL in
-the middle of a save leaves the previous checkpoint intact. `load` reads it back with
-`weights_only=True` (no pickled code is ever executed).
+Not an article section: the run's bookkeeping, written so that a SIGKILL at any byte (the OOM
+killer, a preemption) loses nothing but the work since the last checkpoint. `save` writes model,
+optimizer, scheduler, RNG states, step and data position to one file through `atomic` (a temporary
+name, fsync, os.replace), so a crash in the middle of a save leaves the previous checkpoint intact.
+`load` reads it back with `weights_only=True` (no pickled code is ever executed). `save_final`
+replaces OUT/final the same way, so that at every moment OUT/final or its aside copy OUT/final.old
+is a whole model.
 
 With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
 torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after a
@@ -73,14 +76,94 @@ UNREADABLE = (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.Unpi
 
 @contextlib.contextmanager
 def atomic(path: str):
-    """Yields a temporary name beside `path` to write a file or folder to; once written, it replaces `path`
-    in one os.replace (an old folder is removed first), so a crash mid-write never leaves a half-written
-    `path` and keeps the previous one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    yield tmp
-    if os.path.isdir(tmp) and os.path.isdir(path):
+    """Yields a temporary name beside `path`, PATH.tmp, to write a file or a folder to; once the body
+    is done, it is fsynced (a folder: each file in it, then the folder) and takes the place of
+    `path`, so that a crash or a kill at any moment leaves the old `path` or the new one, whole.
+
+    A file: one os.replace. A folder, which os.replace cannot put over another: the old one is
+    renamed aside to PATH.old, the new one into place, then the old one removed. A kill between the
+    two renames leaves PATH.old alone: `loadable` reads it, and the next atomic() on `path` first
+    renames it back (`recover`, which also removes a PATH.tmp or a PATH.old that a killed save
+    left). When the body raises (a full disk), the temporary is removed and the error goes on. The
+    caller holds the folder's lock (`lock_folder`): one writer at a time."""
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    recover(path)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        folder = os.path.isdir(tmp) and os.path.isdir(path)
+        if folder:
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))  # the renames reach the disk
+        if folder:
+            shutil.rmtree(old)
+    except BaseException:
+        _remove(tmp)
+        recover(path)  # failed between the renames of a folder: the old one back
+        raise
+
+
+def recover(path: str) -> None:
+    """Undo what a killed `atomic` on `path` left: PATH.old alone (killed between the renames) goes
+    back to `path`; PATH.old beside a new `path` (killed before removing it) and a PATH.tmp are
+    removed."""
+    old = f"{path}.old"
+    if os.path.lexists(old):
+        if os.path.lexists(path):
+            _remove(old)
+        else:
+            os.replace(old, path)
+    _remove(f"{path}.tmp")
+
+
+def loadable(path: str) -> str:
+    """`path`, or its aside copy PATH.old where a kill in `atomic` left only that one (read-only:
+    the next save puts it back); a notice says so."""
+    old = f"{path.rstrip(os.sep)}.old"
+    if not os.path.exists(path) and os.path.isdir(old):
+        print(f"note: {path} is missing, {old} is whole (a save was killed half way): loading that",
+              file=sys.stderr)
+        return old
+    return path
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
-    os.replace(tmp, path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync a folder: its entries (a rename, a new name) reach the disk."""
+    _fsync_file(path)
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync a file, or every file and folder under a folder (the folder last)."""
+    if not os.path.isdir(path):
+        _fsync_file(path)
+        return
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            _fsync_file(os.path.join(root, name))
+        _fsync_dir(root)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write a small file (config.json, a rewritten log) through `atomic`."""
+    with atomic(path) as tmp:
+        with open(tmp, "w") as fh:
+            fh.write(text)
 
 
 def save_final(out: str, model, tokenizer, weights: dict, adapter=None) -> str:
@@ -179,13 +262,16 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
     ddp.barrier()
     tensors = {}
     skeleton = _split(_sharded_dicts(model, opt), "", tensors)
-    dcp.save(tensors, checkpoint_id=tmp)
-    torch.save({"rng": _rng_states()}, os.path.join(tmp, f"rng-rank{ddp.rank}.pt"))
+    dcp.save(tensors, checkpoint_id=tmp)                 # fsyncs its files (sync_files)
+    rng = os.path.join(tmp, f"rng-rank{ddp.rank}.pt")
+    torch.save({"rng": _rng_states()}, rng)
+    _fsync_file(rng)                                     # each rank its own (on its host)
     if ddp.master:
         torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ddp.world, **state},
                    os.path.join(tmp, "state.pt"))
     ddp.barrier()                                        # every rank's files are written
     if ddp.master:
+        _fsync_tree(tmp)
         previous = latest(folder)
         if os.path.isdir(target):                        # a same-step save that never became `latest`
             shutil.rmtree(target)

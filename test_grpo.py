@@ -2821,6 +2821,132 @@ def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, ca
     assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
 
 
+class _Killed(BaseException):
+    """A kill, in-process: no `except Exception` stops it."""
+
+
+def _tagged_folder(folder, tag):
+    os.makedirs(folder)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(f"{name} of {tag}")
+
+
+def _whole_tag(folder):
+    """The tag of a whole folder written by _tagged_folder, else None."""
+    try:
+        texts = {n: open(os.path.join(folder, n)).read() for n in os.listdir(folder)}
+    except OSError:
+        return None
+    tags = {t.split(" of ")[-1] for t in texts.values()}
+    if len(tags) != 1 or sorted(texts) != ["config.json", "model.safetensors", "tokenizer.json"]:
+        return None
+    tag = tags.pop()
+    return tag if all(t == f"{n} of {tag}" for n, t in texts.items()) else None
+
+
+def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one_whole(
+        tmp_path, monkeypatch):
+    """atomic() over an existing folder (OUT/final, OUT/adapter) puts the new one in its place; its
+    files and itself are fsynced before the rename, the parent folder after. Killed at each of its
+    file-system calls in turn (no cleanup runs: every later call dies too), OUT/final or its aside
+    copy is at every moment a whole folder (`loadable`), and the next save recovers and leaves
+    nothing but OUT/final. A save that fails (a full disk) leaves the old folder, no temporary."""
+    import shutil
+
+    import checkpoint
+    path = str(tmp_path / "final")
+    with checkpoint.atomic(path) as tmp:
+        _tagged_folder(tmp, "first")
+    synced, replaces = [], []
+    real_sync, real_replace = checkpoint._fsync_file, os.replace
+    monkeypatch.setattr(checkpoint, "_fsync_file",
+                        lambda p: synced.append(os.path.relpath(p, tmp_path)) or real_sync(p))
+    monkeypatch.setattr(os, "replace",
+                        lambda a, b: replaces.append((len(synced), a, b)) or real_replace(a, b))
+    with checkpoint.atomic(path) as tmp:
+        _tagged_folder(tmp, "second")
+    monkeypatch.undo()
+    assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"]
+    files = {f"final.tmp/{n}" for n in ("model.safetensors", "config.json", "tokenizer.json")}
+    into_place = [n for n, a, _ in replaces if a.endswith("final.tmp")]
+    assert set(synced[:3]) == files and synced[3] == "final.tmp" and into_place == [4]
+    assert synced[4:] == ["."]                                    # then the renames themselves
+    # a kill at each file-system call of the replacement in turn
+    ops = ("replace", "remove", "fsync")
+    real = {name: getattr(os, name) for name in ops}
+    real_rmtree = shutil.rmtree
+    for k in range(20):
+        calls = [0]
+
+        def dies(fn, k=k, calls=calls):
+            def call(*a, **kw):
+                calls[0] += 1
+                if calls[0] > k:
+                    raise _Killed
+                return fn(*a, **kw)
+            return call
+        for name in ops:
+            monkeypatch.setattr(os, name, dies(real[name]))
+        monkeypatch.setattr(shutil, "rmtree", dies(real_rmtree))
+        killed = False
+        try:
+            with checkpoint.atomic(path) as tmp:
+                _tagged_folder(tmp, f"kill{k}")
+        except _Killed:
+            killed = True
+        monkeypatch.undo()
+        whole = _whole_tag(checkpoint.loadable(path))
+        assert whole in ("second", f"kill{k}"), (k, os.listdir(tmp_path))
+        with checkpoint.atomic(path) as tmp:                      # the next save
+            _tagged_folder(tmp, "second")
+        assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"], k
+        if not killed:
+            break
+    assert 4 <= k < 19                                            # it was killed at every call
+    # killed between the two renames: only final.old; it loads, and recover() puts it back
+    os.rename(path, path + ".old")
+    assert checkpoint.loadable(path) == path + ".old"
+    checkpoint.recover(path)
+    assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"]
+    # a save that fails half way: the error goes on, the old folder stays, no temporary is left
+    with pytest.raises(OSError, match="No space left"), checkpoint.atomic(path) as tmp:
+        _tagged_folder(tmp, "full")
+        raise OSError(28, "No space left on device")
+    assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"]
+    # a file: one os.replace; a failed one leaves no temporary either
+    ckpt = str(tmp_path / "checkpoint.pt")
+    for text in ("one", "two"):
+        with checkpoint.atomic(ckpt) as tmp, open(tmp, "w") as fh:
+            fh.write(text)
+    with pytest.raises(OSError), checkpoint.atomic(ckpt) as tmp, open(tmp, "w") as fh:
+        fh.write("thr")
+        raise OSError(28, "No space left on device")
+    assert open(ckpt).read() == "two" and sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "final"]
+
+
+def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(tiny_run_inputs,
+                                                                              tmp_path, capsys):
+    """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
+    between its two renames, only OUT/final.old is there: data.load_model (--model OUT/final, as
+    evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
+    import checkpoint
+    _, tok, model = data.load_model(str(tiny_run_inputs / "model"))
+    out, final = str(tmp_path), str(tmp_path / "final")
+    checkpoint.save_final(out, model, tok, model.state_dict())
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint.save_final(out, model, tok, model.state_dict())
+    assert os.listdir(tmp_path) == ["final"]
+    os.rename(final, final + ".old")                             # the moment between the renames
+    path, _, loaded = data.load_model(final)
+    assert path == final + ".old" and "final.old is whole" in capsys.readouterr().err
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    checkpoint.save_final(out, model, tok, model.state_dict())
+    assert os.listdir(tmp_path) == ["final"]
+    assert all(torch.equal(v, trained[k]) for k, v in _weights(final).items())
+
 # ---------------------------------------------------------------------------------------------
 # curves.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------
