@@ -2821,8 +2821,149 @@ def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, ca
     assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
 
 
+def _jsonl_file(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle_line_is_an_error(
+        tmp_path, capsys, monkeypatch):
+    """A run killed while appending to metrics.jsonl / completions.jsonl leaves any prefix of its
+    bytes past the checkpoint: a step's row, then its completions (one over 8 KB, so written in
+    several write()s; one written as raw UTF-8, so cut inside a character too). For every such
+    prefix, byte by byte, the reader gives the whole lines and drops a cut last one with exactly one
+    notice; for the file cut at each line end (and a byte either side) and every 50th byte,
+    read_jsonl does the same and trim_metrics (--resume from step 2) leaves the lines of steps <= 2,
+    the checkpoint step's own included, byte for byte."""
+    import re
+
+    import checkpoint
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # the rewrites' syncs are tested elsewhere
+    kept = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "loss": 0.5},
+            {"step": 1, "response": "x+1"}, {"step": 2, "loss": -0.25},
+            {"step": 2, "response": "2x=4"}, {"step": 2, "eval/accuracy": 0.5}]
+    after = [{"step": 3, "loss": 1.0, "reward/mean": 0.125},
+             {"step": 3, "prompt": "3x+1=7\n", "response": "x = 2 ∑é " * 440}]     # > 8 KB
+    head = _jsonl_file(kept)
+    raw = json.dumps({"step": 3, "response": "∑é" * 60}, ensure_ascii=False) + "\n"
+    lines = [_jsonl_file(after[:1]), _jsonl_file(after[1:]), raw.encode()]
+    full = head + b"".join(lines)
+    assert len(lines[1]) > 8192 and max(full) > 127
+    ends = [len(head) + sum(len(x) for x in lines[:i + 1]) for i in range(len(lines))]
+    path = tmp_path / "completions.jsonl"
+
+    def expected(cut):
+        """The rows a prefix of `cut` bytes holds, and whether its last line is cut (a notice)."""
+        whole = sum(e <= cut for e in ends)                     # lines written with their newline
+        partial = whole < len(lines) and cut > ([len(head)] + ends)[whole]
+        no_newline = partial and cut == ends[whole] - 1          # a whole object but its newline
+        rows = kept + [json.loads(x) for x in lines[:whole + no_newline]]
+        return rows, partial and not no_newline
+
+    def check_notice(err, cut_short, at):
+        if cut_short:
+            assert err.count("\n") == 1 and f"{path}: dropped its last line, cut short" in err, at
+        else:
+            assert err == "", (at, err)
+    for cut in range(len(head), len(full) + 1):
+        rows, cut_short = expected(cut)
+        assert [r for _, r in checkpoint._parse_jsonl(full[:cut], str(path))] == rows, cut
+        check_notice(capsys.readouterr().err, cut_short, cut)
+    cuts = {c + k for c in [len(head), *ends] for k in (-1, 0, 1)}
+    cuts |= set(range(len(head), len(full), 50))
+    for cut in sorted(c for c in cuts if len(head) <= c <= len(full)):
+        path.write_bytes(full[:cut])
+        rows, cut_short = expected(cut)
+        assert checkpoint.read_jsonl(str(path)) == rows, cut
+        check_notice(capsys.readouterr().err, cut_short, cut)
+        checkpoint.trim_metrics(str(path), 2)
+        check_notice(capsys.readouterr().err, cut_short, cut)
+        assert path.read_bytes() == head and os.listdir(tmp_path) == ["completions.jsonl"], cut
+    # any other bad line is corruption, not a kill: one line naming file:line, the file as it was
+    for bad, line in ((head[:30] + b"\n" + head, 1), (head + b"not json\n", len(kept) + 1)):
+        path.write_bytes(bad)
+        for read in (checkpoint.read_jsonl, lambda p: checkpoint.trim_metrics(p, 2)):
+            with pytest.raises(checkpoint.CheckpointError,
+                               match=f"^{re.escape(str(path))}:{line}: not a JSON line .*corrupt"):
+                read(str(path))
+        assert path.read_bytes() == bad
+    path.write_bytes(head)
+    assert curves.read_metrics(str(path)) == kept            # --plot and ablate.py read through it
+
+
+class _CutWrites:
+    """A stand-in for builtins.open: the files it opens for writing under `folder` count the
+    characters written to them, all together; once `budget` of them are written, the write in
+    progress puts only its first part in the file, flushes, and calls die() (budget None: it only
+    counts). What a kill after that many bytes leaves (json writes ASCII: characters are bytes)."""
+
+    def __init__(self, folder, budget, die):
+        import builtins
+        self.folder, self.budget, self.die = os.path.abspath(folder) + os.sep, budget, die
+        self.written, self.real_open = 0, builtins.open
+
+    def __call__(self, file, mode="r", *args, **kwargs):
+        fh = self.real_open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and \
+                os.path.abspath(file).startswith(self.folder):
+            return _CutFile(fh, self)
+        return fh
+
+
+class _CutFile:
+    def __init__(self, fh, cut):
+        self.fh, self.cut = fh, cut
+
+    def write(self, text):
+        c = self.cut
+        if c.budget is not None and c.written + len(text) > c.budget:
+            self.fh.write(text[:c.budget - c.written])
+            self.fh.flush()
+            c.die()
+        c.written += len(text)
+        return self.fh.write(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.fh.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
 class _Killed(BaseException):
     """A kill, in-process: no `except Exception` stops it."""
+
+
+def test_trim_killed_at_any_byte_of_its_rewrite_keeps_the_whole_log(tmp_path, monkeypatch):
+    """trim_metrics (--resume) rewrites the log: dying after any number of bytes of the rewrite
+    leaves the old log whole (an in-place rewrite would leave those bytes alone), and the next trim
+    does the job."""
+    import builtins
+
+    import checkpoint
+    rows = [{"step": s, "loss": s / 8, "response": "y" * 40} for s in range(6)]
+    log = tmp_path / "metrics.jsonl"
+    old = _jsonl_file(rows) + b'{"step": 6, "lo'                 # killed mid-step 6 the first time
+    kept = _jsonl_file(rows[:4])
+
+    def die():
+        raise _Killed
+    for budget in range(0, len(kept), 7):
+        log.write_bytes(old)
+        monkeypatch.setattr(os, "fsync", lambda fd: None)
+        monkeypatch.setattr(builtins, "open", _CutWrites(tmp_path, budget, die))
+        with pytest.raises(_Killed):
+            checkpoint.trim_metrics(str(log), 3)
+        monkeypatch.setattr(builtins, "open", builtins.open.real_open)
+        assert log.read_bytes() == old, budget
+        checkpoint.trim_metrics(str(log), 3)
+        assert log.read_bytes() == kept and os.listdir(tmp_path) == ["metrics.jsonl"], budget
 
 
 def _tagged_folder(folder, tag):
@@ -2946,6 +3087,69 @@ def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(ti
     checkpoint.save_final(out, model, tok, model.state_dict())
     assert os.listdir(tmp_path) == ["final"]
     assert all(torch.equal(v, trained[k]) for k, v in _weights(final).items())
+
+def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, capsys):
+    """--resume from step 2 after a run killed in the middle of step 5's lines: metrics.jsonl and
+    completions.jsonl both keep steps <= 2 (step 2's own lines too) and go on from there, each step
+    logged once. A fresh run (no --resume) in that folder starts both logs (and config.json) anew,
+    and without --log-completions leaves no completions.jsonl of the run before."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(out=str(tmp_path), report_to="none", run_name="r", log_completions=2)
+
+    def steps(log, todo):
+        for s in todo:
+            log.log({"step": s, "loss": s / 4})
+            log.completions(s, [{"response": f"{s}a"}, {"response": f"{s}b"}])
+            if s == 2:
+                log.log({"step": 2, "eval/accuracy": 0.5})
+
+    def logged(name):
+        return [(r["step"], r.get("response", "eval" if "eval/accuracy" in r else ""))
+                for r in curves.read_metrics(str(tmp_path / name))]
+    log = curves.RunLog(args, {"run": 1})
+    log.log({"step": 0, "eval/accuracy": 0.25})
+    steps(log, [1, 2, 3, 4])
+    log.close()
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        with open(tmp_path / name, "a") as fh:
+            fh.write('{"step": 5, "lo')                          # killed mid-write
+    log = curves.RunLog(args, {"run": 1, "resume": True}, resume_step=2)
+    steps(log, [3, 4, 5])
+    log.close()
+    assert [s for s, _ in logged("metrics.jsonl")] == [0, 1, 2, 2, 3, 4, 5]
+    assert logged("completions.jsonl") == [(s, f"{s}{c}") for s in range(1, 6) for c in "ab"]
+    assert capsys.readouterr().err.count("dropped its last line, cut short") == 2
+    log = curves.RunLog(args, {"run": 2})
+    steps(log, [1])
+    log.close()
+    assert logged("metrics.jsonl") == [(1, "")]
+    assert logged("completions.jsonl") == [(1, "1a"), (1, "1b")]
+    assert json.loads((tmp_path / "config.json").read_text()) == {"run": 2}
+    args.log_completions = 0
+    curves.RunLog(args, {"run": 3}).close()
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl"]
+
+
+def test_load_restores_the_global_rng_states_that_a_reward_may_draw_from(tmp_path):
+    """train.py draws from no global RNG itself, but a --reward function may (ablate.py's
+    random_reward draws from `random`): load() puts back the torch and Python RNG states that save()
+    found, so a resumed run draws what the unbroken one drew after its checkpoint (the kill test
+    below checks it end to end, with flip_x)."""
+    import checkpoint
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    torch.manual_seed(1)
+    random.seed(1)
+    torch.rand(5), random.random()
+    checkpoint.save(str(tmp_path / "c.pt"), model, opt, sched, {"step": 1})
+    unbroken = torch.rand(5), random.random()
+    torch.manual_seed(1)                              # a new process: train.py seeds torch again
+    random.seed(2)
+    checkpoint.load(str(tmp_path / "c.pt"), model, opt, sched)
+    resumed = torch.rand(5), random.random()
+    assert torch.equal(resumed[0], unbroken[0]) and resumed[1] == unbroken[1]
+
 
 # ---------------------------------------------------------------------------------------------
 # curves.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
