@@ -3151,6 +3151,163 @@ def test_load_restores_the_global_rng_states_that_a_reward_may_draw_from(tmp_pat
     assert torch.equal(resumed[0], unbroken[0]) and resumed[1] == unbroken[1]
 
 
+def flip_x(response: str, answer: str) -> float:
+    """has_x, flipped when a coin of the global torch RNG or of `random` says so: a reward drawing
+    from both global RNGs, which a resumed run reproduces only if the checkpoint restores them."""
+    flip = float(torch.rand(())) < 0.15 or random.random() < 0.15
+    return 1.0 - has_x(response, answer) if flip else has_x(response, answer)
+
+
+# A process that imports train.py (torch, transformers, what they import on first use) once, then
+# forks one child per line of stdin ({"argv", "out", "log", "kill_after_s" | "kill_after_bytes"}):
+# a train.main run that the driver kills with SIGKILL after kill_after_s seconds, or that kills
+# itself with SIGKILL once kill_after_bytes bytes went to the files it writes under OUT
+# (_CutWrites). One line back per run: how it ended.
+_KILL_DRIVER = r"""
+import builtins, json, os, random, signal, sys, time, traceback
+import torch
+import data, test_grpo, train
+data.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
+param = torch.zeros(1, requires_grad=True)
+param.grad = torch.ones(1)
+torch.optim.AdamW([param]).step()
+
+def child(cmd):
+    log = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    cut = test_grpo._CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
+                               lambda: os.kill(os.getpid(), signal.SIGKILL))
+    builtins.open = cut
+    random.seed(0)  # as ablate.py does: the Python RNG of a fresh run is seeded too
+    code = 0
+    try:
+        train.main(cmd["argv"])
+    except SystemExit as e:  # train.py's one-line errors: exit 2
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with cut.real_open(cmd["log"] + ".bytes", "w") as fh:
+        fh.write(str(cut.written))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    t0 = time.time()
+    pid = os.fork()
+    if pid == 0:
+        child(cmd)
+    deadline = t0 + min(cmd.get("kill_after_s") or 120.0, 120.0)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.time() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    print(json.dumps({"killed": killed, "code": os.waitstatus_to_exitcode(status),
+                      "seconds": time.time() - t0}), flush=True)
+"""
+
+
+def _run_record(out):
+    """What a finished run left: its logs without time/*, its final/ byte for byte, config.json
+    without the keys that name the folder or the resume, and the names in OUT."""
+    def rows(name):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+                for x in (out / name).read_text().splitlines()]
+    config = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
+              if k not in ("out", "run_name", "resume")}
+    final = {p.name: p.read_bytes() for p in sorted((out / "final").iterdir())}
+    return {"metrics": rows("metrics.jsonl"), "completions": rows("completions.jsonl"),
+            "final": final, "config": config, "files": sorted(os.listdir(out))}
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
+        tiny_run_inputs, tmp_path):
+    """train.py runs (6 steps, a checkpoint every 2, evaluation every 3, 16 completions a step, a
+    reward drawing from the global RNGs: flip_x) SIGKILLed over and over: half at a random moment of
+    the run (startup, steps, checkpoints, the final save, exit), half once a random number of bytes
+    went to the files it writes under OUT (its logs mid-line, config.json, the rewrites of --resume,
+    the tokenizer of final/), each then resumed with --resume (or started again where no checkpoint
+    was written yet), the resumed run perhaps killed again, until one finishes. Every finished run
+    equals the unbroken one: the same final/ byte for byte, the same metrics.jsonl and
+    completions.jsonl rows (all keys but time/*), the same config, and no file more (no temporary,
+    no aside copy). Each run is a fork of one process that imported train.py once (a fresh
+    interpreter per run would spend 4 s importing), then runs train.main as `python train.py` would:
+    44 tries, about 35 kills, in 30-40 s on 2 cores."""
+    d = tiny_run_inputs
+    flags = _tiny_flags(d, "OUT")
+    flags[flags.index("test_grpo:has_x")] = "test_grpo:flip_x"
+    flags += ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--log-completions", "16"]
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen([sys.executable, "-c", _KILL_DRIVER, str(d / "model")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                  text=True, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = [0]
+
+    def run(out, **kill):
+        runs[0] += 1
+        argv = [str(out) if f == "OUT" else f for f in flags]
+        if (out / "checkpoint.pt").exists():
+            argv.append("--resume")
+        log = tmp_path / f"run{runs[0]}.log"
+        cmd = {"argv": argv, "out": str(out), "log": str(log), **kill}
+        driver.stdin.write(json.dumps(cmd) + "\n")
+        driver.stdin.flush()
+        line = driver.stdout.readline()
+        assert line, (tmp_path / "driver.err").read_text()[-3000:]
+        res = json.loads(line)
+        assert res["killed"] or res["code"] == 0, log.read_text()[-3000:]
+        return res, log
+
+    def finished_like_the_unbroken_one(out, attempt):
+        got = _run_record(out)
+        for key in want:
+            assert got[key] == want[key], (key, out, attempt)
+
+    try:
+        res, log = run(tmp_path / "unbroken")
+        assert not res["killed"]
+        seconds, written = res["seconds"], int((tmp_path / (log.name + ".bytes")).read_text())
+        want = _run_record(tmp_path / "unbroken")
+        assert [r["step"] for r in want["metrics"] if "loss" in r] == [1, 2, 3, 4, 5, 6]
+        assert written > 15000 and len(want["completions"]) == 96
+        rng = random.Random(0)
+        kills = cut_lines = debris = finished = 0
+        chain = tmp_path / "chain0"
+        for attempt in range(44):
+            kill = {"kill_after_s": rng.uniform(0, seconds)} if attempt % 2 else \
+                {"kill_after_bytes": rng.randrange(written)}
+            res, log = run(chain, **kill)
+            if res["killed"]:
+                kills += 1
+                logs = [chain / n for n in ("metrics.jsonl", "completions.jsonl")]
+                cut_lines += any(p.exists() and p.read_bytes()[-1:] not in b"\n" for p in logs)
+                debris += any(n.endswith((".tmp", ".old")) for n in os.listdir(chain))
+                continue
+            finished_like_the_unbroken_one(chain, attempt)
+            finished += 1
+            chain = tmp_path / f"chain{finished}"
+        if chain.exists():                                       # the last chain, to its end
+            assert not run(chain)[0]["killed"]
+            finished_like_the_unbroken_one(chain, "end")
+            finished += 1
+    finally:
+        driver.stdin.close()
+        driver.wait(timeout=60)
+    print(f"unbroken: {seconds:.2f} s, {written} bytes; {kills} kills (a log line cut: "
+          f"{cut_lines}, a temporary or aside copy left: {debris}), {finished} runs to the end")
+    assert kills >= 25 and cut_lines >= 5 and debris >= 3 and finished >= 3
+
+
 # ---------------------------------------------------------------------------------------------
 # curves.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------
