@@ -1,9 +1,17 @@
 """Checkpoints: everything an exact resume needs, written atomically.
 
-Not an article section: the run's bookkeeping. `save` writes model, optimizer, scheduler, RNG states,
-step and data position to one file through a temporary name and os.replace, so a crash or SIGKILL in
-the middle of a save leaves the previous checkpoint intact. `load` reads it back with
-`weights_only=True` (no pickled code is ever executed).
+Not an article section: the run's bookkeeping, written so that a SIGKILL at any byte (the OOM
+killer, a preemption) loses nothing but the work since the last checkpoint. `save` writes model,
+optimizer, scheduler, RNG states, step and data position to one file through `atomic` (a temporary
+name, fsync, os.replace), so a crash in the middle of a save leaves the previous checkpoint intact.
+`load` reads it back with `weights_only=True` (no pickled code is ever executed). `save_final`
+replaces OUT/final the same way, so that at every moment OUT/final or its aside copy OUT/final.old
+is a whole model.
+
+The logs (metrics.jsonl, completions.jsonl) are appended to line by line: a kill can cut their last
+line. `read_jsonl` drops such a line with a one-line notice (any other bad line is corruption:
+an error naming file:line), and `trim_metrics` (--resume) rewrites a log through
+`atomic` too.
 
 With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
 torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after a
@@ -33,7 +41,7 @@ import torch
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing or cannot be read: train.py prints the message in one line."""
+    """A checkpoint or run log that is missing or cannot be read: train.py prints it in one line."""
 
 
 class FolderInUse(ValueError):
@@ -73,14 +81,94 @@ UNREADABLE = (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.Unpi
 
 @contextlib.contextmanager
 def atomic(path: str):
-    """Yields a temporary name beside `path` to write a file or folder to; once written, it replaces `path`
-    in one os.replace (an old folder is removed first), so a crash mid-write never leaves a half-written
-    `path` and keeps the previous one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    yield tmp
-    if os.path.isdir(tmp) and os.path.isdir(path):
+    """Yields a temporary name beside `path`, PATH.tmp, to write a file or a folder to; once the body
+    is done, it is fsynced (a folder: each file in it, then the folder) and takes the place of
+    `path`, so that a crash or a kill at any moment leaves the old `path` or the new one, whole.
+
+    A file: one os.replace. A folder, which os.replace cannot put over another: the old one is
+    renamed aside to PATH.old, the new one into place, then the old one removed. A kill between the
+    two renames leaves PATH.old alone: `loadable` reads it, and the next atomic() on `path` first
+    renames it back (`recover`, which also removes a PATH.tmp or a PATH.old that a killed save
+    left). When the body raises (a full disk), the temporary is removed and the error goes on. The
+    caller holds the folder's lock (`lock_folder`): one writer at a time."""
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    recover(path)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        folder = os.path.isdir(tmp) and os.path.isdir(path)
+        if folder:
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))  # the renames reach the disk
+        if folder:
+            shutil.rmtree(old)
+    except BaseException:
+        _remove(tmp)
+        recover(path)  # failed between the renames of a folder: the old one back
+        raise
+
+
+def recover(path: str) -> None:
+    """Undo what a killed `atomic` on `path` left: PATH.old alone (killed between the renames) goes
+    back to `path`; PATH.old beside a new `path` (killed before removing it) and a PATH.tmp are
+    removed."""
+    old = f"{path}.old"
+    if os.path.lexists(old):
+        if os.path.lexists(path):
+            _remove(old)
+        else:
+            os.replace(old, path)
+    _remove(f"{path}.tmp")
+
+
+def loadable(path: str) -> str:
+    """`path`, or its aside copy PATH.old where a kill in `atomic` left only that one (read-only:
+    the next save puts it back); a notice says so."""
+    old = f"{path.rstrip(os.sep)}.old"
+    if not os.path.exists(path) and os.path.isdir(old):
+        print(f"note: {path} is missing, {old} is whole (a save was killed half way): loading that",
+              file=sys.stderr)
+        return old
+    return path
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
-    os.replace(tmp, path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync a folder: its entries (a rename, a new name) reach the disk."""
+    _fsync_file(path)
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync a file, or every file and folder under a folder (the folder last)."""
+    if not os.path.isdir(path):
+        _fsync_file(path)
+        return
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            _fsync_file(os.path.join(root, name))
+        _fsync_dir(root)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write a small file (config.json, a rewritten log) through `atomic`."""
+    with atomic(path) as tmp:
+        with open(tmp, "w") as fh:
+            fh.write(text)
 
 
 def save_final(out: str, model, tokenizer, weights: dict, adapter=None) -> str:
@@ -179,13 +267,16 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
     ddp.barrier()
     tensors = {}
     skeleton = _split(_sharded_dicts(model, opt), "", tensors)
-    dcp.save(tensors, checkpoint_id=tmp)
-    torch.save({"rng": _rng_states()}, os.path.join(tmp, f"rng-rank{ddp.rank}.pt"))
+    dcp.save(tensors, checkpoint_id=tmp)                 # fsyncs its files (sync_files)
+    rng = os.path.join(tmp, f"rng-rank{ddp.rank}.pt")
+    torch.save({"rng": _rng_states()}, rng)
+    _fsync_file(rng)                                     # each rank its own (on its host)
     if ddp.master:
         torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ddp.world, **state},
                    os.path.join(tmp, "state.pt"))
     ddp.barrier()                                        # every rank's files are written
     if ddp.master:
+        _fsync_tree(tmp)
         previous = latest(folder)
         if os.path.isdir(target):                        # a same-step save that never became `latest`
             shutil.rmtree(target)
@@ -222,10 +313,53 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
     return meta
 
 
+def _jsonl_lines(path: str) -> list[tuple[str, dict]]:
+    """(line, its row) for each line of a JSONL log; see `read_jsonl`."""
+    with open(path, "rb") as fh:
+        return _parse_jsonl(fh.read(), path)
+
+
+def _parse_jsonl(data: bytes, path: str) -> list[tuple[str, dict]]:
+    lines = data.split(b"\n")
+    tail = lines.pop()  # what follows the last newline: b"" unless a write was cut short
+    out = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+            out.append((line + "\n", json.loads(line)))
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            why = str(e).splitlines()[0]
+            raise CheckpointError(f"{path}:{i}: not a JSON line ({why}): the file is corrupt "
+                                  "(a kill can only cut the last line)") from None
+    if tail.strip():
+        try:  # a whole object without its newline (a proper prefix of one never decodes)
+            line = tail.decode("utf-8")
+            out.append((line + "\n", json.loads(line)))
+        except ValueError:
+            print(f"note: {path}: dropped its last line, cut short ({len(tail)} bytes without a "
+                  "newline: the run was stopped while writing it)", file=sys.stderr)
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSONL log (metrics.jsonl, completions.jsonl). A run killed while writing leaves
+    its last line cut (no newline): that line is dropped with a one-line notice. Any other bad
+    line is corruption, not a kill: CheckpointError naming file:line."""
+    return [row for _, row in _jsonl_lines(path)]
+
+
 def trim_metrics(path: str, last_step: int) -> None:
-    """Keep the metric lines of steps <= last_step, so a resumed run logs each step exactly once."""
-    if os.path.exists(path):
-        with open(path) as fh:
-            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= last_step]
-        with open(path, "w") as fh:
-            fh.writelines(keep)
+    """Keep the lines of steps <= last_step (the checkpoint's own step included), so a resumed run
+    logs each step exactly once; a cut last line goes too (`read_jsonl`). The log is rewritten
+    through `atomic`: a kill during the rewrite leaves the whole old one."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    for line, row in _jsonl_lines(path):
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise CheckpointError(f"{path}: a line without an integer 'step': {line.strip()[:80]}")
+        if row["step"] <= last_step:
+            keep.append(line)
+    write_text(path, "".join(keep))

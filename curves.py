@@ -29,8 +29,9 @@ CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy ent
 
 
 def read_metrics(path: str) -> list[dict]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """The rows of metrics.jsonl (or completions.jsonl); a last line cut by a kill is dropped with a
+    notice (checkpoint.read_jsonl)."""
+    return checkpoint.read_jsonl(path)
 
 
 def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -124,7 +125,8 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with checkpoint.atomic(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=os.path.splitext(path)[1][1:] or "png")
     plt.close(fig)
     return True
 
@@ -151,7 +153,8 @@ def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, fl
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with checkpoint.atomic(path) as tmp:
+        fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:] or "png")
     plt.close(fig)
     return True
 
@@ -193,20 +196,25 @@ class LiveCurves:
 
 
 class RunLog:
-    """Rank 0's record of a run as it goes: OUT/config.json (the resolved flags), OUT/metrics.jsonl (and
-    --report-to's live curves: `LiveCurves`), OUT/completions.jsonl (--log-completions). A resumed run
-    (resume_step: the checkpoint's step) cuts both files back to that step and appends to them."""
+    """Rank 0's record of a run as it goes: OUT/config.json (the resolved flags), OUT/metrics.jsonl
+    (and --report-to's live curves: `LiveCurves`), OUT/completions.jsonl (--log-completions). A
+    fresh run starts both files (an old run's lines in the folder are gone, its completions.jsonl
+    too without --log-completions); a resumed run (resume_step: the checkpoint's step) cuts both
+    back to that step and appends to them. config.json is replaced atomically, the logs lose at most
+    a last line cut by a kill (checkpoint.read_jsonl), and `sync` makes them durable up to a
+    checkpoint."""
 
     def __init__(self, args: Args, config: dict, resume_step: int | None = None):
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "config.json"), "w") as fh:
-            json.dump(config, fh, indent=1)
+        checkpoint.write_text(os.path.join(args.out, "config.json"), json.dumps(config, indent=1))
         self.live = LiveCurves(args.report_to, args.run_name, args.out, config) if args.report_to != "none" else None
         self.metrics_path = os.path.join(args.out, "metrics.jsonl")
         completions_path = os.path.join(args.out, "completions.jsonl")
         if resume_step is not None:
             checkpoint.trim_metrics(self.metrics_path, resume_step)
             checkpoint.trim_metrics(completions_path, resume_step)
+        elif not args.log_completions and os.path.exists(completions_path):
+            os.remove(completions_path)  # an old run's: ablate.load_run would read it as ours
         mode = "w" if resume_step is None else "a"
         self.metrics_file = open(self.metrics_path, mode)
         self.completions_file = open(completions_path, mode) if args.log_completions else None
@@ -221,6 +229,13 @@ class RunLog:
         if self.completions_file:
             self.completions_file.writelines(json.dumps({"step": step, **c}) + "\n" for c in items)
             self.completions_file.flush()
+
+    def sync(self) -> None:
+        """fsync both logs (before a checkpoint: a power cut then cannot leave the checkpoint ahead
+        of them; a kill loses nothing flushed)."""
+        for fh in (self.metrics_file, self.completions_file):
+            if fh:
+                os.fsync(fh.fileno())
 
     def close(self) -> None:
         self.metrics_file.close()

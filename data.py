@@ -328,7 +328,8 @@ def load_model(spec: str, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    path = spec
+    import checkpoint
+    path = checkpoint.loadable(spec)  # OUT/final.old where a save was killed half way
     if spec == "builtin":
         import builtin
         path = builtin.base_model()

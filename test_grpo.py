@@ -3402,6 +3402,493 @@ def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, ca
     assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
 
 
+def _jsonl_file(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle_line_is_an_error(
+        tmp_path, capsys, monkeypatch):
+    """A run killed while appending to metrics.jsonl / completions.jsonl leaves any prefix of its
+    bytes past the checkpoint: a step's row, then its completions (one over 8 KB, so written in
+    several write()s; one written as raw UTF-8, so cut inside a character too). For every such
+    prefix, byte by byte, the reader gives the whole lines and drops a cut last one with exactly one
+    notice; for the file cut at each line end (and a byte either side) and every 50th byte,
+    read_jsonl does the same and trim_metrics (--resume from step 2) leaves the lines of steps <= 2,
+    the checkpoint step's own included, byte for byte."""
+    import re
+
+    import checkpoint
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # the rewrites' syncs are tested elsewhere
+    kept = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "loss": 0.5},
+            {"step": 1, "response": "x+1"}, {"step": 2, "loss": -0.25},
+            {"step": 2, "response": "2x=4"}, {"step": 2, "eval/accuracy": 0.5}]
+    after = [{"step": 3, "loss": 1.0, "reward/mean": 0.125},
+             {"step": 3, "prompt": "3x+1=7\n", "response": "x = 2 ∑é " * 440}]     # > 8 KB
+    head = _jsonl_file(kept)
+    raw = json.dumps({"step": 3, "response": "∑é" * 60}, ensure_ascii=False) + "\n"
+    lines = [_jsonl_file(after[:1]), _jsonl_file(after[1:]), raw.encode()]
+    full = head + b"".join(lines)
+    assert len(lines[1]) > 8192 and max(full) > 127
+    ends = [len(head) + sum(len(x) for x in lines[:i + 1]) for i in range(len(lines))]
+    path = tmp_path / "completions.jsonl"
+
+    def expected(cut):
+        """The rows a prefix of `cut` bytes holds, and whether its last line is cut (a notice)."""
+        whole = sum(e <= cut for e in ends)                     # lines written with their newline
+        partial = whole < len(lines) and cut > ([len(head)] + ends)[whole]
+        no_newline = partial and cut == ends[whole] - 1          # a whole object but its newline
+        rows = kept + [json.loads(x) for x in lines[:whole + no_newline]]
+        return rows, partial and not no_newline
+
+    def check_notice(err, cut_short, at):
+        if cut_short:
+            assert err.count("\n") == 1 and f"{path}: dropped its last line, cut short" in err, at
+        else:
+            assert err == "", (at, err)
+    for cut in range(len(head), len(full) + 1):
+        rows, cut_short = expected(cut)
+        assert [r for _, r in checkpoint._parse_jsonl(full[:cut], str(path))] == rows, cut
+        check_notice(capsys.readouterr().err, cut_short, cut)
+    cuts = {c + k for c in [len(head), *ends] for k in (-1, 0, 1)}
+    cuts |= set(range(len(head), len(full), 50))
+    for cut in sorted(c for c in cuts if len(head) <= c <= len(full)):
+        path.write_bytes(full[:cut])
+        rows, cut_short = expected(cut)
+        assert checkpoint.read_jsonl(str(path)) == rows, cut
+        check_notice(capsys.readouterr().err, cut_short, cut)
+        checkpoint.trim_metrics(str(path), 2)
+        check_notice(capsys.readouterr().err, cut_short, cut)
+        assert path.read_bytes() == head and os.listdir(tmp_path) == ["completions.jsonl"], cut
+    # any other bad line is corruption, not a kill: one line naming file:line, the file as it was
+    for bad, line in ((head[:30] + b"\n" + head, 1), (head + b"not json\n", len(kept) + 1)):
+        path.write_bytes(bad)
+        for read in (checkpoint.read_jsonl, lambda p: checkpoint.trim_metrics(p, 2)):
+            with pytest.raises(checkpoint.CheckpointError,
+                               match=f"^{re.escape(str(path))}:{line}: not a JSON line .*corrupt"):
+                read(str(path))
+        assert path.read_bytes() == bad
+    path.write_bytes(head)
+    assert curves.read_metrics(str(path)) == kept            # --plot and ablate.py read through it
+
+
+class _CutWrites:
+    """A stand-in for builtins.open: the files it opens for writing under `folder` count the
+    characters written to them, all together; once `budget` of them are written, the write in
+    progress puts only its first part in the file, flushes, and calls die() (budget None: it only
+    counts). What a kill after that many bytes leaves (json writes ASCII: characters are bytes)."""
+
+    def __init__(self, folder, budget, die):
+        import builtins
+        self.folder, self.budget, self.die = os.path.abspath(folder) + os.sep, budget, die
+        self.written, self.real_open = 0, builtins.open
+
+    def __call__(self, file, mode="r", *args, **kwargs):
+        fh = self.real_open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and \
+                os.path.abspath(file).startswith(self.folder):
+            return _CutFile(fh, self)
+        return fh
+
+
+class _CutFile:
+    def __init__(self, fh, cut):
+        self.fh, self.cut = fh, cut
+
+    def write(self, text):
+        c = self.cut
+        if c.budget is not None and c.written + len(text) > c.budget:
+            self.fh.write(text[:c.budget - c.written])
+            self.fh.flush()
+            c.die()
+        c.written += len(text)
+        return self.fh.write(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.fh.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+class _Killed(BaseException):
+    """A kill, in-process: no `except Exception` stops it."""
+
+
+def test_trim_killed_at_any_byte_of_its_rewrite_keeps_the_whole_log(tmp_path, monkeypatch):
+    """trim_metrics (--resume) rewrites the log: dying after any number of bytes of the rewrite
+    leaves the old log whole (an in-place rewrite would leave those bytes alone), and the next trim
+    does the job."""
+    import builtins
+
+    import checkpoint
+    rows = [{"step": s, "loss": s / 8, "response": "y" * 40} for s in range(6)]
+    log = tmp_path / "metrics.jsonl"
+    old = _jsonl_file(rows) + b'{"step": 6, "lo'                 # killed mid-step 6 the first time
+    kept = _jsonl_file(rows[:4])
+
+    def die():
+        raise _Killed
+    for budget in range(0, len(kept), 7):
+        log.write_bytes(old)
+        monkeypatch.setattr(os, "fsync", lambda fd: None)
+        monkeypatch.setattr(builtins, "open", _CutWrites(tmp_path, budget, die))
+        with pytest.raises(_Killed):
+            checkpoint.trim_metrics(str(log), 3)
+        monkeypatch.setattr(builtins, "open", builtins.open.real_open)
+        assert log.read_bytes() == old, budget
+        checkpoint.trim_metrics(str(log), 3)
+        assert log.read_bytes() == kept and os.listdir(tmp_path) == ["metrics.jsonl"], budget
+
+
+def _tagged_folder(folder, tag):
+    os.makedirs(folder)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(f"{name} of {tag}")
+
+
+def _whole_tag(folder):
+    """The tag of a whole folder written by _tagged_folder, else None."""
+    try:
+        texts = {n: open(os.path.join(folder, n)).read() for n in os.listdir(folder)}
+    except OSError:
+        return None
+    tags = {t.split(" of ")[-1] for t in texts.values()}
+    if len(tags) != 1 or sorted(texts) != ["config.json", "model.safetensors", "tokenizer.json"]:
+        return None
+    tag = tags.pop()
+    return tag if all(t == f"{n} of {tag}" for n, t in texts.items()) else None
+
+
+def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one_whole(
+        tmp_path, monkeypatch):
+    """atomic() over an existing folder (OUT/final, OUT/adapter) puts the new one in its place; its
+    files and itself are fsynced before the rename, the parent folder after. Killed at each of its
+    file-system calls in turn (no cleanup runs: every later call dies too), OUT/final or its aside
+    copy is at every moment a whole folder (`loadable`), and the next save recovers and leaves
+    nothing but OUT/final. A save that fails (a full disk) leaves the old folder, no temporary."""
+    import shutil
+
+    import checkpoint
+    path = str(tmp_path / "final")
+    with checkpoint.atomic(path) as tmp:
+        _tagged_folder(tmp, "first")
+    synced, replaces = [], []
+    real_sync, real_replace = checkpoint._fsync_file, os.replace
+    monkeypatch.setattr(checkpoint, "_fsync_file",
+                        lambda p: synced.append(os.path.relpath(p, tmp_path)) or real_sync(p))
+    monkeypatch.setattr(os, "replace",
+                        lambda a, b: replaces.append((len(synced), a, b)) or real_replace(a, b))
+    with checkpoint.atomic(path) as tmp:
+        _tagged_folder(tmp, "second")
+    monkeypatch.undo()
+    assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"]
+    files = {f"final.tmp/{n}" for n in ("model.safetensors", "config.json", "tokenizer.json")}
+    into_place = [n for n, a, _ in replaces if a.endswith("final.tmp")]
+    assert set(synced[:3]) == files and synced[3] == "final.tmp" and into_place == [4]
+    assert synced[4:] == ["."]                                    # then the renames themselves
+    # a kill at each file-system call of the replacement in turn
+    ops = ("replace", "remove", "fsync")
+    real = {name: getattr(os, name) for name in ops}
+    real_rmtree = shutil.rmtree
+    for k in range(20):
+        calls = [0]
+
+        def dies(fn, k=k, calls=calls):
+            def call(*a, **kw):
+                calls[0] += 1
+                if calls[0] > k:
+                    raise _Killed
+                return fn(*a, **kw)
+            return call
+        for name in ops:
+            monkeypatch.setattr(os, name, dies(real[name]))
+        monkeypatch.setattr(shutil, "rmtree", dies(real_rmtree))
+        killed = False
+        try:
+            with checkpoint.atomic(path) as tmp:
+                _tagged_folder(tmp, f"kill{k}")
+        except _Killed:
+            killed = True
+        monkeypatch.undo()
+        whole = _whole_tag(checkpoint.loadable(path))
+        assert whole in ("second", f"kill{k}"), (k, os.listdir(tmp_path))
+        with checkpoint.atomic(path) as tmp:                      # the next save
+            _tagged_folder(tmp, "second")
+        assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"], k
+        if not killed:
+            break
+    assert 4 <= k < 19                                            # it was killed at every call
+    # killed between the two renames: only final.old; it loads, and recover() puts it back
+    os.rename(path, path + ".old")
+    assert checkpoint.loadable(path) == path + ".old"
+    checkpoint.recover(path)
+    assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"]
+    # a save that fails half way: the error goes on, the old folder stays, no temporary is left
+    with pytest.raises(OSError, match="No space left"), checkpoint.atomic(path) as tmp:
+        _tagged_folder(tmp, "full")
+        raise OSError(28, "No space left on device")
+    assert _whole_tag(path) == "second" and os.listdir(tmp_path) == ["final"]
+    # a file: one os.replace; a failed one leaves no temporary either
+    ckpt = str(tmp_path / "checkpoint.pt")
+    for text in ("one", "two"):
+        with checkpoint.atomic(ckpt) as tmp, open(tmp, "w") as fh:
+            fh.write(text)
+    with pytest.raises(OSError), checkpoint.atomic(ckpt) as tmp, open(tmp, "w") as fh:
+        fh.write("thr")
+        raise OSError(28, "No space left on device")
+    assert open(ckpt).read() == "two" and sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "final"]
+
+
+def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(tiny_run_inputs,
+                                                                              tmp_path, capsys):
+    """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
+    between its two renames, only OUT/final.old is there: data.load_model (--model OUT/final, as
+    evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
+    import checkpoint
+    _, tok, model = data.load_model(str(tiny_run_inputs / "model"))
+    out, final = str(tmp_path), str(tmp_path / "final")
+    checkpoint.save_final(out, model, tok, model.state_dict())
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint.save_final(out, model, tok, model.state_dict())
+    assert os.listdir(tmp_path) == ["final"]
+    os.rename(final, final + ".old")                             # the moment between the renames
+    path, _, loaded = data.load_model(final)
+    assert path == final + ".old" and "final.old is whole" in capsys.readouterr().err
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    checkpoint.save_final(out, model, tok, model.state_dict())
+    assert os.listdir(tmp_path) == ["final"]
+    assert all(torch.equal(v, trained[k]) for k, v in _weights(final).items())
+
+def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, capsys):
+    """--resume from step 2 after a run killed in the middle of step 5's lines: metrics.jsonl and
+    completions.jsonl both keep steps <= 2 (step 2's own lines too) and go on from there, each step
+    logged once. A fresh run (no --resume) in that folder starts both logs (and config.json) anew,
+    and without --log-completions leaves no completions.jsonl of the run before."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(out=str(tmp_path), report_to="none", run_name="r", log_completions=2)
+
+    def steps(log, todo):
+        for s in todo:
+            log.log({"step": s, "loss": s / 4})
+            log.completions(s, [{"response": f"{s}a"}, {"response": f"{s}b"}])
+            if s == 2:
+                log.log({"step": 2, "eval/accuracy": 0.5})
+
+    def logged(name):
+        return [(r["step"], r.get("response", "eval" if "eval/accuracy" in r else ""))
+                for r in curves.read_metrics(str(tmp_path / name))]
+    log = curves.RunLog(args, {"run": 1})
+    log.log({"step": 0, "eval/accuracy": 0.25})
+    steps(log, [1, 2, 3, 4])
+    log.close()
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        with open(tmp_path / name, "a") as fh:
+            fh.write('{"step": 5, "lo')                          # killed mid-write
+    log = curves.RunLog(args, {"run": 1, "resume": True}, resume_step=2)
+    steps(log, [3, 4, 5])
+    log.close()
+    assert [s for s, _ in logged("metrics.jsonl")] == [0, 1, 2, 2, 3, 4, 5]
+    assert logged("completions.jsonl") == [(s, f"{s}{c}") for s in range(1, 6) for c in "ab"]
+    assert capsys.readouterr().err.count("dropped its last line, cut short") == 2
+    log = curves.RunLog(args, {"run": 2})
+    steps(log, [1])
+    log.close()
+    assert logged("metrics.jsonl") == [(1, "")]
+    assert logged("completions.jsonl") == [(1, "1a"), (1, "1b")]
+    assert json.loads((tmp_path / "config.json").read_text()) == {"run": 2}
+    args.log_completions = 0
+    curves.RunLog(args, {"run": 3}).close()
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl"]
+
+
+def test_load_restores_the_global_rng_states_that_a_reward_may_draw_from(tmp_path):
+    """train.py draws from no global RNG itself, but a --reward function may (ablate.py's
+    random_reward draws from `random`): load() puts back the torch and Python RNG states that save()
+    found, so a resumed run draws what the unbroken one drew after its checkpoint (the kill test
+    below checks it end to end, with flip_x)."""
+    import checkpoint
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    torch.manual_seed(1)
+    random.seed(1)
+    torch.rand(5), random.random()
+    checkpoint.save(str(tmp_path / "c.pt"), model, opt, sched, {"step": 1})
+    unbroken = torch.rand(5), random.random()
+    torch.manual_seed(1)                              # a new process: train.py seeds torch again
+    random.seed(2)
+    checkpoint.load(str(tmp_path / "c.pt"), model, opt, sched)
+    resumed = torch.rand(5), random.random()
+    assert torch.equal(resumed[0], unbroken[0]) and resumed[1] == unbroken[1]
+
+
+def flip_x(response: str, answer: str) -> float:
+    """has_x, flipped when a coin of the global torch RNG or of `random` says so: a reward drawing
+    from both global RNGs, which a resumed run reproduces only if the checkpoint restores them."""
+    flip = float(torch.rand(())) < 0.15 or random.random() < 0.15
+    return 1.0 - has_x(response, answer) if flip else has_x(response, answer)
+
+
+# A process that imports train.py (torch, transformers, what they import on first use) once, then
+# forks one child per line of stdin ({"argv", "out", "log", "kill_after_s" | "kill_after_bytes"}):
+# a train.main run that the driver kills with SIGKILL after kill_after_s seconds, or that kills
+# itself with SIGKILL once kill_after_bytes bytes went to the files it writes under OUT
+# (_CutWrites). One line back per run: how it ended.
+_KILL_DRIVER = r"""
+import builtins, json, os, random, signal, sys, time, traceback
+import torch
+import data, test_grpo, train
+data.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
+param = torch.zeros(1, requires_grad=True)
+param.grad = torch.ones(1)
+torch.optim.AdamW([param]).step()
+
+def child(cmd):
+    log = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    cut = test_grpo._CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
+                               lambda: os.kill(os.getpid(), signal.SIGKILL))
+    builtins.open = cut
+    random.seed(0)  # as ablate.py does: the Python RNG of a fresh run is seeded too
+    code = 0
+    try:
+        train.main(cmd["argv"])
+    except SystemExit as e:  # train.py's one-line errors: exit 2
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with cut.real_open(cmd["log"] + ".bytes", "w") as fh:
+        fh.write(str(cut.written))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    t0 = time.time()
+    pid = os.fork()
+    if pid == 0:
+        child(cmd)
+    deadline = t0 + min(cmd.get("kill_after_s") or 120.0, 120.0)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.time() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    print(json.dumps({"killed": killed, "code": os.waitstatus_to_exitcode(status),
+                      "seconds": time.time() - t0}), flush=True)
+"""
+
+
+def _run_record(out):
+    """What a finished run left: its logs without time/*, its final/ byte for byte, config.json
+    without the keys that name the folder or the resume, and the names in OUT."""
+    def rows(name):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+                for x in (out / name).read_text().splitlines()]
+    config = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
+              if k not in ("out", "run_name", "resume")}
+    final = {p.name: p.read_bytes() for p in sorted((out / "final").iterdir())}
+    return {"metrics": rows("metrics.jsonl"), "completions": rows("completions.jsonl"),
+            "final": final, "config": config, "files": sorted(os.listdir(out))}
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
+        tiny_run_inputs, tmp_path):
+    """train.py runs (6 steps, a checkpoint every 2, evaluation every 3, 16 completions a step, a
+    reward drawing from the global RNGs: flip_x) SIGKILLed over and over: half at a random moment of
+    the run (startup, steps, checkpoints, the final save, exit), half once a random number of bytes
+    went to the files it writes under OUT (its logs mid-line, config.json, the rewrites of --resume,
+    the tokenizer of final/), each then resumed with --resume (or started again where no checkpoint
+    was written yet), the resumed run perhaps killed again, until one finishes. Every finished run
+    equals the unbroken one: the same final/ byte for byte, the same metrics.jsonl and
+    completions.jsonl rows (all keys but time/*), the same config, and no file more (no temporary,
+    no aside copy). Each run is a fork of one process that imported train.py once (a fresh
+    interpreter per run would spend 4 s importing), then runs train.main as `python train.py` would:
+    44 tries, about 35 kills, in 30-40 s on 2 cores."""
+    d = tiny_run_inputs
+    flags = _tiny_flags(d, "OUT")
+    flags[flags.index("test_grpo:has_x")] = "test_grpo:flip_x"
+    flags += ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--log-completions", "16"]
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen([sys.executable, "-c", _KILL_DRIVER, str(d / "model")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                  text=True, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = [0]
+
+    def run(out, **kill):
+        runs[0] += 1
+        argv = [str(out) if f == "OUT" else f for f in flags]
+        if (out / "checkpoint.pt").exists():
+            argv.append("--resume")
+        log = tmp_path / f"run{runs[0]}.log"
+        cmd = {"argv": argv, "out": str(out), "log": str(log), **kill}
+        driver.stdin.write(json.dumps(cmd) + "\n")
+        driver.stdin.flush()
+        line = driver.stdout.readline()
+        assert line, (tmp_path / "driver.err").read_text()[-3000:]
+        res = json.loads(line)
+        assert res["killed"] or res["code"] == 0, log.read_text()[-3000:]
+        return res, log
+
+    def finished_like_the_unbroken_one(out, attempt):
+        got = _run_record(out)
+        for key in want:
+            assert got[key] == want[key], (key, out, attempt)
+
+    try:
+        res, log = run(tmp_path / "unbroken")
+        assert not res["killed"]
+        seconds, written = res["seconds"], int((tmp_path / (log.name + ".bytes")).read_text())
+        want = _run_record(tmp_path / "unbroken")
+        assert [r["step"] for r in want["metrics"] if "loss" in r] == [1, 2, 3, 4, 5, 6]
+        assert written > 15000 and len(want["completions"]) == 96
+        rng = random.Random(0)
+        kills = cut_lines = debris = finished = 0
+        chain = tmp_path / "chain0"
+        for attempt in range(44):
+            kill = {"kill_after_s": rng.uniform(0, seconds)} if attempt % 2 else \
+                {"kill_after_bytes": rng.randrange(written)}
+            res, log = run(chain, **kill)
+            if res["killed"]:
+                kills += 1
+                logs = [chain / n for n in ("metrics.jsonl", "completions.jsonl")]
+                cut_lines += any(p.exists() and p.read_bytes()[-1:] not in b"\n" for p in logs)
+                debris += any(n.endswith((".tmp", ".old")) for n in os.listdir(chain))
+                continue
+            finished_like_the_unbroken_one(chain, attempt)
+            finished += 1
+            chain = tmp_path / f"chain{finished}"
+        if chain.exists():                                       # the last chain, to its end
+            assert not run(chain)[0]["killed"]
+            finished_like_the_unbroken_one(chain, "end")
+            finished += 1
+    finally:
+        driver.stdin.close()
+        driver.wait(timeout=60)
+    print(f"unbroken: {seconds:.2f} s, {written} bytes; {kills} kills (a log line cut: "
+          f"{cut_lines}, a temporary or aside copy left: {debris}), {finished} runs to the end")
+    assert kills >= 25 and cut_lines >= 5 and debris >= 3 and finished >= 3
+
+
 # ---------------------------------------------------------------------------------------------
 # curves.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------

@@ -455,6 +455,8 @@ def run(args: Args, ddp: parallel.Dist) -> dict:
         if state["step"] % args.eval_every == 0 or done:
             state["acc_after"] = evaluate_at(state["step"])
         if args.save_every and (state["step"] % args.save_every == 0 or done):
+            if out:
+                out.sync()  # the logs on disk up to this step before the checkpoint that says so
             if args.fsdp:   # every rank writes its shards
                 checkpoint.save_sharded(ckpt_path, model, opt, sched, state, ddp)
             elif ddp.master:
