@@ -21,7 +21,7 @@ verbose answers (overlong filtering and punishment), long and short responses (t
 
 The warm start (1,200 steps of 64 demonstrations, ~2.9M tokens, each drawn once, packed into rows so
 that a step pays for 1.07x its tokens instead of 1.8x padded: `warm_start_batches`, timed both ways by
-`python bench.py --only warmstart`) takes minutes on a CPU, so its result ships in the repository:
+`python -m bench --only warmstart`) takes minutes on a CPU, so its result ships in the repository:
 `base_model/` holds the weights, the tokenizer and recipe.json, whose key is `recipe_key` of the recipe
 that built them. `base_model()` returns that folder while the key matches the code, and builds into the
 cache otherwise; a test fails while the shipped key is stale, so a changed recipe cannot ship old weights.

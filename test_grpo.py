@@ -1759,14 +1759,15 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
 
 
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
-    """bench.py is not run by CI otherwise: its flags (and bench_trl.py's) must parse, and the warm-start section must run."""
-    import bench
-    import bench_trl
-    for main in (bench.main, bench_trl.main):
+    """python -m bench is not run by CI otherwise: its flags (and python -m bench.vs_trl's) must
+    parse, and the warm-start section must run."""
+    from bench import __main__ as bench_main
+    from bench import vs_trl
+    for main in (bench_main.main, vs_trl.main):
         with pytest.raises(SystemExit) as e:
             main(["--help"])
         assert e.value.code == 0
-    bench.main(["--only", "warmstart", "--repeats", "1"])
+    bench_main.main(["--only", "warmstart", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "padded to the longest" in out and "packed into rows" in out and "packed / padded time" in out
 
@@ -3077,15 +3078,16 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
 
 
 # ---------------------------------------------------------------------------------------------
-# bench.py
+# bench/ (python -m bench)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
-    """bench.py --only slots, shrunk: memory in fresh processes at N and all rows, continuous vs static batches."""
-    import bench_rollout
-    monkeypatch.setattr(bench_rollout, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
-    bench_rollout.bench_slots("cpu", 1, small=4)
+    """python -m bench --only slots, shrunk: memory in fresh processes at N and all rows, continuous
+    vs static batches."""
+    from bench import rollouts
+    monkeypatch.setattr(rollouts, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
+    rollouts.bench_slots("cpu", 1, small=4)
     out = capsys.readouterr().out
     assert "rollout memory, peak RSS of a fresh process" in out and "all 12 rows" in out
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
@@ -3586,6 +3588,7 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
 FOREIGN_FLAGS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--master_addr",
                  "--master_port", "--system-site-packages", "--lora-dropout"}
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "txt", "pt", "toml", "lock"}  # `train.py`, not train.<name>
+FOREIGN_FILES = {"grpo_config.py"}  # other projects' files the pages name (TRL's)
 
 
 def _doc_pages() -> dict[str, str]:
@@ -3606,9 +3609,18 @@ def _at(page: str, text: str, m, what: str | None = None) -> str:
     return f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0) if what is None else what}"
 
 
+def _packages() -> list[str]:
+    """The folders here run as `python -m NAME` (bench, ablate): namespace packages with a
+    __main__.py."""
+    return sorted(n for n in os.listdir(HERE)
+                  if os.path.isfile(os.path.join(HERE, n, "__main__.py")))
+
+
 def _cli_actions() -> list:
-    """The argparse actions of every command-line script here: each script that parses flags runs as
-    __main__ until its parser's parse_known_args, which hands the parser over instead of parsing."""
+    """The argparse actions of every command here: each top-level script and each module of a
+    package (`python -m bench`, `python -m bench.vs_trl`, `python -m ablate`) that parses flags runs
+    as __main__ until its parser's parse_known_args, which hands the parser over instead of
+    parsing."""
     import argparse
     import runpy
 
@@ -3618,21 +3630,47 @@ def _cli_actions() -> list:
     def capture(parser, *args, **kwargs):
         raise Parsed(parser)
 
+    commands = [(os.path.join(HERE, n), None) for n in sorted(os.listdir(HERE))
+                if n != "test_grpo.py"]
+    commands += [(os.path.join(HERE, pkg, n), f"{pkg}.{n[:-3]}") for pkg in _packages()
+                 for n in sorted(os.listdir(os.path.join(HERE, pkg)))]
     actions, saved = [], (argparse.ArgumentParser.parse_known_args, sys.argv)
     argparse.ArgumentParser.parse_known_args = capture
     try:
-        for name in sorted(os.listdir(HERE)):
-            path = os.path.join(HERE, name)
-            src = _read(path) if name.endswith(".py") and name != "test_grpo.py" else ""
+        for path, module in commands:
+            src = _read(path) if path.endswith(".py") else ""
             if "__main__" not in src or "parse_args(" not in src:
                 continue
             sys.argv = [path]
             with pytest.raises(Parsed) as got:  # a script that returns here parsed nothing: a bug in this test
-                runpy.run_path(path, run_name="__main__")
+                if module is None:
+                    runpy.run_path(path, run_name="__main__")
+                else:                           # as `python -m` does, on a fresh copy of the module
+                    imported = sys.modules.pop(module, None)
+                    try:
+                        runpy.run_module(module, run_name="__main__", alter_sys=True)
+                    finally:
+                        if imported is not None:
+                            sys.modules[module] = imported
             actions += got.value.args[0]._actions
     finally:
         argparse.ArgumentParser.parse_known_args, sys.argv = saved
     return actions
+
+
+def _import_longest(names: list[str]):
+    """The module named by the longest prefix of names that imports, and the names after it: `grpo`
+    for grpo.policy_loss, `bench.vs_trl` for bench.vs_trl.main (a namespace package such as bench
+    has its submodules as attributes only once they are imported)."""
+    import importlib
+    for k in range(len(names), 1, -1):
+        dotted = ".".join(names[:k])
+        try:
+            return importlib.import_module(dotted), names[k:]
+        except ModuleNotFoundError as e:
+            if not (dotted + ".").startswith(e.name + "."):  # an import inside the module failed
+                raise
+    return importlib.import_module(names[0]), names[1:]
 
 
 def _github_anchors(text: str) -> set[str]:
@@ -3650,12 +3688,12 @@ def _github_anchors(text: str) -> set[str]:
 def _docs_problems(pages: dict[str, str]) -> list[str]:
     """What the pages name that does not exist, one line each: `module.name[.member]` (and keyword
     arguments written as `module.fn(kw=...)`), --flag and its value where the flag has choices,
-    test_name, [text](relative link) with its #anchor."""
-    import importlib
+    test_name, [text](relative link) with its #anchor, a .py file named from the repo root
+    (bench/common.py)."""
     import inspect
     import re
 
-    modules = sorted(n[:-3] for n in os.listdir(HERE) if n.endswith(".py"))
+    modules = sorted([n[:-3] for n in os.listdir(HERE) if n.endswith(".py")] + _packages())
     actions = _cli_actions()
     flags = {s for a in actions for s in a.option_strings} | FOREIGN_FLAGS
     choices = {}
@@ -3670,8 +3708,10 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
     for page, text in pages.items():
         for m in re.finditer(name_re, text):
             parts = m.group(2).split(".")[1:]
-            obj = importlib.import_module(m.group(1))
-            for part in parts if parts[0] not in FILE_SUFFIXES else []:
+            if parts[0] in FILE_SUFFIXES:
+                continue
+            obj, parts = _import_longest([m.group(1), *parts])
+            for part in parts:
                 fields = getattr(obj, "__dataclass_fields__", {})  # a field without a default
                 obj = getattr(obj, part, fields.get(part, missing))
                 if obj is missing:
@@ -3700,6 +3740,10 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
                 problems.append(f"{_at(page, text, m, m.group(1))}: no such file")
             elif anchor and anchor not in _github_anchors(_read(path) if target else text):
                 problems.append(f"{_at(page, text, m, m.group(1))}: no such heading")
+        for m in re.finditer(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b", text):
+            path = os.path.join(HERE, m.group(1))
+            if m.group(1) not in FOREIGN_FILES and not os.path.isfile(path):
+                problems.append(f"{_at(page, text, m)}: no such file")
     return problems
 
 
@@ -3718,12 +3762,17 @@ def test_docs_check_finds_a_stale_name_argument_flag_choice_test_link_and_anchor
 `test_token_weights_by_hand` `test_no_such_test`
 [ok](docs/metrics.md) [gone](docs/gone.md) [here](#quickstart-cpu-nothing-downloaded) [there](#no-such-heading)
 [ok](docs/metrics.md#logged-metrics-outmetricsjsonl) [no](docs/metrics.md#quickstart-cpu-nothing-downloaded)
+`bench.vs_trl.main` `bench.vs_trl.no_such_fn` `bench.gone.x` --init random --init nothing
+`bench/common.py` `bench.py` `grpo_config.py` `bench/gone.py`
 """
     assert _docs_problems({"README.md": page}) == [
         "README.md:2: grpo.no_such_fn: no no_such_fn", "README.md:2: sampler.Rollout.no_field: no no_field",
         "README.md:3: grpo.token_weights(mask, num_tokenz=...): no argument num_tokenz",
+        "README.md:8: bench.vs_trl.no_such_fn: no no_such_fn", "README.md:8: bench.gone.x: no gone",
         "README.md:4: --algo dapi: no choice dapi", "README.md:4: --no-such-flag: no such flag",
         "README.md:4: --adv-scale group/batch/nine: no choice nine",
+        "README.md:8: --init nothing: no choice nothing",
         "README.md:5: test_no_such_test: no such test in test_grpo.py",
         "README.md:6: docs/gone.md: no such file", "README.md:6: #no-such-heading: no such heading",
-        "README.md:7: docs/metrics.md#quickstart-cpu-nothing-downloaded: no such heading"]
+        "README.md:7: docs/metrics.md#quickstart-cpu-nothing-downloaded: no such heading",
+        "README.md:9: bench.py: no such file", "README.md:9: bench/gone.py: no such file"]
