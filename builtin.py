@@ -21,14 +21,14 @@ verbose answers (overlong filtering and punishment), long and short responses (t
 
 The warm start (1,200 steps of 64 demonstrations, ~2.9M tokens, each drawn once, packed into rows so
 that a step pays for 1.07x its tokens instead of 1.8x padded: `warm_start_batches`, timed both ways by
-`python bench.py --only warmstart`) takes minutes on a CPU, so its result ships in the repository:
+`python -m bench --only warmstart`) takes minutes on a CPU, so its result ships in the repository:
 `base_model/` holds the weights, the tokenizer and recipe.json, whose key is `recipe_key` of the recipe
 that built them. `base_model()` returns that folder while the key matches the code, and builds into the
 cache otherwise; a test fails while the shipped key is stale, so a changed recipe cannot ship old weights.
 
-Variants for ablate.py's experiments (`Variant`, `variant_model`): a short fine-tune of the base model, built
-into the cache on first use and keyed by `variant_key`; their code is outside the base recipe, so its key
-and the shipped weights stay as they are.
+Habit models for the experiments of `python -m ablate` (ablate/habits.py: `Habit`, `habit_model`):
+a short fine-tune of the base model, built into the cache on first use and keyed by `habit_key`;
+their code is outside the base recipe, so its key and the shipped weights stay as they are.
 
     python builtin.py           # find (shipped or cached) or build the base model and print its folder
     python builtin.py --ship    # build if needed and write it to base_model/ (after changing the recipe)
@@ -387,100 +387,6 @@ def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, s
     log(f"shipped {built} to {ship_dir} (recipe {key})")
     return ship_dir
 
-
-
-# ---------------------------------------------------------------------------------------------
-# Variants of the base model for ablate.py's experiments (the default run never uses them)
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Variant:
-    """A short supervised fine-tune of the base model on its own kind of demonstrations with one habit
-    added, for an experiment whose problem the base model is too tidy to show."""
-    stutter: float = 0.3       # chance that a line of a solution (careful or shortcut) is written again, 1-3 times
-    steps: int = 60            # supervised steps, each on fresh demonstrations
-    batch_size: int = 32       # demonstrations per step
-    lr: float = 1e-3           # AdamW learning rate, constant
-    seed: int = 0              # seeds the demonstrations
-
-
-VARIANT_ROOTS = ("variant_demos", "fine_tune")  # what a variant's build runs on top of the base model
-
-
-def stuttered(solution: str, rng: random.Random, p: float) -> str:
-    """solution with each line but the answer written again 1-3 more times with chance p (a solver that
-    loses its place): the length of a response, right or wrong, no longer follows from its method."""
-    *steps, answer = solution.split("\n")
-    out = []
-    for line in steps:
-        out += [line] * (1 + (rng.randint(1, 3) if rng.random() < p else 0))
-    return "\n".join(out + [answer])
-
-
-def variant_demos(v: Variant, cfg: BaseModelConfig) -> list[tuple[str, str]]:
-    """v.steps * v.batch_size (prompt, solution) of training problems: the base model's demonstrations
-    (`demonstration`, same mix), stuttered (`stuttered`)."""
-    rng = random.Random(v.seed + 7)
-    demos = []
-    while len(demos) < v.steps * v.batch_size:
-        eq, x = make_problem(rng)
-        if not is_heldout(eq):
-            demos.append((prompt_text(eq), stuttered(demonstration(eq, x, rng, cfg), rng, v.stutter)))
-    return demos
-
-
-def fine_tune(model, tokenizer, v: Variant, cfg: BaseModelConfig) -> None:
-    """Cross-entropy on the solution tokens of variant_demos, v.batch_size per step, padded to the longest."""
-    import torch.nn.functional as F
-
-    demos, vocab, eos = variant_demos(v, cfg), tokenizer.get_vocab(), tokenizer.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=v.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    model.train()
-    for k in range(0, len(demos), v.batch_size):
-        seqs = [([vocab[c] for c in p + r] + [eos], len(p)) for p, r in demos[k:k + v.batch_size]]
-        T = max(len(s) for s, _ in seqs)
-        ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in seqs])          # [B, T]
-        lengths = torch.tensor([len(s) for s, _ in seqs])
-        starts = torch.tensor([p for _, p in seqs])
-        pos = torch.arange(T)
-        scored = (pos >= starts[:, None]) & (pos < lengths[:, None])                            # [B, T], from lengths
-        labels = torch.where(scored, ids, -100)
-        mask = (pos < lengths[:, None]).long()
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # [B, T-1, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.eval()
-
-
-def variant_key(v: Variant, cfg: BaseModelConfig = BaseModelConfig(), source: str | None = None) -> str:
-    """12 hex digits naming a variant's build: the base model's recipe key, v, and what fine_tune runs."""
-    recipe = {"base": recipe_key(cfg, source), "variant": asdict(v), "code": recipe_code(source, VARIANT_ROOTS)}
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def variant_model(v: Variant, cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, log=print) -> str:
-    """The folder of a variant (v fine-tuned onto the base model of cfg), built into the cache on first
-    use (seconds: v.steps small steps)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = os.path.join(cache_dir, f"variant-{variant_key(v, cfg)}")
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
-    t0, base = time.time(), base_model(cfg, cache_dir, log)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(v.seed)
-    fine_tune(model, tokenizer, v, cfg)
-    tmp = folder + f".tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    log(f"built the variant {v} in {folder} ({time.time() - t0:.0f}s)", flush=True)
-    return folder
 
 if __name__ == "__main__":
     import argparse

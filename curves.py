@@ -1,7 +1,7 @@
 """A run's metrics: each step's row (`drawn_sums` and `step_metrics`, the README's glossary) and rank 0's
 warnings when a step trains nothing (`SignalCheck`), for train.py; reading OUT/metrics.jsonl and drawing its
-curves (-> PNG), for train.py --plot and ablate.py, with the measures ablate.py reads from a run; live curves
-while it runs (`--report-to wandb|tensorboard`, `LiveCurves`).
+curves (-> PNG), for train.py --plot and `python -m ablate` (whose measures of a run are in
+ablate/measures.py); live curves while it runs (`--report-to wandb|tensorboard`, `LiveCurves`).
 
 Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length and
 truncation against the number of responses sampled).
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,56 +37,6 @@ def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
     """(samples drawn so far, value) points of `key`; eval lines take the sample count of their step."""
     samples_at = {0: 0, **{r["step"]: r["samples"] for r in rows if "samples" in r}}
     return [(samples_at[r["step"]], r[key]) for r in rows if key in r]
-
-
-# A run's measures for ablate.py: a curve is Run -> [(x, value)], a measure Run -> one value (None: none)
-
-@dataclass
-class Run:
-    """One finished train.py run: its config.json, metrics.jsonl and completions.jsonl (every response
-    trained on: the experiments pass --log-completions with room for all of them)."""
-    config: dict
-    metrics: list[dict]
-    completions: list[dict]
-
-
-def load_run(out: str) -> Run:
-    with open(os.path.join(out, "config.json")) as fh:
-        config = json.load(fh)
-    return Run(config, read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(out, "completions.jsonl")))
-
-
-def logged(key: str) -> Callable[[Run], list[tuple[int, float]]]:
-    """A curve of a metric of metrics.jsonl over training steps (eval/* at the step it was taken)."""
-    return lambda run: [(r["step"], r[key]) for r in run.metrics if key in r]
-
-
-def by_step(fn: Callable[[list[dict]], float | None]) -> Callable[[Run], list[tuple[int, float]]]:
-    """A curve over training: (step, fn(the completions trained on at that step)) where fn gives a value."""
-    def points(run: Run) -> list[tuple[int, float]]:
-        steps = sorted({c["step"] for c in run.completions})
-        return [(s, v) for s in steps if (v := fn([c for c in run.completions if c["step"] == s])) is not None]
-    return points
-
-
-def at_samples(points: Callable[[Run], list[tuple[float, float]]], samples: Callable[[Run], float]) -> Callable[[Run], float | None]:
-    """Run -> the curve's last value taken with at most samples(run) responses drawn (x: responses sampled)."""
-    return lambda run: pts[-1] if (pts := [v for s, v in points(run) if s <= samples(run)]) else None
-
-
-def end(points: Callable[[Run], list[tuple[float, float]]], k: int = 5) -> Callable[[Run], float | None]:
-    """Run -> the mean of a curve's last k points (the end of training)."""
-    return lambda run: statistics.mean(v for _, v in points(run)[-k:]) if points(run) else None
-
-
-def over_run(points: Callable[[Run], list[tuple[float, float]]]) -> Callable[[Run], float | None]:
-    """Run -> the mean of a curve over the whole run."""
-    return lambda run: statistics.mean(v for _, v in points(run)) if points(run) else None
-
-
-def final(key: str) -> Callable[[Run], float | None]:
-    """Run -> the last logged value of a metric (eval/accuracy: the evaluation after the last step)."""
-    return lambda run: logged(key)(run)[-1][1] if logged(key)(run) else None
 
 
 def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:

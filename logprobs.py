@@ -13,7 +13,7 @@ Two layers:
 - `rollout_logprobs`: the forward itself, a shared-prefix forward ("Prefix Grouper", arXiv 2506.05433). All G
   responses of a group continue the same prompt, so the prompt's keys and values are computed once per group
   and attended by its G responses. `per_response_logprobs` is the plain form it replaces (every response with
-  its own copy of the prompt), kept as the reference for tests and bench.py.
+  its own copy of the prompt), kept as the reference for tests and bench/.
 
 How the shared-prefix forward is laid out (a cache, not packing: it runs on every attention kernel and every
 transformers release this code supports, where a packed sequence needs a block mask the kernels may not take):
@@ -267,7 +267,7 @@ def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     """The reference form of `rollout_logprobs` (same arguments and results): every response with
     its own copy of the prompt, left-padded prompt + response right-padded to the rollout's longest,
     in one forward. Only the last T + 1 positions' logits are materialised (logits_to_keep), of
-    those the T that predict the response. Kept for tests and bench.py; the trainer uses
+    those the T that predict the response. Kept for tests and bench/; the trainer uses
     `rollout_logprobs`.
     """
     a, b = _rows(roll, rows)

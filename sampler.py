@@ -3,7 +3,7 @@
 Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the old policy) and
 "Rollout 与 Advantage 计算" (B prompts x G answers -> [B*G, T_resp]).
 
-`sample_groups` does not call `model.generate`, and is faster (`python bench.py` measures it):
+`sample_groups` does not call `model.generate`, and is faster (`python -m bench` measures it):
 - each prompt is prefilled once and its KV cache repeated for its G samples (generate prefills G copies);
 - the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it with
   torch.cat at every step);
@@ -263,7 +263,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     rows decode at once (None: all B*G), so the KV cache holds max_num_seqs x (P + T) positions, P
     the longest prompt. A group is admitted whole (its prompt prefilled once for its G rows) when G
     slots are free, so max_num_seqs must be >= G. continuous=False: static batches (admit what fits,
-    wait until all of it has ended, admit the next), the baseline bench.py measures; a model whose
+    wait until all of it has ended, admit the next), the baseline bench/ measures; a model whose
     sliding window is shorter than P + T always gets it (below). The rollout is the same for every
     max_num_seqs and either mode: each row's uniforms are drawn up front.
     """

@@ -1,0 +1,235 @@
+"""The article's DAPO fixes, each shown on the problem it names: EXPERIMENTS, one per fix in a
+regime where its problem should appear (a group size, a token budget, off-policy updates, a habit
+model of ablate/habits.py), naive GRPO with the fix off vs on; the measures of responses they read,
+and the table of differences with their noise.
+
+Article section: "DAPO：四项修正" (each fix a 问题 and its DAPO 修正).
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import builtin
+import dapo
+import train
+import verifier
+from ablate import habits
+from ablate.measures import Run, at_samples, by_step, end, final, fmt, logged, over_run
+from curves import curve
+
+
+def solution(prompt: str) -> int:
+    """x of a built-in equation, 'ax+b=c' or 'ax+b=cx+d' (a prompt as builtin.make_problem writes
+    it)."""
+    lhs, rhs = prompt.strip().split("=")
+    a, b = (int(v) for v in builtin._split_linear(lhs))
+    c, d = (int(v) for v in builtin._split_linear(rhs)) if "x" in rhs else (0, int(rhs))
+    return (d - b) // (a - c)
+
+
+def right(c: dict) -> bool:
+    """A logged completion answers its prompt right (the verifier's score, whatever the run's
+    reward)."""
+    return verifier.verify(c["response"], str(solution(c["prompt"]))) == 1.0
+
+
+def on_the_way(c: dict) -> bool:
+    """A truncated completion that is the start of a right worked solution (plain, or with its check
+    line)."""
+    eq, x = c["prompt"].strip(), solution(c["prompt"])
+    return c["truncated"] and any(builtin.solve_steps(eq, x, v).startswith(c["response"])
+                                  for v in (False, True))
+
+
+def repeats(c: dict) -> bool:
+    """A response that writes some line twice."""
+    lines = [x for x in c["response"].split("\n") if x.strip()]
+    return len(set(lines)) < len(lines)
+
+
+def distinct_answers(cs: list[dict]) -> float:
+    """The mean number of distinct final answers in a step's groups (its completions grouped by
+    prompt)."""
+    return statistics.mean(
+        len({verifier.extract_answer(c["response"]) for c in cs if c["prompt"] == p})
+        for p in {c["prompt"] for c in cs})
+
+
+def share(pred: Callable[[dict], bool], among: Callable[[dict], bool] = lambda c: True):
+    """completions -> the share of those `among` that `pred` holds for (None if there are none)."""
+    return lambda cs: sum(pool) / len(pool) if (pool := [pred(c) for c in cs if among(c)]) else None
+
+
+def mean_length(among: Callable[[dict], bool]):
+    """completions -> the mean length in tokens of those `among` (None if there are none)."""
+    return lambda cs: (statistics.mean(pool) if (pool := [c["length"] for c in cs if among(c)])
+                       else None)
+
+
+def informative_groups(run: Run) -> list[tuple[int, float]]:
+    """Groups with unequal rewards (a gradient) in what each step trains on: all the groups dynamic
+    sampling kept, else the step's groups less its zero-std ones."""
+    groups = run.config["prompts_per_step"]
+    return [(r["step"], r.get("sampling/groups_kept", groups * (1 - r["reward/frac_zero_std"])))
+            for r in run.metrics if "loss" in r]
+
+
+def equal_budget(run: Run) -> float:
+    """The responses a run without dynamic sampling draws in its steps: steps x prompts x G."""
+    return run.config["steps"] * run.config["prompts_per_step"] * run.config["group_size"]
+
+
+def random_reward(response: str, answer: str) -> float:
+    """The random-reward control (--reward ablate.experiments:random_reward): 1 or 0 by a fair coin,
+    whatever the response. Python's global RNG, which nothing else in a run draws from; run_arms
+    (ablate/__main__.py) seeds it per run."""
+    return float(random.random() < 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# One experiment per fix, in the regime where its problem appears: the fix off vs on, several seeds
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str                     # results/NAME.md and results/NAME.png
+    claim: str                    # the article's problem and its fix, in a sentence
+    flags: tuple[str, ...]        # train.py flags of every arm: the regime
+    arms: tuple[tuple[str, tuple[str, ...]], ...]  # (label, flags); the first: the fix off
+    measures: tuple[tuple[str, Callable[[Run], float | None]], ...]  # the table: one value per run
+    # the figure: (title, x label, curve)
+    panels: tuple[tuple[str, str, Callable[[Run], list[tuple[float, float]]]], ...]
+    habit: habits.Habit | None = None  # the base model: this habit model (None: the shipped one)
+
+    def model_flags(self) -> tuple[str, ...]:
+        """--model and the built-in task's defaults a model folder does not get
+        (train.BUILTIN_DEFAULTS, 40 tokens)."""
+        if self.habit is None:
+            return ()
+        return ("--model", habits.habit_model(self.habit),
+                "--lr", str(train.BUILTIN_DEFAULTS["lr"]), "--max-new-tokens", "40")
+
+
+def difference(base: list[float], other: list[float]) -> tuple[float, float | None]:
+    """mean(other) - mean(base) and its standard error (Welch: sqrt(s1^2/n1 + s2^2/n2); None with
+    one seed)."""
+    se = (math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other))
+          if min(len(base), len(other)) > 1 else None)
+    return statistics.mean(other) - statistics.mean(base), se
+
+
+def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
+    """Each measure: mean ± sd over seeds per arm, and each arm's difference from the baseline with
+    2 SE."""
+    labels = [label for label, _ in exp.arms]
+    lines = ["| measure | " + " | ".join(labels) + " | "
+             + " | ".join(f"{x} − {labels[0]} (± 2 SE)" for x in labels[1:]) + " |",
+             "|" + " --- |" * (2 * len(labels))]
+    for name, fn in exp.measures:
+        values = {x: [v for v in map(fn, runs[x]) if v is not None] for x in labels}
+        cells = [fmt(v) for v in values.values()]
+        for x in labels[1:]:
+            if not values[x] or not values[labels[0]]:
+                cells.append("-")
+                continue
+            d, se = difference(values[labels[0]], values[x])
+            noise = "**beyond noise**" if se is not None and abs(d) > 2 * se else "within noise"
+            cells.append(f"{d:+.3g} (one seed: no spread)" if se is None else
+                         f"{d:+.3g} ± {2 * se:.2g}: {noise}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    seeds = {len(v) for v in runs.values()}
+    per_arm = "/".join(map(str, sorted(seeds)))
+    return "\n".join(lines) + f"\n\nmean ± sd over {per_arm} seeds per arm."
+
+
+# naive GRPO with DAPO's +-1 rewards (ROWS[0])
+NAIVE = ("--algo", "grpo", "--beta", "0", "--wrong-reward", "-1")
+SMALL = ("--prompts-per-step", "16", "--steps", "16",
+         "--eval-every", "16", "--eval-size", "128",   # held-out: before, after
+         "--log-completions", "100000")                # every response trained on
+
+
+WRONG = lambda c: not right(c)  # noqa: E731
+SAMPLED = (("accuracy of the sampled responses", "step", logged("reward/correct")),)
+HELD_OUT = (("held-out greedy accuracy at the end", final("eval/accuracy")),)
+ENTROPY = (("entropy, last 5 steps", end(logged("entropy"))),
+           ("distinct answers per group, last 5 steps", end(by_step(distinct_answers))),
+           ("tokens clipped at the upper bound", over_run(logged("clip/high_frac"))))
+ENTROPY_PANELS = (("entropy (nats/token)", "step", logged("entropy")),
+                  ("distinct answers per group", "step", by_step(distinct_answers)),
+                  ("tokens clipped high", "step", logged("clip/high_frac")))
+CLIP_ARMS = (("eps_high 0.2", ()), ("eps_high 0.28", ("--eps-high", str(dapo.EPS_HIGH))))
+# off-policy updates; a sampling temperature with spread
+CLIP_REGIME = ("--mini-batches", "4", "--temperature", "1.5")
+G4 = ("--group-size", "4")
+
+
+EXPERIMENTS = (
+    Experiment(
+        "dynamic-sampling",
+        "问题: a group whose answers are all right (or all wrong) has zero advantages and gives no "
+        "gradient, and such groups grow as accuracy rises. DAPO 修正: resample until every group in "
+        "the batch is mixed (Eq. 11).",
+        NAIVE + SMALL + G4, (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
+        (("sampled groups all right or all wrong, last 5 steps",
+          end(logged("reward/frac_zero_std"))),
+         ("groups with a gradient per update (of 16)", over_run(informative_groups)),
+         ("accuracy of the sampled responses, last 5 updates", end(logged("reward/correct"))),
+         ("accuracy of the sampled responses at 16 x 16 x 4 = 1,024 responses",
+          at_samples(lambda r: curve(r.metrics, "reward/correct"), equal_budget)),
+         ("responses sampled in 16 updates", final("samples")),
+         ("held-out greedy accuracy after 16 updates", final("eval/accuracy"))),
+        (("sampled groups all right / all wrong", "step", logged("reward/frac_zero_std")),
+         ("groups with a gradient per update", "step", informative_groups),
+         ("sampled accuracy per update", "optimizer update", logged("reward/correct")),
+         ("sampled accuracy per sampled response", "responses sampled",
+          lambda r: curve(r.metrics, "reward/correct")))),
+    Experiment(
+        "overlong-shaping",
+        "问题: a truncated response gets the reward of a wrong one, though its reasoning may be "
+        "sound, which confuses training. DAPO 修正: mask truncated responses out of the loss "
+        "(overlong filtering), and punish length softly over the last L_cache tokens (Eq. 13).",
+        NAIVE + SMALL + G4 + ("--max-new-tokens", "40"),
+        (("hard: truncated = wrong", ()), ("filter", ("--overlong-filter",)),
+         ("filter + soft penalty", ("--overlong-filter", "--overlong-penalty"))),
+        (("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
+         ("truncated on the way to a right answer, share of the truncated",
+          over_run(by_step(share(on_the_way, lambda c: c["truncated"])))),
+         ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
+         *HELD_OUT),
+        (("truncated responses", "step", logged("len/truncated_frac")),
+         ("truncated on the way to right (of all)", "step", by_step(share(on_the_way))),
+         *SAMPLED)),
+    Experiment(
+        "token-level-loss",
+        "问题: the per-response mean gives each token of a long response less weight, so long wrong "
+        "responses (rambling, repetition) are pushed down less. DAPO 修正: average over all tokens "
+        "of the batch (Eq. 12).",
+        NAIVE + SMALL + G4 + ("--max-new-tokens", "96"),
+        (("sequence", ()), ("token", ("--reduction", "token"))),
+        (("length of wrong responses, last 5 steps", end(by_step(mean_length(WRONG)))),
+         ("wrong responses that repeat a line, last 5 steps", end(by_step(share(repeats, WRONG)))),
+         ("length of right responses, last 5 steps", end(by_step(mean_length(right)))),
+         ("length of all responses, last 5 steps", end(logged("len/mean"))), *HELD_OUT),
+        (("length of wrong responses", "step", by_step(mean_length(WRONG))),
+         ("wrong responses that repeat a line", "step", by_step(share(repeats, WRONG))),
+         ("length of right responses", "step", by_step(mean_length(right))), *SAMPLED),
+        # the shipped model's wrong answers are all ~15-token shortcuts: nothing to dilute
+        habits.Habit()),
+    Experiment(
+        "clip-higher",
+        "问题: with symmetric clipping a low-probability token's ratio is capped at 1 + eps early, "
+        "so exploration dies: entropy collapses. DAPO 修正: decouple the bounds and raise the upper "
+        "one (eps_high 0.28, Eq. 10).",
+        NAIVE + SMALL + CLIP_REGIME, CLIP_ARMS, ENTROPY + HELD_OUT, ENTROPY_PANELS + SAMPLED),
+    Experiment(
+        "clip-higher-random-reward",
+        "The control: a fair coin for reward leaves nothing to learn, and symmetric clipping alone "
+        "is published to lower entropy (arXiv 2509.26114); clip-higher should lower it less.",
+        NAIVE + SMALL + CLIP_REGIME + ("--reward", "ablate.experiments:random_reward"), CLIP_ARMS,
+        ENTROPY, ENTROPY_PANELS),
+)

@@ -1,0 +1,142 @@
+"""A whole GRPO step (the article's "Step 1: Rollout 采样" to "Step 4: PPO Loss 计算"), train.py vs
+TRL's GRPOTrainer on the same model, prompts and settings. A command of its own: an external
+comparison, with its own venv (TRL is never a dependency of this project) and its own child process,
+apart from `python -m bench`'s sections.
+
+Run from the repo root:
+
+    python -m venv --system-site-packages venv-trl && venv-trl/bin/pip install trl torch==2.13.0
+    venv-trl/bin/python -m bench.vs_trl --init random   # the built-in architecture, random init
+    venv-trl/bin/python -m bench.vs_trl                 # on the built-in base model
+
+Both trainers run in their own processes with one thread, interleaved; seconds per step are medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench.common import ROOT, header
+
+VS_TRL = dict(prompts=16, G=8, new_tokens=4, beta=0.04)  # the short-answer configuration, issue 16
+
+
+def trl_child(folder: str, steps: int) -> None:
+    """In a fresh process: `steps` GRPOTrainer steps on folder/model and folder/train.jsonl; prints
+    seconds per step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import verifier
+    with open(os.path.join(folder, "train.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    tok = AutoTokenizer.from_pretrained(os.path.join(folder, "model"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "model"), dtype=torch.float32)
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    def reward(completions, answer, **_):
+        return [verifier.verify(c, a) for c, a in zip(completions, answer)]
+
+    n = VS_TRL["prompts"] * VS_TRL["G"]
+    cfg = GRPOConfig(output_dir=os.path.join(folder, "trl"), per_device_train_batch_size=n,
+                     gradient_accumulation_steps=1, num_generations=VS_TRL["G"],
+                     max_completion_length=VS_TRL["new_tokens"], beta=VS_TRL["beta"],
+                     loss_type="grpo", scale_rewards="group", temperature=1.0, learning_rate=1e-6,
+                     max_steps=steps, use_cpu=True, bf16=False, report_to="none",
+                     save_strategy="no", logging_steps=1, disable_tqdm=True,
+                     dataloader_num_workers=0, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                          train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+    trainer.train()
+    print(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])]}))
+
+
+def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
+    """Both trainers on the built-in base model (init="random": the same architecture, randomly
+    initialised, so nothing is built first) and the same 512 training prompts, each in its own
+    process with one thread, interleaved; seconds per step, the first step of each run left out
+    (warm-up)."""
+    import builtin
+    flags = ["--algo", "grpo", "--beta", str(VS_TRL["beta"]),
+             "--prompts-per-step", str(VS_TRL["prompts"]), "--group-size", str(VS_TRL["G"]),
+             "--max-new-tokens", str(VS_TRL["new_tokens"]),
+             "--micro-batch-size", str(VS_TRL["prompts"] * VS_TRL["G"]), "--lr", "1e-6",
+             "--steps", str(steps), "--device", "cpu"]
+    model_name = "base" if init == "base" else "random-init"
+    print(f"\n## A GRPO step, train.py vs TRL's GRPOTrainer: {VS_TRL['prompts']} prompts x "
+          f"{VS_TRL['G']} samples, {VS_TRL['new_tokens']} new tokens, beta {VS_TRL['beta']}, the "
+          f"built-in {model_name} model, CPU, one thread")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    times = {"train.py": [], "TRL GRPOTrainer": []}
+    with tempfile.TemporaryDirectory() as d:
+        if init == "base":
+            shutil.copytree(builtin.base_model(), os.path.join(d, "model"))
+        else:
+            tok = builtin.make_tokenizer()
+            torch.manual_seed(0)
+            model = builtin.make_model(builtin.BaseModelConfig(), len(tok))
+            model.save_pretrained(os.path.join(d, "model"))
+            tok.save_pretrained(os.path.join(d, "model"))
+        with open(os.path.join(d, "train.jsonl"), "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in builtin.sample_problems(512, 0, False))
+        for r in range(repeats):
+            out = os.path.join(d, f"ours{r}")
+            subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                            "--model", os.path.join(d, "model"),
+                            "--data", os.path.join(d, "train.jsonl"), "--out", out, *flags],
+                           check=True, capture_output=True, cwd=ROOT, env=env)
+            with open(os.path.join(out, "metrics.jsonl")) as fh:
+                steps_s = [r["time/step_s"] for r in map(json.loads, fh) if "time/step_s" in r]
+            times["train.py"] += steps_s[1:]
+            child = f"from bench import vs_trl; vs_trl.trl_child({d!r}, {steps})"
+            res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                                 cwd=ROOT, env=env)
+            if res.returncode:
+                raise RuntimeError(f"the TRL run failed (is trl installed for {sys.executable}?):\n"
+                                   f"{res.stderr[-2000:]}")
+            line = next(x for x in reversed(res.stdout.splitlines()) if x.startswith('{"step_s"'))
+            times["TRL GRPOTrainer"] += json.loads(line)["step_s"][1:]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"  {k:18s} {v:7.3f} s / step (median of {len(times[k])} steps)")
+    print(f"  train.py / TRL: {med['train.py'] / med['TRL GRPOTrainer']:.2f} (target <= 0.5)")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.vs_trl", description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved runs of each trainer (median of their steps)")
+    p.add_argument("--steps", type=int, default=4,
+                   help="training steps per run (at least 4), the first left out")
+    p.add_argument("--init", choices=["base", "random"], default="base",
+                   help="the built-in base model, or the same architecture randomly initialised "
+                        "(no build)")
+    args = p.parse_args(argv)
+    if args.steps < 4 or args.repeats < 1:
+        p.error("--steps must be >= 4 and --repeats >= 1")
+    torch.set_num_threads(1)
+    print(header("python -m bench.vs_trl", "cpu", args.repeats))
+    t0 = time.perf_counter()
+    bench_vs_trl(args.steps, args.repeats, args.init)
+    print(f"\n({time.perf_counter() - t0:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()
