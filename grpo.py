@@ -4,6 +4,8 @@ Article sections: "GRPO 推导" (group z-score instead of a critic), "GRPO Loss"
 surrogate plus a KL penalty), "Step 3: Advantage 估计" and "Step 4: PPO Loss 计算" (the worked
 numbers). Step 4 is `policy_loss` = surrogate + beta * KL (`ppo_loss`, `kl_term`), the function
 update.py runs; every term is (per_token * weights).sum() with the weights of `token_weights`.
+`python grpo.py` prints the article's G = 4 example worked through these functions, step by step
+(`article_example`, at the bottom).
 
 Two places where this file follows the papers rather than the article's snippets:
 - KL: the article writes `beta * (exp(new - ref) - 1)`, which is not a KL estimate (it is negative
@@ -241,3 +243,91 @@ def policy_loss(
         return loss, metrics
     kl_loss, kl_metrics = kl_term(logp, ref_logp, mask, weights, kl)
     return loss + beta * kl_loss, {**metrics, **kl_metrics}
+
+
+
+# ---- The article's worked example, printed (`python grpo.py`) ----
+
+def article_example() -> list[str]:
+    """The article's G = 4 group ("GRPO 训练过程拆解", "单 Prompt 数值示例"), one line per quantity.
+
+    Each line is "article step | quantity | values [| where the article differs]", every value
+    computed by the functions train.py and update.py run (verifier.verify, group_advantages,
+    constant_groups, token_weights, clipped_surrogate, ppo_loss, kl_k3, kl_term, policy_loss). The
+    article gives no token lengths, ratios or reference probabilities for its four answers, so those
+    are chosen here: one ratio and one pi_ref / pi_theta per response, on each of its tokens.
+    """
+    import verifier  # here, not at the top: grpo.py itself needs only torch
+
+    f64 = torch.float64
+    vals = lambda t: " ".join(f"{float(x):.4f}" for x in torch.as_tensor(t).detach().flatten())  # noqa: E731
+    s1, s2, s3, s4 = ("Step 1: Rollout 采样", "Step 2: Reward 计算", "Step 3: Advantage 估计",
+                      "Step 4: PPO Loss 计算")
+    ch, tl, ds = "Clip-Higher", "Token-Level Loss", "Dynamic Sampling"
+    responses = ["2x = 13 - 5 = 8, so x = 8 / 2 = \\boxed{4}", "x = 4",
+                 "Subtract 5: 2x = 8. Divide by 2: x = 4. The answer is 4.",
+                 "2x = 13 + 5 = 18, x = \\boxed{9}"]
+    lengths = torch.tensor([3, 2, 4, 6])                                    # [G] |o_i|, chosen
+    G, T = len(responses), int(lengths.max())
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(f64)               # [G, T]
+    rewards = torch.tensor([[verifier.verify(o, "4") for o in responses]])  # [1, G]
+    pm1 = -1.0 + 2.0 * rewards       # train.py's rewards at --wrong-reward -1: [1, G]
+    adv = group_advantages(rewards)[0].to(f64)                              # [G]
+    rho = torch.tensor([1.10, 1.04, 1.25, 0.90], dtype=f64)                 # [G], chosen
+    r_ref = torch.tensor([1.0, 0.5, 2.0, 1.0], dtype=f64)                   # [G] pi_ref / pi_theta
+    logp = (rho.log()[:, None] * mask).requires_grad_()                     # [G, T], old = 0
+    old, ref = torch.zeros_like(mask), (logp + r_ref.log()[:, None] * mask).detach()  # [G, T]
+    w = {k: token_weights(mask, k, max_len=T) for k in REDUCTIONS}          # [G, T] each
+    surr = lambda k, eps_high=0.2: ppo_loss(logp, old, adv, mask, w[k], 0.2, eps_high)[0]  # noqa: E731
+    per_resp, _, high = clipped_surrogate(rho, adv, 0.2, 0.2)               # [G] each
+    surr("sequence").backward()                                             # logp.grad [G, T]
+    kl = kl_k3(logp, ref)[:, 0]                                             # [G]
+    kl_mean = kl_term(logp, ref, mask, w["sequence"])[0]
+    total = policy_loss(logp, old, adv, mask, w["sequence"], ref_logp=ref, beta=0.04)[0]
+    rows = [
+        (s1, "prompt", "求解方程：2x + 5 = 13 (answer 4), G = 4 responses"),
+        *((s1, f"o_{i + 1}", o) for i, o in enumerate(responses)),
+        (s1, "|o_i|, tokens (chosen: the article gives none)",
+         " ".join(map(str, lengths.tolist()))),
+        (s2, 'r_i = verifier.verify(o_i, "4")', vals(rewards)),
+        (s2, "r_i with DAPO's -1 for a wrong answer (--wrong-reward -1)", vals(pm1)),
+        (s3, "mean(r)", vals(rewards.mean())),
+        (s3, "std(r), Bessel (/ (G - 1)), as torch.std", vals(rewards.std()),
+         f"article's hand formula divides by G: {float(rewards.std(correction=0)):.4f}; "
+         "its advantages use 0.5"),
+        (s3, "A_i = grpo.group_advantages(r)", vals(adv)),
+        (s3, "A_i of the -1 rewards (a z-score: the same)", vals(group_advantages(pm1))),
+        (s4, "rho_i = pi_theta / pi_old, one per response (chosen)", vals(rho)),
+        (s4, "clip(rho_i, 1 - eps, 1 + eps), eps 0.2", vals(rho.clamp(0.8, 1.2)),
+         'article (单 Prompt 数值示例): o_3 "被 clip 到 1.15"; eps 0.2 clips it to 1.2'),
+        (s4, "clipped above 1 + eps, no gradient (grpo.clipped_surrogate)", vals(high)),
+        (s4, "-min(rho_i A_i, clip(rho_i) A_i), eps 0.2", vals(per_resp)),
+        (s4, "each token's weight, GRPO: 1 / (G |o_i|) (grpo.token_weights)",
+         vals(w["sequence"][:, 0])),
+        (s4, "surrogate, GRPO (--reduction sequence)", vals(surr("sequence"))),
+        (s4, "surrogate, the article's .sum() / (B * G * T_resp) (--reduction constant)",
+         vals(surr("constant")), 'article: "Token-level loss (DAPO: 全局平均)"; it is Dr. '
+         "GRPO's constant normaliser, and Step 4's .mean() counts padding too"),
+        (s4, "pi_ref / pi_theta, one per response (chosen)", vals(r_ref)),
+        (s4, "KL k3 = pi_ref / pi - log(pi_ref / pi) - 1 (grpo.kl_k3)", vals(kl)),
+        (s4, "the article's KL, exp(new - ref) - 1", vals(1.0 / r_ref - 1.0),
+         "negative for o_3: not a KL estimate (Step 4's snippet drops the - 1)"),
+        (s4, "KL, GRPO's mean (grpo.kl_term)", vals(kl_mean)),
+        (s4, "loss = surrogate + 0.04 * KL (grpo.policy_loss)", vals(total)),
+        (s4, "训练效果: d surrogate / d log pi(o_i), summed over o_i's tokens",
+         vals(logp.grad.sum(-1)), "descent raises o_1, o_2, lowers o_4; clipped o_3: no push"),
+        (ch, "-min(rho_i A_i, clip(rho_i) A_i), eps_low 0.2, eps_high 0.28",
+         vals(clipped_surrogate(rho, adv, 0.2, 0.28)[0])),
+        (tl, "each token's weight, DAPO: 1 / sum |o_i|", vals(w["token"][:, 0])),
+        (tl, "surrogate, eps 0.2 (--reduction token)", vals(surr("token"))),
+        (tl, "surrogate, eps_high 0.28 (DAPO's loss)", vals(surr("token", 0.28))),
+        (ds, "all right or all wrong? (grpo.constant_groups = ~dapo.keep_groups)",
+         vals(constant_groups(rewards))),
+        (ds, "A_i of an all-right group", vals(group_advantages(torch.ones(1, G))),
+         "no gradient: dropped, and more prompts drawn to refill the batch"),
+    ]
+    return [" | ".join(row) for row in rows]
+
+
+if __name__ == "__main__":
+    print("\n".join(article_example()))

@@ -235,6 +235,74 @@ def test_overlong_filter_masks_truncated_rows():
     assert out.sum(-1).tolist() == [4.0, 0.0, 4.0]
 
 
+# -- The whole example, printed by python grpo.py: Steps 1-4, then three of DAPO's fixes --
+S1, S2 = "Step 1: Rollout 采样", "Step 2: Reward 计算"
+S3, S4 = "Step 3: Advantage 估计", "Step 4: PPO Loss 计算"
+LN2 = math.log(2)
+# (article step, part of the quantity's name, its values, part of the note where the article
+# differs or None). By hand: A = [0.5, 0.5, 0.5, -1.5] (Step 3); ratios [1.1, 1.04, 1.25, 0.9]
+# give rho A = [0.55, 0.52, 0.625, -1.35]; eps 0.2 clips o_3's 1.25 to 1.2 (0.6 < 0.625, so min
+# takes it); lengths [3, 2, 4, 6]: 15 tokens, T = 6; k3 of r = pi_ref / pi in {1, 1/2, 2} is 0,
+# log 2 - 1/2, 1 - log 2.
+ARTICLE_EXAMPLE = [
+    (S1, "prompt", "求解方程：2x + 5 = 13 (answer 4), G = 4 responses", None),
+    (S1, "o_1", "2x = 13 - 5 = 8, so x = 8 / 2 = \\boxed{4}", None),
+    (S1, "o_2", "x = 4", None),
+    (S1, "o_3", "Subtract 5: 2x = 8. Divide by 2: x = 4. The answer is 4.", None),
+    (S1, "o_4", "2x = 13 + 5 = 18, x = \\boxed{9}", None),
+    (S1, "|o_i|", [3, 2, 4, 6], None),
+    (S2, "verifier.verify", [1, 1, 1, 0], None),
+    (S2, "--wrong-reward -1", [1, 1, 1, -1], None),
+    (S3, "mean(r)", [0.75], None),
+    # sqrt((3 * 0.25^2 + 0.75^2) / 3) = 0.5; the article's / 4 gives sqrt(0.75 / 4)
+    (S3, "Bessel", [0.5], f"divides by G: {math.sqrt(0.75 / 4):.4f}"),
+    (S3, "grpo.group_advantages", [0.5, 0.5, 0.5, -1.5], None),
+    (S3, "-1 rewards", [0.5, 0.5, 0.5, -1.5], None),  # mean 0.5, std 1: the same z-scores
+    (S4, "rho_i", [1.1, 1.04, 1.25, 0.9], None),
+    (S4, "clip(rho_i", [1.1, 1.04, 1.2, 0.9], 'o_3 "被 clip 到 1.15"; eps 0.2 clips it to 1.2'),
+    (S4, "clipped above", [0, 0, 1, 0], None),
+    (S4, "-min(rho_i A_i", [-0.55, -0.52, -0.6, 1.35], None),
+    (S4, "1 / (G |o_i|)", [1 / 12, 1 / 8, 1 / 16, 1 / 24], None),
+    (S4, "--reduction sequence", [(-0.55 - 0.52 - 0.6 + 1.35) / 4], None),        # -0.08
+    # the sum over tokens, 3 * -0.55 + 2 * -0.52 + 4 * -0.6 + 6 * 1.35 = 3.01, over G * T = 24
+    (S4, "--reduction constant", [3.01 / 24], "Dr. GRPO"),
+    (S4, "pi_ref / pi_theta", [1, 0.5, 2, 1], None),
+    (S4, "grpo.kl_k3", [0, LN2 - 0.5, 1 - LN2, 0], None),
+    (S4, "exp(new - ref) - 1", [0, 1, -0.5, 0], "not a KL estimate"),         # pi / pi_ref - 1
+    (S4, "grpo.kl_term", [(LN2 - 0.5 + 1 - LN2) / 4], None),                  # 0.125
+    (S4, "grpo.policy_loss", [-0.08 + 0.04 * 0.125], None),
+    # -A rho / G on each response's tokens, summed; 0 where clipped
+    (S4, "训练效果", [-0.55 / 4, -0.52 / 4, 0, 1.35 / 4], "clipped o_3: no push"),
+    ("Clip-Higher", "eps_high 0.28", [-0.55, -0.52, -0.625, 1.35], None),     # 1.25 < 1.28
+    ("Token-Level Loss", "1 / sum |o_i|", [1 / 15] * 4, None),
+    ("Token-Level Loss", "--reduction token", [3.01 / 15], None),
+    ("Token-Level Loss", "DAPO's loss", [(3.01 - 4 * 0.025) / 15], None),   # o_3 at -0.625
+    ("Dynamic Sampling", "grpo.constant_groups", [0], None),                  # 3 of 4 right
+    ("Dynamic Sampling", "all-right group", [0, 0, 0, 0], "refill the batch"),
+]
+
+
+def test_article_example_prints_the_articles_numbers(capsys):
+    # every line of `python grpo.py` against ARTICLE_EXAMPLE (worked by hand above), to the 4
+    # decimals printed, with a note where the article's own text says otherwise
+    import re
+    import runpy
+    lines = grpo.article_example()
+    assert len(lines) == len(ARTICLE_EXAMPLE)
+    for line, (step, quantity, want, note) in zip(lines, ARTICLE_EXAMPLE):
+        got_step, got_quantity, values, *got_note = line.split(" | ")
+        assert (got_step, quantity in got_quantity) == (step, True), line
+        assert len(got_note) == (note is not None) and (note is None or note in got_note[0]), line
+        if isinstance(want, str):
+            assert values == want, line
+            continue
+        numbers = values.split()
+        assert all(re.fullmatch(r"-?\d+\.\d{4}|\d+", x) for x in numbers), line
+        assert [float(x) for x in numbers] == pytest.approx(want, abs=5.001e-5), line
+    runpy.run_path(os.path.join(HERE, "grpo.py"), run_name="__main__")
+    assert capsys.readouterr().out == "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared helpers: tiny models, the tiny run's inputs, and running train.py in a subprocess or under torchrun
 # ---------------------------------------------------------------------------------------------
