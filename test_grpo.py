@@ -5013,3 +5013,219 @@ def test_docs_check_finds_a_stale_name_argument_flag_choice_test_link_and_anchor
         "README.md:7: docs/metrics.md#quickstart-cpu-nothing-downloaded: no such heading",
         "README.md:9: bench.py: no such file", "README.md:9: bench/gone.py: no such file",
         "README.md:10: ablate.py: no such file"]
+
+
+# -- the figures the pages quote from the results tables --
+class _ResultsTable:
+    """The markdown tables of a results page. read((row, column[, n])) gives the first n (default 1)
+    numbers of a cell: the row is the one table line that contains `row`, the column its exact
+    header; column(c) the first number of column c in every row that has it."""
+
+    def __init__(self, text: str):
+        self.rows, header = [], None
+        for line in text.splitlines():
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = [c.strip() for c in line.strip()[1:-1].split("|")]
+            if header is None:
+                header = cells
+            elif not set(line) <= set("| -"):
+                self.rows.append((line, dict(zip(header, cells))))
+
+    @staticmethod
+    def numbers(cell: str) -> list[float]:
+        # "0.608 ± 0.019", "+1.47e+03 ± 2.6e+02: beyond", "0.11% / 0.06%", "2,496", "3-10%" (3, 10)
+        import re
+        return [float(x.replace(",", ""))
+                for x in re.findall(r"(?<![\d.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", cell)]
+
+    def read(self, spec) -> list[float]:
+        row, column, n = (*spec, 1)[:3]
+        found = [cells[column] for line, cells in self.rows if row in line and column in cells]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} rows contain {row!r} under {column!r}")
+        return self.numbers(found[0])[:n]
+
+    def column(self, column: str) -> list[float]:
+        return [self.numbers(cells[column])[0] for _, cells in self.rows if column in cells]
+
+
+def _span(values):
+    return [min(values), max(values)]
+
+
+_DS, _OS, _TL = "dynamic-sampling.md", "overlong-shaping.md", "token-level-loss.md"
+_CH, _CHR, _AB = "clip-higher.md", "clip-higher-random-reward.md", "ablation-mb4.md"
+P1, P2, _RR = "README.md", "results/README.md", "README.md"  # the pages; results/README.md's table
+ON, HARD, SOFT = "on: dynamic sampling", "hard: truncated = wrong", "filter + soft penalty"
+E2, E28, D28 = "eps_high 0.2", "eps_high 0.28", "eps_high 0.28 − eps_high 0.2 (± 2 SE)"
+DTL, TRY = "token − sequence (± 2 SE)", "beyond 2 SE?"
+DOS = "filter − hard: truncated = wrong (± 2 SE)"
+AT_END, CLIPPED = "held-out acc. at end", "tokens clipped low / high"
+HABIT = "habit model, 16"  # the tries table's row of the stuttering habit model, 16 mini-batches
+FIXES = ["overlong filtering", "+ clip-higher", "soft overlong", "+ token-level", "= DAPO"]
+
+
+def _responses_ratio(t):
+    return [t.read(("responses sampled", ON))[0] / t.read(("responses sampled", "off"))[0]]
+
+
+def _clipped_high_tries(t):  # the one-seed clip-higher tries that kept the policy working
+    return [max(t.read(("shipped, 16 mini", TRY, 2)) + t.read((HABIT, TRY, 2)))]
+
+
+# (page, what it says with each figure [in brackets], results/ file, how to read the figures: a
+# list of cells (row, column[, n]) or a function of the table). A figure must equal the value read,
+# rounded to the figure's decimals; the one-seed tries are the table of results/README.md itself.
+DOC_FIGURES = [
+    (P1, "[0.61] of the sampled groups are at the end", _DS, [("all wrong, last 5", "off")]),
+    (P1, "with it [15.9] vs [9.6] of 16 groups", _DS,
+     [("with a gradient", ON), ("with a gradient", "off")]),
+    (P1, "at [2.4]x the responses", _DS, _responses_ratio),
+    (P1, "(sampled accuracy [0.850] vs [0.839], within noise)", _DS,
+     [("last 5 updates", ON), ("last 5 updates", "off")]),
+    (P1, "[0.90] of the truncated responses are the start of a right solution", _OS,
+     [("on the way", HARD)]),
+    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951])", _OS,
+     [("held-out", HARD), ("held-out", "filter"), ("held-out", SOFT)]),
+    (P1, "wrong responses end [44.2] tokens long under `sequence` vs [35.9] under `token`, "
+     "[0.54] vs [0.30] of them repeating a line", _TL,
+     [("length of wrong", "sequence"), ("length of wrong", "token"), ("repeat a line", "sequence"),
+      ("repeat a line", "token")]),
+    (P1, "(entropy [0.056] vs [0.055];", _CH, [("entropy", E2), ("entropy", E28)]),
+    (P1, "random-reward control [0.105] vs [0.114];", _CHR, [("entropy", E2), ("entropy", E28)]),
+    (P1, "clipped at the upper bound is [0.000] to three decimals in the experiment", _CH,
+     lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
+    (P1, "at most [0.30]% in the one-seed tries, except [1.4]-[4]% in a random-reward try", _RR,
+     lambda t: _clipped_high_tries(t) + t.read(("eps_high 0.2 only", TRY, 4))[2:]),
+    (P1, "the rows end at [0.879] (naive GRPO) to [0.953] (DAPO)", _AB,
+     lambda t: _span(t.column(AT_END))),
+    # results/README.md: dynamic sampling
+    (P2, "to [0.61] ± [0.02] over the last 5 steps, as sampled accuracy goes from 0.55 "
+     "to [0.84]", _DS, [("all wrong, last 5", "off", 2), ("last 5 updates", "off")]),
+    (P2, "trains on [9.6] ± [0.2] groups", _DS, [("with a gradient", "off", 2)]),
+    (P2, "with it on [15.9] ± [0.1] (beyond noise)", _DS, [("with a gradient", ON, 2)]),
+    (P2, "the last 5 updates [0.839] ± [0.013] off vs [0.850] ± [0.022] on", _DS,
+     [("last 5 updates", "off", 2), ("last 5 updates", ON, 2)]),
+    (P2, "after 16 updates [0.948] ± [0.016] vs [0.951] ± [0.027], both within noise",
+     _DS, [("held-out", "off", 2), ("held-out", ON, 2)]),
+    (P2, "It costs [2.4]x the responses ([2,496] ± [222] vs [1,024])", _DS,
+     lambda t: _responses_ratio(t) + t.read(("responses sampled", ON, 2))
+     + t.read(("responses sampled", "off"))),
+    (P2, "(sampled accuracy [0.721] vs [0.885],", _DS,
+     [("1,024 responses", ON), ("1,024 responses", "off")]),
+    # overlong shaping
+    (P2, "and [0.897] ± [0.006] of the truncated ones", _OS, [("on the way", HARD, 2)]),
+    (P2, "[0.050] ± [0.024] hard vs [0.094] ± [0.030] with the filter ([+0.044] ± "
+     "[0.044], at the edge of 2 SE) and [0.093] ± [0.033] with the filter and the soft", _OS,
+     [("truncated responses", c, 2) for c in (HARD, "filter", DOS, SOFT)]),
+    (P2, "ends the same ([0.948] ± [0.016], [0.951] ± [0.032], [0.951] ± [0.027];", _OS,
+     [("held-out", c, 2) for c in (HARD, "filter", SOFT)]),
+    (P2, "with the filter ([0.803] ± [0.008] vs [0.839] ± [0.013], beyond noise)", _OS,
+     [("accuracy of the sampled", "filter", 2), ("accuracy of the sampled", HARD, 2)]),
+    # token-level loss
+    (P2, "wrong responses stayed [30.1] ± [4.9] vs [29.1] ± [2.5] tokens", _RR,
+     [("shipped base model, G 4", "fix off", 2), ("shipped base model, G 4", "fix on", 2)]),
+    (P2, "wrong responses are [44.2] ± [1.0] tokens under `sequence` vs [35.9] ± [2.1] "
+     "under `token` ([-8.3] ± [2.7], beyond noise), and [0.54] ± [0.10] vs [0.30] ± [0.10] of them "
+     "repeat a line ([-0.23] ± [0.16], beyond noise)", _TL,
+     [(r, c, 2) for r in ("length of wrong", "repeat a line") for c in ("sequence", "token", DTL)]),
+    (P2, "Right responses shorten too ([43.9] vs [37.2], beyond noise)", _TL,
+     [("length of right", "sequence"), ("length of right", "token")]),
+    (P2, "held-out greedy accuracy ends [0.630] ± [0.166] vs [0.591] ± [0.175]", _TL,
+     [("held-out", "sequence", 2), ("held-out", "token", 2)]),
+    (P2, "| [44.2] ± [1.0] | [35.9] ± [2.1] | **yes** ([-8.3] ± [2.7]); repeating a "
+     "line [0.54] vs [0.30],", _TL,
+     [("length of wrong", c, 2) for c in ("sequence", "token", DTL)]
+     + [("repeat a line", "sequence"), ("repeat a line", "token")]),
+    # clip-higher
+    (P2, "entropy is [0.056] ± [0.003] vs [0.055] ± [0.002] nats/token over the last 5 "
+     "steps (within noise), [2.40] distinct answers", _CH,
+     [("entropy", E2, 2), ("entropy", E28, 2), ("distinct answers", E2)]),
+    (P2, "clipped at the upper bound is [0.000] to three decimals under both", _CH,
+     lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
+    (P2, "accuracy [0.956] ± [0.005] vs [0.969] ± [0.014] (within noise)", _CH,
+     [("held-out", E2, 2), ("held-out", E28, 2)]),
+    (P2, "| [0.056] ± [0.003] | [0.055] ± [0.002] | no ([-0.001] ± [0.004]); clipped "
+     "high [0.000] |", _CH,
+     lambda t: [x for c in (E2, E28, D28) for x in t.read(("entropy", c, 2))]
+     + [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
+    (P2, "both, to [0.105] ± [0.006] vs [0.114] ± [0.006] ([+0.009] ± [0.010], within "
+     "noise)", _CHR, [("entropy", c, 2) for c in (E2, E28, D28)]),
+    (P2, "| [0.105] ± [0.006] | [0.114] ± [0.006] | no ([+0.009] ± [0.010]) |", _CHR,
+     [("entropy", c, 2) for c in (E2, E28, D28)]),
+    (P2, "(whose entropy, [0.16] nats/token, does collapse to ~[0.08]) leave the two "
+     "bounds within [0.002] nats/token", _RR,
+     lambda t: [t.read((HABIT, "measure", 2))[1], *t.read((HABIT, "fix off")),
+                max(abs(t.read((r, "fix off"))[0] - t.read((r, "fix on"))[0])
+                    for r in ("shipped, 16", HABIT))]),
+    (P2, "reached by at most [0.3]% of tokens", _RR, _clipped_high_tries),
+    (P2, "under both bounds (accuracy [0], [86]-[93]% truncated)", _RR,
+     [("lr 1e-3, T 1.5", TRY, 3)]),
+    # the article's ablation in miniature
+    (P2, "[0.09]-[0.11]% of tokens hit the lower bound ([0.22]% with dynamic sampling) "
+     "and [0.02]-[0.06]% the upper one", _AB,
+     lambda t: _span([t.read((r, CLIPPED))[0] for r in ("naive", *FIXES[:-1])])
+     + t.read(("= DAPO", CLIPPED))
+     + _span([t.read((r, CLIPPED, 2))[1] for r in ("naive", *FIXES)])),
+    (P2, "share ([0.05]% -> [0.03]% of tokens)", _AB,
+     lambda t: [t.read((r, CLIPPED, 2))[1] for r in ("overlong filtering", "+ clip-higher")]),
+    (P2, "every row is at [0.879]-[0.926] at a quarter of the budget", _AB,
+     lambda t: _span(t.column("acc. at 1/4 budget"))),
+    (P2, "the end-of-run accuracies ([0.879] to [0.953])", _AB,
+     lambda t: _span(t.column(AT_END))),
+    (P2, "([0.011]-[0.016] nats/token over the last 5 steps vs [0.010] for naive GRPO)",
+     _AB, lambda t: _span([t.read((r, "entropy (last 5 steps)"))[0] for r in FIXES])
+     + t.read(("naive", "entropy (last 5 steps)"))),
+    (P2, "([0.019]-[0.021] of the samples over the last 5 steps vs [0.001])", _AB,
+     lambda t: _span([t.read((r, "truncated (last 5)"))[0] for r in FIXES])
+     + t.read(("naive", "truncated (last 5)"))),
+    (P2, "it ends after [18] steps of the budget (the others take [40]), at the best "
+     "end accuracy of the six ([0.953]), with twice the clipped share ([0.22]% / [0.06]%)", _AB,
+     lambda t: [*t.read(("= DAPO", "steps")),
+                *{t.read((r, "steps"))[0] for r in ("naive", *FIXES[:-1])},
+                max(t.column(AT_END)), *t.read(("= DAPO", CLIPPED, 2))]),
+]
+
+
+def _figure_problems(pages: dict[str, str], results: dict[str, str]) -> list[str]:
+    """Each DOC_FIGURES quote that its page no longer says, or whose figures its results table does
+    not give; and results/README.md's copy of the ablation table if it is not ablation-mb4.md's."""
+    import itertools
+    import re
+    problems = []
+    for page, quote, name, how in DOC_FIGURES:
+        said = quote.replace("[", "").replace("]", "")
+        if said not in " ".join(pages[page].split()):
+            problems.append(f"{page} no longer says {said!r}")
+            continue
+        table = _ResultsTable(results[name])
+        values = how(table) if callable(how) else [x for spec in how for x in table.read(spec)]
+        for figure, value in itertools.zip_longest(re.findall(r"\[([^]]+)\]", quote), values):
+            places = len(figure.partition(".")[2]) if figure else 0
+            if figure is None or value is None \
+                    or abs(round(value, places) - float(figure.replace(",", ""))) > 1e-9:
+                problems.append(f"{page}: {said!r}: {figure} but results/{name} gives {value}")
+    rows = [[line for line in results[n].splitlines() if line.startswith("| naive GRPO |")]
+            for n in ("README.md", _AB)]
+    if rows[0] != rows[1]:
+        problems.append("results/README.md's ablation table is not results/ablation-mb4.md's")
+    return problems
+
+
+def test_docs_quote_the_figures_of_the_results_tables():
+    pages = _doc_pages()
+    names = {f[2] for f in DOC_FIGURES}
+    results = {name: _read(os.path.join(HERE, "results", name)) for name in names}
+    assert _figure_problems(pages, results) == []
+    # an edited page, an edited table: each is caught
+    edited = {**pages, P1: pages[P1].replace("with it 15.9 vs", "with it 15.8 vs")}
+    assert _figure_problems(edited, results) == [
+        "README.md no longer says 'with it 15.9 vs 9.6 of 16 groups'"]
+    table = results[_DS].replace("| 9.646 ± 0.157 |", "| 9.746 ± 0.157 |")
+    assert _figure_problems(pages, {**results, _DS: table}) == [
+        "README.md: 'with it 15.9 vs 9.6 of 16 groups': 9.6 but results/dynamic-sampling.md "
+        "gives 9.746",
+        "results/README.md: 'trains on 9.6 ± 0.2 groups': 9.6 but results/dynamic-sampling.md "
+        "gives 9.746"]
