@@ -22,7 +22,7 @@ from data import InputError
 from sampler import Rollout
 
 if TYPE_CHECKING:
-    from train import Args
+    from flags import TrainArgs
 
 CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
           ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
@@ -204,7 +204,7 @@ class RunLog:
     a last line cut by a kill (checkpoint.read_jsonl), and `sync` makes them durable up to a
     checkpoint."""
 
-    def __init__(self, args: Args, config: dict, resume_step: int | None = None):
+    def __init__(self, args: TrainArgs, config: dict, resume_step: int | None = None):
         os.makedirs(args.out, exist_ok=True)
         checkpoint.write_text(os.path.join(args.out, "config.json"), json.dumps(config, indent=1))
         self.live = LiveCurves(args.report_to, args.run_name, args.out, config) if args.report_to != "none" else None
@@ -319,7 +319,7 @@ class SignalCheck:
     warnings to print, each kind once a run: every group's rewards equal (all advantages 0), dynamic sampling
     keeping no group in --max-rounds rounds, no sample right in the first NO_SIGNAL_STEPS steps; `silent`
     says whether this step trained nothing."""
-    args: Args                       # train.Args
+    args: TrainArgs                  # train.py's flags
     steps: int = 0                   # steps checked (of this process: a resumed run counts from its resume)
     scored: float = 0.0              # reward/correct summed over them
     said: set[str] = field(default_factory=set)

@@ -26,6 +26,7 @@ import builtin
 import curves
 import dapo
 import data
+import flags
 import grpo
 import logprobs
 import update
@@ -731,13 +732,12 @@ def test_mismatch_metrics_by_hand():
 
 
 def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
-    import train
     assert set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"}
-    a = train.parse_args(["--loss", "gspo"])
+    a = flags.parse_train_args(["--loss", "gspo"])
     assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
-    a = train.parse_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
+    a = flags.parse_train_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
     assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
-    a = train.parse_args(["--algo", "dapo"])
+    a = flags.parse_train_args(["--algo", "dapo"])
     assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
 
 
@@ -823,11 +823,10 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
 
 def test_dapo_with_fixes_off_is_grpo():
     """DAPO with all four fixes off resolves to exactly GRPO's settings (see also the end-to-end check)."""
-    import train
     off = ["--eps-high", "0.2", "--reduction", "sequence", "--no-dynamic-sampling", "--no-overlong-filter",
            "--no-overlong-penalty", "--beta", "0.04", "--wrong-reward", "0"]
-    a = train.parse_args(["--algo", "dapo", *off])
-    b = train.parse_args(["--algo", "grpo"])
+    a = flags.parse_train_args(["--algo", "dapo", *off])
+    b = flags.parse_train_args(["--algo", "grpo"])
     assert {**vars(a), "algo": None} == {**vars(b), "algo": None}
     # and the loss pieces: no truncation -> the filter changes nothing; token == sequence on equal lengths
     logp, adv, mask = torch.randn(4, 3), torch.randn(4), torch.ones(4, 3)
@@ -961,7 +960,7 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
 
 
 def _update_args(**kw):
-    """update_policy's args (the train.Args fields it reads): 2 mini-batches, micro-batches of 3,
+    """update_policy's args (the flags.TrainArgs fields it reads): 2 mini-batches, micro-batches of 3,
     no clip."""
     from types import SimpleNamespace
     base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
@@ -1527,9 +1526,8 @@ def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch)
 
 def test_max_num_seqs_flags_are_checked(capsys):
     import evaluate
-    import train
-    assert train.parse_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and train.parse_args([]).kv_cache_gb == 8.0
-    for parse, bad in ((train.parse_args, ["--max-num-seqs", "4"]), (train.parse_args, ["--kv-cache-gb", "0"]),
+    assert flags.parse_train_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and flags.parse_train_args([]).kv_cache_gb == 8.0
+    for parse, bad in ((flags.parse_train_args, ["--max-num-seqs", "4"]), (flags.parse_train_args, ["--kv-cache-gb", "0"]),
                        (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
         with pytest.raises(SystemExit) as e:
             parse(bad)
@@ -1552,8 +1550,8 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
-    for flags, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
-        args = train.parse_args(["--prompts-per-step", "4", *flags])
+    for extra, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
+        args = flags.parse_train_args(["--prompts-per-step", "4", *extra])
         train.draw_round(model, task, args, one, 0)
         assert seen.pop() == want
     args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
@@ -1996,14 +1994,13 @@ def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
 
 @pytest.mark.slow
 def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
-    import train
     row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length", "--reward-weights", "1", "0.5")
     # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 * trl_length
     assert row["reward/correct"] == pytest.approx(row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
     assert row["reward/trl_length"] < 0 and json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == \
         ["test_grpo:has_x", "test_grpo:trl_length"]
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
+        flags.parse_train_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
     assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
 
 
@@ -2188,7 +2185,6 @@ def _recipe_flags(schema: str, data_path, model) -> list[str]:
 @pytest.mark.parametrize("schema", ["gsm8k", "dapo", "trl", "text"])
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_docs_recipes_read_the_real_rows_of_their_data_sets(tmp_path, schema, fmt):
-    import train
     raw = _schema_rows(schema)
     path = tmp_path / f"rows.{fmt}"
     if fmt == "parquet":
@@ -2196,7 +2192,7 @@ def test_docs_recipes_read_the_real_rows_of_their_data_sets(tmp_path, schema, fm
         datasets.Dataset.from_list(raw).to_parquet(str(path))
     else:
         path.write_text("".join(json.dumps(r) + "\n" for r in raw))
-    args = train.parse_args(_recipe_flags(schema, path, tmp_path))
+    args = flags.parse_train_args(_recipe_flags(schema, path, tmp_path))
     fields = args.prompt_field, args.answer_field
     rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split)
     eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split)
@@ -2504,11 +2500,10 @@ class _Rank:
         return x.detach().double().clone()
 
 
-def _eval_setup(d, *flags):
-    """train.py's Args, the tiny model with large random weights (the fixture's answers '\n' to every prompt
+def _eval_setup(d, *extra):
+    """train.py's flags (flags.TrainArgs), the tiny model with large random weights (the fixture's answers '\n' to every prompt
     greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
-    import train
-    args = train.parse_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *flags])
+    args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *extra])
     _, tok, model = data.load_model(args.model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -2559,11 +2554,10 @@ def test_eval_flags_are_shared_and_checked(capsys):
     import dataclasses as dc
 
     import evaluate
-    import train
-    mine = {f.name: f for f in dc.fields(train.Args)}
-    for f in dc.fields(evaluate.EvalArgs):  # one definition: same type, default and help in train.py
+    mine = {f.name: f for f in dc.fields(flags.TrainArgs)}
+    for f in dc.fields(flags.EvalArgs):  # one definition: same type, default and help in train.py
         assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
-    for parse in (train.parse_args, evaluate.main):
+    for parse in (flags.parse_train_args, evaluate.main):
         for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"], ["--max-new-tokens", "0"]):
             with pytest.raises(SystemExit) as e:
                 parse(bad)
@@ -2596,12 +2590,11 @@ def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs
 # ---------------------------------------------------------------------------------------------
 
 def test_bad_flags_exit_with_one_line(capsys):
-    import train
     for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"],
                 ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"], ["--loss", "reinforce"],
                 ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"], ["--beta", "-0.1"]):
         with pytest.raises(SystemExit) as e:
-            train.parse_args(bad)
+            flags.parse_train_args(bad)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
@@ -2710,7 +2703,7 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
 
     import parallel
     import train
-    args = train.parse_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step", "3", "--group-size", "4",
+    args = flags.parse_train_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step", "3", "--group-size", "4",
                              "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
     task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
@@ -2780,10 +2773,9 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
     import dataclasses as dc
     import re
 
-    import train
     monkeypatch.setenv("COLUMNS", "120")
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--help"])
+        flags.parse_train_args(["--help"])
     assert e.value.code == 0
     groups, where = {}, None                   # group title -> the flags listed under it, in order
     for line in capsys.readouterr().out.splitlines():
@@ -2794,13 +2786,13 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
     titles = ["options", "the model and data", "how much", "optimisation",
               "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
     assert list(groups) == titles and groups["options"] == ["--help"]
-    # EvalArgs' flags (train.Args inherits them) come first in their sections
-    assert [flags[0] for flags in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
+    # EvalArgs' flags (flags.TrainArgs inherits them) come first in their sections
+    assert [group[0] for group in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
     assert "--algo" in groups["the model and data"] and "--mini-batches" in groups["optimisation"]
     assert "--eval-samples" in groups["how much"] and "--bf16" in groups["the run"]
     assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
-    listed = [f for flags in list(groups.values())[1:] for f in flags]
-    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(train.Args))  # each once
+    listed = [f for group in list(groups.values())[1:] for f in group]
+    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(flags.TrainArgs))  # each once
 
 
 class _TwoRanks:
@@ -2832,8 +2824,8 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
 @pytest.mark.slow
 def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU run in float32
-    for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
-        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *flags)
+    for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
+        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *extra)
     fp32, bf16 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines() if "loss" in x][0]
                   for n in ("fp32", "bf16"))
     # bfloat16 logits round differently: the entropy and the gradient move, within bfloat16's 8 significant bits
@@ -3899,8 +3891,7 @@ def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
 
 
 def test_no_learning_signal_is_said_once_with_its_likely_causes():
-    import train
-    grpo_args, dapo_args = train.parse_args(["--algo", "grpo"]), train.parse_args(["--algo", "dapo", "--max-rounds", "4"])
+    grpo_args, dapo_args = flags.parse_train_args(["--algo", "grpo"]), flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"])
     # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
     check = curves.SignalCheck(grpo_args)
     said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
@@ -3927,8 +3918,7 @@ def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
     # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
     # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
     # groups are all equal is one, after it.
-    import train
-    check = curves.SignalCheck(train.parse_args(["--algo", "grpo", "--format-weight", "0.5"]))
+    check = curves.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight", "0.5"]))
     said, silent = [], []
     for step in (1, 2, 3, 4):
         said.append(check(_signal_row(step, 0.0, 0.5)))
@@ -4174,7 +4164,7 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     import importlib.util
 
     import train
-    flags = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
+    run = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
     for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
                            (["--lora-r", "4", "--rollout", "vllm"], "--lora-r with --rollout vllm is not supported"),
                            (["--lora-r", "-1"], "--lora-r must be >= 0"),
@@ -4182,14 +4172,14 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
         if "wq,wk" in extra and importlib.util.find_spec("peft") is None:  # the others need no peft
             continue
         with pytest.raises(SystemExit) as e:
-            train.main([*flags, *extra])
+            train.main([*run, *extra])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(SystemExit) as e:
-        train.main([*flags, "--lora-r", "4"])
+        train.main([*run, "--lora-r", "4"])
     assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
-    assert train.parse_args(["--lora-r", "8"]).lora_alpha == 16 and train.parse_args(["--lora-r", "8"]).lr == 2e-3
+    assert flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16 and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3
 
 
 @pytest.mark.slow
@@ -4246,18 +4236,17 @@ def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
 
 def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
     import ablate
-    import train
-    first = train.parse_args(ablate.row_flags(0))
+    first = flags.parse_train_args(ablate.row_flags(0))
     assert (first.beta, first.eps_high, first.reduction, first.dynamic_sampling, first.overlong_filter,
             first.overlong_penalty) == (0.0, 0.2, "sequence", False, False, False)
-    last = train.parse_args(ablate.row_flags(len(ablate.ROWS) - 1))
-    assert {**vars(last), "algo": None} == {**vars(train.parse_args(["--algo", "dapo"])), "algo": None}
-    changed = [sum(vars(train.parse_args(ablate.row_flags(i)))[k] != vars(train.parse_args(ablate.row_flags(i - 1)))[k]
+    last = flags.parse_train_args(ablate.row_flags(len(ablate.ROWS) - 1))
+    assert {**vars(last), "algo": None} == {**vars(flags.parse_train_args(["--algo", "dapo"])), "algo": None}
+    changed = [sum(vars(flags.parse_train_args(ablate.row_flags(i)))[k] != vars(flags.parse_train_args(ablate.row_flags(i - 1)))[k]
                    for k in vars(first) if k != "algo") for i in range(1, len(ablate.ROWS))]
     assert changed == [1] * (len(ablate.ROWS) - 1)
     # a --variant row is DAPO plus its flags
     rows = ablate.ROWS + [ablate.variant_row("+ CISPO=--loss cispo --tis-cap 2")]
-    v = train.parse_args(ablate.row_flags(len(rows) - 1, rows))
+    v = flags.parse_train_args(ablate.row_flags(len(rows) - 1, rows))
     assert {**vars(v), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None} == \
         {**vars(last), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None}
     assert (v.loss, v.tis_cap, v.eps_high) == ("cispo", 2.0, 0.28)  # ROWS set --eps-high 0.28 on the command line
@@ -4285,16 +4274,15 @@ def test_ablation_table_and_curves_from_metrics():
 def test_experiment_arms_change_only_their_fix():
     """Each experiment's arms are the baseline plus the one fix they test (all flags parse)."""
     import ablate
-    import train
     fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
              "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}], "token-level-loss": [{"reduction"}],
              "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
     assert [e.name for e in ablate.EXPERIMENTS] == list(fixes)
     for e in ablate.EXPERIMENTS:
-        base = vars(train.parse_args([*e.flags, *e.arms[0][1]]))
+        base = vars(flags.parse_train_args([*e.flags, *e.arms[0][1]]))
         assert (base["beta"], base["eps_high"], base["reduction"], base["dynamic_sampling"], base["overlong_filter"],
                 base["overlong_penalty"]) == (0.0, 0.2, "sequence", False, False, False)   # naive GRPO
-        changed = [{k for k, v in vars(train.parse_args([*e.flags, *flags])).items() if v != base[k]} for _, flags in e.arms[1:]]
+        changed = [{k for k, v in vars(flags.parse_train_args([*e.flags, *arm])).items() if v != base[k]} for _, arm in e.arms[1:]]
         assert changed == fixes[e.name], e.name
 
 
@@ -4416,11 +4404,10 @@ def test_variant_key_and_build(tmp_path, monkeypatch):
     assert builtin.variant_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a)) == folder and len(logs) == 3
     # an experiment on a variant runs train.py on its folder with the built-in task's learning rate
     import ablate
-    import train
     monkeypatch.setattr(builtin, "variant_model", lambda v: folder)
     exp = next(e for e in ablate.EXPERIMENTS if e.name == "token-level-loss")
-    args = train.parse_args([*exp.model_flags(), *exp.flags])
-    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, train.BUILTIN_DEFAULTS["lr"], 96, 16)
+    args = flags.parse_train_args([*exp.model_flags(), *exp.flags])
+    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, flags.BUILTIN_DEFAULTS["lr"], 96, 16)
     assert ablate.Experiment("x", "", ("--steps", "2"), (), (), ()).model_flags() == ()
 
 # ---------------------------------------------------------------------------------------------
@@ -4430,12 +4417,12 @@ def test_variant_key_and_build(tmp_path, monkeypatch):
 
 def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
     import train
-    assert (train.parse_args([]).rollout, train.parse_args([]).tis_cap) == ("hf", 0.0)
-    assert train.parse_args(["--rollout", "vllm"]).tis_cap == train.VLLM_TIS_CAP == 2.0  # TIS on with an engine
-    assert train.parse_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0       # unless switched off
+    assert (flags.parse_train_args([]).rollout, flags.parse_train_args([]).tis_cap) == ("hf", 0.0)
+    assert flags.parse_train_args(["--rollout", "vllm"]).tis_cap == flags.VLLM_TIS_CAP == 2.0  # TIS on with an engine
+    assert flags.parse_train_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0       # unless switched off
     for bad in (["--vllm-gpu-memory-utilization", "0"], ["--rollout", "sglang"]):
         with pytest.raises(SystemExit) as e:
-            train.parse_args(bad)
+            flags.parse_train_args(bad)
         assert e.value.code == 2
     capsys.readouterr()
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
@@ -4759,6 +4746,7 @@ def _cli_actions() -> list:
     """The argparse actions of every command-line script here: each script that parses flags runs as
     __main__ until its parser's parse_known_args, which hands the parser over instead of parsing."""
     import argparse
+    import re
     import runpy
 
     class Parsed(Exception):
@@ -4773,7 +4761,7 @@ def _cli_actions() -> list:
         for name in sorted(os.listdir(HERE)):
             path = os.path.join(HERE, name)
             src = _read(path) if name.endswith(".py") and name != "test_grpo.py" else ""
-            if "__main__" not in src or "parse_args(" not in src:
+            if "__main__" not in src or not re.search(r"parse_\w*args\(", src):
                 continue
             sys.argv = [path]
             with pytest.raises(Parsed) as got:  # a script that returns here parsed nothing: a bug in this test

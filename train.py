@@ -23,7 +23,6 @@ unbroken run.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -43,202 +42,17 @@ import curves
 import dapo
 import data
 import evaluate
+import flags
 import grpo
 import lora
 import parallel
 import update
-import variants
 import verifier
 import vllm_rollout
-from evaluate import EvalArgs, Parser, add_flags, flag, resolve
 from sampler import Rollout
 
-
-@dataclass
-class Args(EvalArgs):
-    """train.py's flags: EvalArgs' (the model, data, sampling and evaluation flags) and these."""
-    # -- the model and data
-    algo: str = flag("dapo", "sets the papers' defaults for every field left at None below",
-                     ["grpo", "dapo"])
-    data: str = flag("builtin", "'builtin' (linear equations), a JSONL (or .json) file with a "
-                     "prompt and an answer per row, or through `datasets`: a Parquet/Arrow file, a "
-                     "folder or a hub data set id")
-    data_split: str = flag("train", "split of --data when it is a folder or a hub id (datasets)")
-    eval_data: str | None = flag(None, "held-out data for evaluation, as --data (default: the "
-                                 "built-in held-out split with --data builtin, else no evaluation)")
-    eval_split: str = flag("test", "split of --eval-data when it is a folder or a hub id "
-                           "(datasets)")
-    wrong_reward: float | None = flag(None, "reward of a wrong answer, a right one scoring 1: "
-                                      "reward = w + (1 - w) * score (grpo: 0, the article; dapo: "
-                                      "-1, the paper's +-1)")
-    format_weight: float = flag(0.0, "add this times verifier.format_reward (a final answer is "
-                                "stated) to each reward")
-    # -- how much
-    steps: int | None = flag(None, "training steps, in all (default: 40 builtin, 500 otherwise)")
-    prompts_per_step: int | None = flag(None, "prompts (groups) per step, over all ranks (default: "
-                                        "32 builtin, 512 otherwise)")
-    group_size: int = flag(8, "G, responses sampled per prompt")
-    temperature: float = flag(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, "
-                              "--eval-temperature)")
-    top_p: float = flag(1.0, "nucleus sampling of rollouts")
-    rollout: str = flag("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a "
-                        "colocated vLLM engine per rank, vllm_rollout.py; needs vLLM installed)",
-                        ["hf", "vllm"])
-    vllm_gpu_memory_utilization: float = flag(0.3, "--rollout vllm: fraction of GPU memory the "
-                                              "engine may take (on CPU: of host memory)")
-    eval_every: int = flag(20, "evaluate every this many steps (and before the first and after the "
-                           "last)")
-    max_samples: int = flag(0, "also stop once this many responses were sampled (0: no limit); "
-                            "equal-budget comparisons")
-    # -- optimisation
-    lr: float | None = flag(None, "AdamW learning rate (default: 2e-4 builtin, 1e-6 otherwise, as "
-                            "in the papers)")
-    warmup_steps: int = flag(0, "linear learning-rate warm-up steps (DAPO: 20)")
-    weight_decay: float = flag(0.0, "AdamW weight decay")
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this (0: off)")
-    mini_batches: int = flag(1, "optimizer updates per rollout step, each on 1/K of the step's "
-                             "groups (DAPO paper: 16)")
-    mu: int = flag(1, "passes over the step's mini-batches; old log-probs are the sampling "
-                   "policy's")
-    micro_batch_size: int = flag(64, "responses per forward pass in the update and the no-grad "
-                                 "log-prob passes")
-    fsdp: bool = flag(False, "shard weights, gradients, AdamW state and the reference model over "
-                      "the ranks (FSDP2) instead of DDP")
-    gradient_checkpointing: bool = flag(False, "recompute each layer's activations in backward "
-                                        "(less memory on long responses)")
-    lora_r: int = flag(0, "LoRA rank (peft): train only adapters of --lora-target-modules; the KL "
-                       "reference is the model with them off; OUT/final is merged, OUT/adapter the "
-                       "adapter alone (0: full fine-tuning)")
-    lora_alpha: float | None = flag(None, "LoRA alpha: each adapted weight is W + alpha / r * B A "
-                                    "(default: 2 * r)")
-    lora_target_modules: str = flag(lora.TARGETS, "modules given adapters: comma-separated names "
-                                    "(default: the attention and MLP projections of Llama, Qwen, "
-                                    "Mistral) or all-linear")
-    # -- the loss: GRPO's settings, and DAPO's four fixes one by one
-    beta: float | None = flag(None, "KL coefficient to the reference model, estimator --kl (grpo: "
-                              "0.04, dapo: 0)")
-    eps_low: float | None = flag(None, "lower clip range: ratio >= 1 - eps_low (ppo: 0.2, gspo: "
-                                 "3e-4, cispo: 1 = none)")
-    eps_high: float | None = flag(None, "upper clip range, ratio <= 1 + eps_high (grpo: 0.2, dapo: "
-                                  "0.28 = clip-higher; gspo: 4e-4, cispo: 4)")
-    clip_c: float = flag(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: "
-                         "off; verl 3, DAPO recipe 10)")
-    loss: str = flag("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, "
-                     "gspo-token, cispo (variants.py)", ["ppo", "gspo", "gspo-token", "cispo"])
-    kl: str = flag("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 "
-                   "(DeepSeekMath)", ["k1", "k2", "k3"])
-    entropy_coef: float = flag(0.0, "subtract this times the mean token entropy from the loss (0: "
-                               "off)")
-    tis_cap: float | None = flag(None, "truncated importance sampling: each token's loss times "
-                                 "min(pi_old / pi_sampler, C) (0: off; default: 2 with --rollout "
-                                 "vllm, as TRL and verl, else 0)")
-    adv_scale: str = flag("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)",
-                          ["group", "batch", "none"])
-    reduction: str | None = flag(None, "loss reduction: sequence (grpo), token (dapo), constant "
-                                 "(Dr. GRPO)", ["sequence", "token", "constant"])
-    dynamic_sampling: bool | None = flag(None, "keep only groups with 0 < #correct < G (Eq. 11), "
-                                         "resampling to fill the step (dapo: on)")
-    max_rounds: int = flag(4, "dynamic sampling: most sampling rounds per step before training on "
-                           "what it has")
-    overlong_filter: bool | None = flag(None, "mask truncated responses out of the loss (dapo: on)")
-    overlong_penalty: bool | None = flag(None, "soft overlong punishment, DAPO Eq. 13, added to "
-                                         "the reward (dapo: on)")
-    overlong_cache: int | None = flag(None, "L_cache of Eq. 13: the penalty ramps over the last "
-                                      "L_cache tokens (default: L_max // 5)")
-    # -- the run
-    out: str = flag("runs/latest", "output folder: metrics.jsonl, config.json, checkpoint.pt "
-                    "(--fsdp: checkpoint/), final/")
-    save_every: int = flag(0, "write OUT/checkpoint.pt (--fsdp: OUT/checkpoint/) every this many "
-                           "steps (0: only the final model)")
-    resume: bool = flag(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; "
-                        "--steps is the total)")
-    plot: bool = flag(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs "
-                      "matplotlib)")
-    report_to: str = flag("none", "also send every metrics.jsonl row to wandb or tensorboard "
-                          "(OUT/tensorboard/RUN_NAME) as it is written (rank 0)",
-                          ["none", "wandb", "tensorboard"])
-    run_name: str | None = flag(None, "the run's name for --report-to (default: the name of the "
-                                "--out folder)")
-    log_completions: int = flag(2, "append this many sampled completions per step (prompt, "
-                                "response, reward) to OUT/completions.jsonl (0: off)")
-
-
-ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
-    "grpo": dict(beta=0.04, eps_low=0.2, eps_high=0.2, reduction="sequence", dynamic_sampling=False,
-                 overlong_filter=False, overlong_penalty=False, wrong_reward=0.0),
-    "dapo": dict(beta=0.0, eps_low=dapo.EPS_LOW, eps_high=dapo.EPS_HIGH, reduction="token",
-                 dynamic_sampling=True, overlong_filter=True, overlong_penalty=True,
-                 wrong_reward=-1.0),
-}
-LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the command line wins)
-    "gspo": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
-    "gspo-token": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
-    "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
-}
-BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
-MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
-MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= v
-                max_rounds=1, eval_every=1, save_every=0, max_samples=0, log_completions=0)
-LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
-VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (as TRL and verl)
 USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse,
                parallel.ShardingError)  # one line, exit 2
-
-
-def parse_args(argv=None) -> Args:
-    p = Parser(description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(p, Args)
-    ns = p.parse_args(argv)
-    # --- derived settings: resolved once, here, and written to config.json ---
-    fill = {**ALGO_DEFAULTS[ns.algo], **LOSS_DEFAULTS.get(ns.loss, {}),
-            **(BUILTIN_DEFAULTS if ns.model == "builtin" else MODEL_DEFAULTS)}
-    if ns.lora_r:  # LoRA's best lr: about 10x full fine-tuning's ("LoRA Without Regret", 2025)
-        fill["lr"] *= LORA_LR_SCALE
-    for k, v in fill.items():
-        if getattr(ns, k) is None:
-            setattr(ns, k, v)
-    if ns.tis_cap is None:  # an engine's log-probs differ from the trainer's: correct by default
-        ns.tis_cap = VLLM_TIS_CAP if ns.rollout == "vllm" else 0.0
-    resolve(ns, p.error, builtin=ns.model == "builtin")  # EvalArgs' settings, and their checks
-    if ns.overlong_cache is None:
-        ns.overlong_cache = max(1, ns.max_new_tokens // 5)
-    if ns.lora_alpha is None:
-        ns.lora_alpha = 2.0 * ns.lora_r
-    if ns.run_name is None:
-        ns.run_name = os.path.basename(os.path.abspath(ns.out))
-    if ns.eval_data is None and ns.data == "builtin":
-        ns.eval_data = "builtin"
-    checks = [  # (holds, the one-line error if not)
-        (ns.group_size >= 2,
-         "--group-size must be >= 2 (advantages compare answers within a group)"),
-        (ns.max_num_seqs is None or ns.max_num_seqs >= ns.group_size,
-         "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
-        *((getattr(ns, k) >= v, f"--{k.replace('_', '-')} must be >= {v}")
-          for k, v in MINIMUMS.items()),
-        (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
-        (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
-        (ns.tis_cap >= 0, "--tis-cap must be >= 0 (0: off)"),
-        (ns.beta >= 0, "--beta must be >= 0 (0: no KL term, no reference model)"),
-        (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),
-        (0 < ns.overlong_cache <= ns.max_new_tokens,
-         "--overlong-cache must be in [1, max_new_tokens]"),
-        (ns.temperature > 0, "--temperature must be > 0"),
-        (0 < ns.top_p <= 1, "--top-p must be in (0, 1]"),
-        (ns.lora_r >= 0, "--lora-r must be >= 0 (0: full fine-tuning)"),
-        (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
-        (not (ns.lora_r and ns.fsdp),
-         "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)"),
-        (0 < ns.vllm_gpu_memory_utilization <= 1,
-         "--vllm-gpu-memory-utilization must be in (0, 1]"),
-        (not (ns.lora_r and ns.rollout == "vllm"),
-         "--lora-r with --rollout vllm is not supported yet (the engine takes plain weights: merge "
-         "the adapters, or use --rollout hf)"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            p.error(msg)
-    return Args(**vars(ns))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +71,7 @@ class Task:
     sample: Callable | None = None              # Step 1: None (sampler.py), or a vLLM engine's
 
 
-def draw_round(model, task: Task, args: Args, ddp: parallel.Dist, first: int):
+def draw_round(model, task: Task, args: flags.TrainArgs, ddp: parallel.Dist, first: int):
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the
     stream. Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1
     and the soft overlong penalty, `index`, `reward_parts`), and its timings."""
@@ -297,7 +111,7 @@ def reward_std(roll: Rollout, ddp: parallel.Dist) -> float:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args = flags.parse_train_args(argv, __doc__.split("\n\n")[0])
     ddp = parallel.Dist(args.device, args.fsdp)
     lock = None
     try:
@@ -312,7 +126,7 @@ def main(argv=None) -> dict:
         ddp.close()
 
 
-def run(args: Args, ddp: parallel.Dist) -> dict:
+def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
     # ---------------------------------------------------------------- setup
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the "

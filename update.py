@@ -80,7 +80,7 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, the surrogate's tokens weighted by truncated IS with
     --tis-cap: grpo.policy_loss) on this rank's rows of `roll` (advantages [N], loss mask [N, T]);
-    returns its UpdateStats. `args` is train.Args.
+    returns its UpdateStats. `args` is flags.TrainArgs.
 
     Old log-probs are computed once, before the first update (with one update they equal the current
     ones). Each update's denominators are its mini-batch's global token and response counts (all
