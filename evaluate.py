@@ -31,7 +31,7 @@ import torch
 import data
 import flags
 import verifier
-from sampler import Rollout, num_seqs_within, sample_groups
+from sampler import Rollout, sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -137,21 +137,6 @@ class OneProcess:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         return x.detach().to(torch.float64).clone()
-
-
-def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
-                   generator, eos: list[int], pad: int, args: flags.EvalArgs, sample=None) -> Rollout:
-    """Step 1 as training and evaluation run it: sampler.sample_groups under --bf16 autocast, at
-    most --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); or `sample`, a vLLM
-    engine's sample_groups (train.py --rollout vllm), which holds its own weights and
-    --max-num-seqs and runs without autocast."""
-    T = args.max_new_tokens
-    if sample is not None:
-        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
-    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
-    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
-        return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
-                             generator=generator, max_num_seqs=S)
 
 
 @torch.no_grad()

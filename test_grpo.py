@@ -1471,13 +1471,13 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
     # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups, one slot
     # idle), lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon
     # as G are free (continuous batching): the decode forwards follow the continuous _slot_schedule,
-    # not the static one (the rollout is the same either way). Through evaluate.sample_rollout, as
+    # not the static one (the rollout is the same either way). Through sampler.sample_rollout, as
     # train.py samples.
     from types import SimpleNamespace
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import evaluate
+    import sampler
     torch.manual_seed(1)
     cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -1491,7 +1491,7 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
                                     with_kwargs=True)
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
     args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
-    roll = evaluate.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
+    roll = sampler.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
     lengths = roll.lengths.tolist()
     assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5
     prefills = [c for c in calls if c[1] > 1]                     # [k groups, P of the k]
@@ -1545,7 +1545,7 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     def recording(*a, max_num_seqs=None, **k):
         seen.append(max_num_seqs)
         return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    monkeypatch.setattr(evaluate, "sample_groups", recording)  # train.draw_round samples through evaluate's too
+    monkeypatch.setattr(sampler, "sample_groups", recording)  # sampler.sample_rollout reads it at call time
     model = _tiny("qwen2", torch.float32)
     task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)

@@ -46,6 +46,7 @@ import flags
 import grpo
 import lora
 import parallel
+import sampler
 import update
 import verifier
 import vllm_rollout
@@ -81,9 +82,9 @@ def draw_round(model, task: Task, args: flags.TrainArgs, ddp: parallel.Dist, fir
     prompts = [task.encode(r["prompt"]) for _, r in mine]
     generators = [data.prompt_generator(args.seed, j) for j, _ in mine]      # one per prompt
     with parallel.unsharded(None if task.sample else model):  # an engine holds its own weights
-        roll = evaluate.sample_rollout(model, prompts, args.group_size, args.temperature,
-                                       args.top_p, generators, task.eos, task.pad, args,
-                                       task.sample)
+        roll = sampler.sample_rollout(model, prompts, args.group_size, args.temperature,
+                                      args.top_p, generators, task.eos, task.pad, args,
+                                      task.sample)
     t1 = time.time()
     rows = [r for _, r in mine for _ in range(args.group_size)]
     texts = [task.decode(roll, i) for i in range(len(rows))]
