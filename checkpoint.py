@@ -8,10 +8,8 @@ name, fsync, os.replace), so a crash in the middle of a save leaves the previous
 replaces OUT/final the same way, so that at every moment OUT/final or its aside copy OUT/final.old
 is a whole model.
 
-The logs (metrics.jsonl, completions.jsonl) are appended to line by line: a kill can cut their last
-line. `read_jsonl` drops such a line with a one-line notice (any other bad line is corruption:
-an error naming file:line), and `trim_metrics` (--resume) rewrites a log through
-`atomic` too.
+The logs (metrics.jsonl, completions.jsonl) are metrics.py's: appended to line by line, read back
+without a last line a kill cut (metrics.read_metrics), rewritten by --resume through `write_text`.
 
 With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
 torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after a
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import pickle
 import random
@@ -313,53 +310,3 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
     return meta
 
 
-def _jsonl_lines(path: str) -> list[tuple[str, dict]]:
-    """(line, its row) for each line of a JSONL log; see `read_jsonl`."""
-    with open(path, "rb") as fh:
-        return _parse_jsonl(fh.read(), path)
-
-
-def _parse_jsonl(data: bytes, path: str) -> list[tuple[str, dict]]:
-    lines = data.split(b"\n")
-    tail = lines.pop()  # what follows the last newline: b"" unless a write was cut short
-    out = []
-    for i, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8")
-            out.append((line + "\n", json.loads(line)))
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            why = str(e).splitlines()[0]
-            raise CheckpointError(f"{path}:{i}: not a JSON line ({why}): the file is corrupt "
-                                  "(a kill can only cut the last line)") from None
-    if tail.strip():
-        try:  # a whole object without its newline (a proper prefix of one never decodes)
-            line = tail.decode("utf-8")
-            out.append((line + "\n", json.loads(line)))
-        except ValueError:
-            print(f"note: {path}: dropped its last line, cut short ({len(tail)} bytes without a "
-                  "newline: the run was stopped while writing it)", file=sys.stderr)
-    return out
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a JSONL log (metrics.jsonl, completions.jsonl). A run killed while writing leaves
-    its last line cut (no newline): that line is dropped with a one-line notice. Any other bad
-    line is corruption, not a kill: CheckpointError naming file:line."""
-    return [row for _, row in _jsonl_lines(path)]
-
-
-def trim_metrics(path: str, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (the checkpoint's own step included), so a resumed run
-    logs each step exactly once; a cut last line goes too (`read_jsonl`). The log is rewritten
-    through `atomic`: a kill during the rewrite leaves the whole old one."""
-    if not os.path.exists(path):
-        return
-    keep = []
-    for line, row in _jsonl_lines(path):
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise CheckpointError(f"{path}: a line without an integer 'step': {line.strip()[:80]}")
-        if row["step"] <= last_step:
-            keep.append(line)
-    write_text(path, "".join(keep))

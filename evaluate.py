@@ -31,7 +31,7 @@ import torch
 import data
 import flags
 import verifier
-from sampler import Rollout, sample_rollout
+from sampler import sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -95,7 +95,7 @@ def problem_record(index: int, row: dict, responses: list[str], scores: list[flo
 
 
 def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
-    """Sums over `records` that metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
+    """Sums over `records` that eval_metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
     each k, sum maj, samples, truncated, tokens] (float64, so ranks' sums all-reduce exactly)."""
     t = torch.zeros(7 + len(ks), dtype=torch.float64)
     for r in records:
@@ -106,7 +106,7 @@ def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
     return t
 
 
-def metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
+def eval_metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
     """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1, sampled ones for n > 1."""
     P, s1, s2, *rest = t.tolist()
     passes, (maj, samples, trunc, tokens) = rest[:len(ks)], rest[len(ks):]
@@ -176,20 +176,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
             scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n, token_ids)[0].tolist()
             records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs],
                                           [truncated[j] for j in rs]))
-    return metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
-
-
-def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
-    """Up to k of a training batch's completions (prompt, response, reward), one per group first.
-    The prompt is the text the model saw, special tokens kept (a chat template's turn markers)."""
-    N, G = roll.response_ids.shape[0], roll.G
-    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return [{"prompt": tokenizer.decode(roll.prompts[i // G]),
-             "response": decode(roll.response_ids[i, : roll.lengths[i]]),
-             "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
-             "truncated": bool(roll.truncated[i])}
-            for i in order[:k]]
+    return eval_metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
 
 
 # ---------------------------------------------------------------------------------------------

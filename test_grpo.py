@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import builtin
-import curves
 import dapo
 import data
 import flags
 import grpo
 import logprobs
+import metrics
 import update
 import variants
 import verifier
@@ -2369,8 +2369,8 @@ def test_train_and_evaluate_run_on_dapo_math_rows(tmp_path):
     assert [m["ground_truth"] for m in step["reward_model"]] == \
         [r["reward_model"]["ground_truth"] for p in step["prompts"] for r in raw
          if r["prompt"] == p]
-    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert "eval/maj@2" in metrics[0] and "reward/trl_spy_reward" in metrics[1]
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/maj@2" in logged[0] and "reward/trl_spy_reward" in logged[1]
     # evaluate.py with evaluation.md's recipe (its budget cut to a tiny run): the per-problem lines
     # keep each row's messages as they are, and its nested reference
     recipe = _doc_commands("docs/evaluation.md", "evaluate.py")[0]
@@ -2440,12 +2440,12 @@ def test_eval_metrics_by_hand():
     assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2  # the right '4' won
     assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
     ks = evaluate.pass_ks(4)
-    m = evaluate.metrics(evaluate.totals([a, b], ks), 4, ks)
+    m = evaluate.eval_metrics(evaluate.totals([a, b], ks), 4, ks)
     assert m == pytest.approx({
         "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
         "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,      # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
         "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
-    g = evaluate.metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
+    g = evaluate.eval_metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
     assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
 
 
@@ -2487,7 +2487,7 @@ def test_majority_vote_merges_one_answer_written_three_ways():
     half, four = canonical("1/2"), canonical("4")
     assert [s["answer"] for s in r["samples"]] == [four, half, half, four, half]
     assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
-    m = evaluate.metrics(evaluate.totals([r], [1]), 5, [1])
+    m = evaluate.eval_metrics(evaluate.totals([r], [1]), 5, [1])
     assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
 
 
@@ -2542,7 +2542,7 @@ def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkey
     parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1] for k in range(3)]
     assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1  # same samples, scores, votes
     ks = evaluate.pass_ks(4)
-    assert evaluate.metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
+    assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
     scores = [[s["score"] for s in r["samples"]] for r in r1]
     assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
     assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
@@ -2715,7 +2715,7 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     want = torch.where(right == 1, 1.0, -0.5) + penalty
     assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.correct, right)
     assert torch.allclose(roll.rewards, want)
-    s = curves.drawn_sums([roll])
+    s = metrics.drawn_sums([roll])
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
 
 
@@ -2735,7 +2735,7 @@ def test_step_metrics_worked_by_hand():
              "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
     rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
             "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
-    row = curves.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    row = metrics.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
     assert row == pytest.approx({
         "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
         "reward/mean": 0.25,             # 2 / 8 samples
@@ -2760,11 +2760,11 @@ def test_step_metrics_worked_by_hand():
         "updates": 2.0,
     })
     # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
-    row = curves.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    row = metrics.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
     assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
     assert "clip/dual_frac" not in row
     # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
-    row = curves.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    row = metrics.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
     assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
 
@@ -3098,11 +3098,11 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
              "--algo", "dapo", "--beta", "0.04", "--mu", "2", "--mini-batches", "2"]
     fsdp = ["--fsdp", "--gradient-checkpointing", "--save-every", "3"]
 
-    def metrics(out):
+    def step_rows(out):
         return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
     _run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
     _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "3")
-    (m1, w1), (m2, w2) = ((metrics(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
+    (m1, w1), (m2, w2) = ((step_rows(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
     assert len(m1) == len(m2) == 3
     for a, b in zip(m1, m2):
         for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept"):
@@ -3121,7 +3121,7 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
     _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp, "--steps", "6")
     a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
-    assert [r["loss"] for r in metrics(tmp_path / "two")] == [r["loss"] for r in metrics(tmp_path / "six")]
+    assert [r["loss"] for r in step_rows(tmp_path / "two")] == [r["loss"] for r in step_rows(tmp_path / "six")]
     assert sorted(os.listdir(tmp_path / "six" / "checkpoint")) == ["latest", "step-000006"]
 
 
@@ -3439,28 +3439,28 @@ def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle
             assert err == "", (at, err)
     for cut in range(len(head), len(full) + 1):
         rows, cut_short = expected(cut)
-        assert [r for _, r in checkpoint._parse_jsonl(full[:cut], str(path))] == rows, cut
+        assert [r for _, r in metrics._parse_jsonl(full[:cut], str(path))] == rows, cut
         check_notice(capsys.readouterr().err, cut_short, cut)
     cuts = {c + k for c in [len(head), *ends] for k in (-1, 0, 1)}
     cuts |= set(range(len(head), len(full), 50))
     for cut in sorted(c for c in cuts if len(head) <= c <= len(full)):
         path.write_bytes(full[:cut])
         rows, cut_short = expected(cut)
-        assert checkpoint.read_jsonl(str(path)) == rows, cut
+        assert metrics.read_metrics(str(path)) == rows, cut
         check_notice(capsys.readouterr().err, cut_short, cut)
-        checkpoint.trim_metrics(str(path), 2)
+        metrics.trim_metrics(str(path), 2)
         check_notice(capsys.readouterr().err, cut_short, cut)
         assert path.read_bytes() == head and os.listdir(tmp_path) == ["completions.jsonl"], cut
     # any other bad line is corruption, not a kill: one line naming file:line, the file as it was
     for bad, line in ((head[:30] + b"\n" + head, 1), (head + b"not json\n", len(kept) + 1)):
         path.write_bytes(bad)
-        for read in (checkpoint.read_jsonl, lambda p: checkpoint.trim_metrics(p, 2)):
+        for read in (metrics.read_metrics, lambda p: metrics.trim_metrics(p, 2)):
             with pytest.raises(checkpoint.CheckpointError,
                                match=f"^{re.escape(str(path))}:{line}: not a JSON line .*corrupt"):
                 read(str(path))
         assert path.read_bytes() == bad
     path.write_bytes(head)
-    assert curves.read_metrics(str(path)) == kept            # --plot and ablate.py read through it
+    assert metrics.read_metrics(str(path)) == kept            # whole lines: read back as written
 
 
 class _CutWrites:
@@ -3519,7 +3519,6 @@ def test_trim_killed_at_any_byte_of_its_rewrite_keeps_the_whole_log(tmp_path, mo
     does the job."""
     import builtins
 
-    import checkpoint
     rows = [{"step": s, "loss": s / 8, "response": "y" * 40} for s in range(6)]
     log = tmp_path / "metrics.jsonl"
     old = _jsonl_file(rows) + b'{"step": 6, "lo'                 # killed mid-step 6 the first time
@@ -3532,10 +3531,10 @@ def test_trim_killed_at_any_byte_of_its_rewrite_keeps_the_whole_log(tmp_path, mo
         monkeypatch.setattr(os, "fsync", lambda fd: None)
         monkeypatch.setattr(builtins, "open", _CutWrites(tmp_path, budget, die))
         with pytest.raises(_Killed):
-            checkpoint.trim_metrics(str(log), 3)
+            metrics.trim_metrics(str(log), 3)
         monkeypatch.setattr(builtins, "open", builtins.open.real_open)
         assert log.read_bytes() == old, budget
-        checkpoint.trim_metrics(str(log), 3)
+        metrics.trim_metrics(str(log), 3)
         assert log.read_bytes() == kept and os.listdir(tmp_path) == ["metrics.jsonl"], budget
 
 
@@ -3678,28 +3677,28 @@ def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, 
 
     def logged(name):
         return [(r["step"], r.get("response", "eval" if "eval/accuracy" in r else ""))
-                for r in curves.read_metrics(str(tmp_path / name))]
-    log = curves.RunLog(args, {"run": 1})
+                for r in metrics.read_metrics(str(tmp_path / name))]
+    log = metrics.RunLog(args, {"run": 1})
     log.log({"step": 0, "eval/accuracy": 0.25})
     steps(log, [1, 2, 3, 4])
     log.close()
     for name in ("metrics.jsonl", "completions.jsonl"):
         with open(tmp_path / name, "a") as fh:
             fh.write('{"step": 5, "lo')                          # killed mid-write
-    log = curves.RunLog(args, {"run": 1, "resume": True}, resume_step=2)
+    log = metrics.RunLog(args, {"run": 1, "resume": True}, resume_step=2)
     steps(log, [3, 4, 5])
     log.close()
     assert [s for s, _ in logged("metrics.jsonl")] == [0, 1, 2, 2, 3, 4, 5]
     assert logged("completions.jsonl") == [(s, f"{s}{c}") for s in range(1, 6) for c in "ab"]
     assert capsys.readouterr().err.count("dropped its last line, cut short") == 2
-    log = curves.RunLog(args, {"run": 2})
+    log = metrics.RunLog(args, {"run": 2})
     steps(log, [1])
     log.close()
     assert logged("metrics.jsonl") == [(1, "")]
     assert logged("completions.jsonl") == [(1, "1a"), (1, "1b")]
     assert json.loads((tmp_path / "config.json").read_text()) == {"run": 2}
     args.log_completions = 0
-    curves.RunLog(args, {"run": 3}).close()
+    metrics.RunLog(args, {"run": 3}).close()
     assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl"]
 
 
@@ -3893,7 +3892,7 @@ def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
 def test_no_learning_signal_is_said_once_with_its_likely_causes():
     grpo_args, dapo_args = flags.parse_train_args(["--algo", "grpo"]), flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"])
     # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
-    check = curves.SignalCheck(grpo_args)
+    check = metrics.SignalCheck(grpo_args)
     said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
     assert len(said[0]) == 1 and said[1] == [] and check.silent
     msg = said[0][0]
@@ -3903,13 +3902,13 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     third = check(_signal_row(3, 0.0, 1.0))
     assert len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0] and check(_signal_row(4, 0, 1)) == []
     # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains (not silent)
-    check = curves.SignalCheck(dapo_args)
+    check = metrics.SignalCheck(dapo_args)
     assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
     said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
     assert len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0] and check.silent
     assert "every sample is right" in said[0]
     assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []      # once a run; and some samples scored: no "none right"
-    mixed = curves.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
+    mixed = metrics.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
     assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
 
 
@@ -3918,7 +3917,7 @@ def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
     # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
     # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
     # groups are all equal is one, after it.
-    check = curves.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight", "0.5"]))
+    check = metrics.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight", "0.5"]))
     said, silent = [], []
     for step in (1, 2, 3, 4):
         said.append(check(_signal_row(step, 0.0, 0.5)))

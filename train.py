@@ -45,6 +45,7 @@ import evaluate
 import flags
 import grpo
 import lora
+import metrics
 import parallel
 import sampler
 import update
@@ -191,7 +192,7 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
         engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
     config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
     resumed_at = state["step"] if args.resume else None
-    out = curves.RunLog(args, config, resumed_at) if ddp.master else None  # rank 0 writes OUT/
+    out = metrics.RunLog(args, config, resumed_at) if ddp.master else None  # rank 0 writes OUT/
 
     def evaluate_at(step: int) -> float | None:
         """Held-out metrics (evaluate.py; split over ranks) logged; returns accuracy, or mean@n."""
@@ -211,7 +212,7 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
     if not args.resume:
         state["acc_before"] = state["acc_after"] = evaluate_at(0)
     steps = range(state["step"], args.steps)
-    bar, signal = steps, curves.SignalCheck(args)
+    bar, signal = steps, metrics.SignalCheck(args)
     if ddp.master and len(steps):
         bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps,
                    dynamic_ncols=True)
@@ -248,9 +249,9 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
             engine.push(model)                       # the updated weights, for what samples next
 
         # ---- metrics, summed over ranks ----
-        d = ddp.sum_named(curves.drawn_sums([r for r, _ in rounds]))
+        d = ddp.sum_named(metrics.drawn_sums([r for r, _ in rounds]))
         state["samples"] += int(d["samples"])
-        row = {"step": step + 1, **curves.step_metrics(d, stats, args.mu, args.clip_c),
+        row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c),
                "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
                "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
                "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
@@ -264,7 +265,7 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
                 tqdm.write(warning, file=sys.stderr)
             # a few of rank 0's completions of the batch trained on, to read what the policy writes
             out.completions(step + 1,
-                            evaluate.sampled_completions(roll, tokenizer, args.log_completions))
+                            metrics.sampled_completions(roll, tokenizer, args.log_completions))
         state["step"] = step + 1
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
@@ -303,7 +304,7 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
               f"model saved to {final}")
         if args.plot:
             png = os.path.join(args.out, "curves.png")
-            if curves.plot_runs({args.algo: [curves.read_metrics(out.metrics_path)]}, png):
+            if curves.plot_runs({args.algo: [metrics.read_metrics(out.metrics_path)]}, png):
                 print(f"curves: {png}")
     return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
 
