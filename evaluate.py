@@ -28,6 +28,7 @@ import zlib
 
 import torch
 
+import checkpoint
 import data
 import flags
 import verifier
@@ -157,7 +158,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     reward_fn = data.as_reward(reward_fn)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                   args.chat_template)
-    eos = data.end_ids(tokenizer, model)
+    eos = checkpoint.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     mine = list(range(ddp.rank, len(rows), ddp.world))
     per = max(1, EVAL_BATCH // n)
@@ -190,7 +191,7 @@ def main(argv=None) -> list[tuple[str, dict]]:
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
-            _, tokenizer, model = data.load_model(spec, args.trust_remote_code)
+            _, tokenizer, model = checkpoint.load_model(spec, args.trust_remote_code)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
             m, records = evaluate_model(model.to(args.device), tokenizer, rows, args, OneProcess(), reward_fn)

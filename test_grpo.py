@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import builtin
+import checkpoint
 import dapo
 import data
 import flags
@@ -1356,10 +1357,10 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
         for r in (2 * i, 2 * i + 1):
             L = int(roll.lengths[r])
             assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
-    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (data.end_ids)
+    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (checkpoint.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
-    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
+    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
@@ -1891,7 +1892,7 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
     assert builtin.base_model(other, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(other)}")
     assert builtin.ship(other, cache, shipped, log=quiet) == shipped and builtin.shipped_key(shipped) == builtin.recipe_key(other)
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
-    _, tok, model = data.load_model(shipped)
+    _, tok, model = checkpoint.load_model(shipped)
     assert model.config.hidden_size == 16 and tok.eos_token_id == 1
 
 
@@ -2504,7 +2505,7 @@ def _eval_setup(d, *extra):
     """train.py's flags (flags.TrainArgs), the tiny model with large random weights (the fixture's answers '\n' to every prompt
     greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
     args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *extra])
-    _, tok, model = data.load_model(args.model)
+    _, tok, model = checkpoint.load_model(args.model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -2522,7 +2523,7 @@ def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs
     reward = _has_9
     m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
     # one greedy answer per problem, scored here: sums of reward, truncation, length
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id, temperature=0.0)
     texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True) for i in range(len(rows))]
     correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
@@ -2846,7 +2847,7 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
     AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / "bf16")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16  # the trap is real
-    _, _, model = data.load_model(str(tmp_path / "bf16"))
+    _, _, model = checkpoint.load_model(str(tmp_path / "bf16"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     _run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1", "--save-every", "1")
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
@@ -3641,10 +3642,10 @@ def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one
 def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(tiny_run_inputs,
                                                                               tmp_path, capsys):
     """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
-    between its two renames, only OUT/final.old is there: data.load_model (--model OUT/final, as
+    between its two renames, only OUT/final.old is there: checkpoint.load_model (--model OUT/final, as
     evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
     import checkpoint
-    _, tok, model = data.load_model(str(tiny_run_inputs / "model"))
+    _, tok, model = checkpoint.load_model(str(tiny_run_inputs / "model"))
     out, final = str(tmp_path), str(tmp_path / "final")
     checkpoint.save_final(out, model, tok, model.state_dict())
     with torch.no_grad():
@@ -3653,7 +3654,7 @@ def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(ti
     checkpoint.save_final(out, model, tok, model.state_dict())
     assert os.listdir(tmp_path) == ["final"]
     os.rename(final, final + ".old")                             # the moment between the renames
-    path, _, loaded = data.load_model(final)
+    path, _, loaded = checkpoint.load_model(final)
     assert path == final + ".old" and "final.old is whole" in capsys.readouterr().err
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     checkpoint.save_final(out, model, tok, model.state_dict())
@@ -3738,8 +3739,8 @@ def flip_x(response: str, answer: str) -> float:
 _KILL_DRIVER = r"""
 import builtins, json, os, random, signal, sys, time, traceback
 import torch
-import data, test_grpo, train
-data.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
+import checkpoint, test_grpo, train
+checkpoint.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
 param = torch.zeros(1, requires_grad=True)
 param.grad = torch.ones(1)
 torch.optim.AdamW([param]).step()
@@ -4047,7 +4048,7 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
 def _lora_model(d, r=4):
     """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would be a no-op)."""
     import lora
-    path, tok, model = data.load_model(str(d / "model"))
+    path, tok, model = checkpoint.load_model(str(d / "model"))
     config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -4061,11 +4062,11 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     pytest.importorskip("peft", reason="--lora-r needs peft")
     import lora
     tok, model, _ = _lora_model(tiny_run_inputs)
-    _, _, base = data.load_model(str(tiny_run_inputs / "model"))
+    _, _, base = checkpoint.load_model(str(tiny_run_inputs / "model"))
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
     assert len(adapters) == 2 * 7 * 2                                       # A and B of 7 projections in 2 layers
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 2, 8, eos,
                          tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
     rows = slice(0, 6)
@@ -4108,7 +4109,7 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     base = {n for n in before if ".lora_" not in n}
     assert len(base) == len(before) - 28                          # A and B of 14 projections
     assert not any(model.get_parameter(n).requires_grad for n in base)
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
     prompts = [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)]
     roll = sample_groups(model, prompts, 4, 8, eos, tok.pad_token_id, temperature=1.0,
                          generator=torch.Generator().manual_seed(1))
@@ -4397,8 +4398,8 @@ def test_variant_key_and_build(tmp_path, monkeypatch):
     small, logs = builtin.Variant(steps=2, batch_size=4), []
     folder = builtin.variant_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a))
     assert folder == str(tmp_path / f"variant-{builtin.variant_key(small, tiny)}") and len(logs) == 3  # base (2 lines), variant
-    _, _, base = data.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
-    _, tok, model = data.load_model(folder)
+    _, _, base = checkpoint.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
+    _, tok, model = checkpoint.load_model(folder)
     assert tok.eos_token_id == 1 and any(not torch.equal(p, q) for p, q in zip(base.parameters(), model.parameters()))
     assert builtin.variant_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a)) == folder and len(logs) == 3
     # an experiment on a variant runs train.py on its folder with the built-in task's learning rate

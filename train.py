@@ -147,7 +147,7 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
         if ddp.master:
             builtin.base_model()
         ddp.barrier()
-    path, tokenizer, model = data.load_model(args.model, args.trust_remote_code)
+    path, tokenizer, model = checkpoint.load_model(args.model, args.trust_remote_code)
     lora_config = None
     if args.lora_r:
         lora_config = lora.add_adapters(model, args.lora_r, args.lora_alpha,
@@ -160,7 +160,7 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
                                   args.chat_template)
     encode.check(train_rows, f"--data {args.data}")  # messages need a chat template: say so now
     encode.check(eval_rows, f"--eval-data {args.eval_data}")
-    eos = data.end_ids(tokenizer, model)
+    eos = checkpoint.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]],  # noqa: E731
                                               skip_special_tokens=True)
