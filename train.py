@@ -58,7 +58,76 @@ USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInU
 
 
 # ---------------------------------------------------------------------------------------------
-# The run
+# The command and the loop
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    args = flags.parse_train_args(argv, __doc__.split("\n\n")[0])
+    ddp = parallel.Dist(args.device, args.fsdp)
+    lock = None
+    try:
+        lock = checkpoint.lock_folder(args.out, ddp)  # rank 0 holds OUT/.lock for the whole run
+        return run(args, ddp)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if lock is not None:
+            lock.close()
+        ddp.close()
+
+
+def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
+    """The run: set-up, the held-out evaluation before the first step, then each step's Steps 1-4,
+    its metrics row, evaluation and checkpoint; the final model. Returns the held-out accuracy
+    (or mean@n) before and after, and the seconds the loop took."""
+    s, state = set_up(args, ddp)
+    t_start = time.time()
+    if not args.resume:
+        state["acc_before"] = state["acc_after"] = held_out(s, args, ddp, 0)
+    steps = range(state["step"], args.steps)
+    bar, signal = steps, metrics.SignalCheck(args)
+    if ddp.master and len(steps):
+        bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps,
+                   dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
+        roll, sstats, rounds = draw_step(s, args, ddp, state["data_pos"])
+        state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
+
+        # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
+        advantages, mask = advantages_and_mask(roll, args, ddp)
+
+        # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
+        if s.engine:
+            s.engine.sleep()                         # CUDA: its memory is the update's until push
+        stats = update.update_policy(s.learner, roll, advantages, mask, args, ddp)
+        s.sched.step()                               # the lr schedule counts rollout steps
+        if s.engine:
+            s.engine.push(s.model)                   # the updated weights, for what samples next
+
+        # ---- metrics, summed over ranks; rank 0's files ----
+        d = ddp.sum_named(metrics.drawn_sums([r for r, _ in rounds]))
+        state["samples"] += int(d["samples"])
+        row = step_row(s, args, step, d, stats, sstats, rounds, state["samples"], t0)
+        if s.out:
+            log_step(s, args, step, row, roll, signal)
+        state["step"] = step + 1
+        done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
+        if state["step"] % args.eval_every == 0 or done:
+            state["acc_after"] = held_out(s, args, ddp, state["step"])
+        if args.save_every and (state["step"] % args.save_every == 0 or done):
+            save_checkpoint(s, args, ddp, state)
+        if ddp.master and hasattr(bar, "set_postfix"):
+            show_progress(bar, row, state["acc_after"], signal.silent)
+        if done:
+            break
+    return finish(s, args, ddp, state, time.time() - t_start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps 1-3 of a step
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -71,6 +140,22 @@ class Task:
     eos: list[int]
     pad: int
     sample: Callable | None = None              # Step 1: None (sampler.py), or a vLLM engine's
+
+
+def draw_step(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, data_pos: int):
+    """Steps 1 + 2 of a step from the stream's position `data_pos`: one round of draw_round, or with
+    --dynamic-sampling rounds until the step's groups are filled (dapo.dynamic_sampling). Returns
+    the rollout trained on, the sampling/* metrics and every (rollout, timings) drawn, kept or
+    not."""
+    def draw(rnd: int) -> tuple[Rollout, dict[str, float]]:
+        """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
+        return draw_round(s.model, s.task, args, ddp, data_pos + rnd * args.prompts_per_step)
+
+    if args.dynamic_sampling:
+        return dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather,
+                                     ddp.rank)
+    rounds = [draw(0)]
+    return rounds[0][0], {"sampling/rounds": 1.0}, rounds
 
 
 def draw_round(model, task: Task, args: flags.TrainArgs, ddp: parallel.Dist, first: int):
@@ -112,37 +197,175 @@ def reward_std(roll: Rollout, ddp: parallel.Dist) -> float:
     return math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
 
 
-def main(argv=None) -> dict:
-    args = flags.parse_train_args(argv, __doc__.split("\n\n")[0])
-    ddp = parallel.Dist(args.device, args.fsdp)
-    lock = None
-    try:
-        lock = checkpoint.lock_folder(args.out, ddp)  # rank 0 holds OUT/.lock for the whole run
-        return run(args, ddp)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        if lock is not None:
-            lock.close()
-        ddp.close()
+def advantages_and_mask(roll: Rollout, args: flags.TrainArgs, ddp: parallel.Dist):
+    """Step 3: each response's group advantage ([B*G]; --adv-scale batch: over all ranks' rewards)
+    and the loss mask ([B*G, T]; DAPO's overlong filtering masks truncated responses out)."""
+    batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks'
+    rewards = roll.rewards.view(-1, args.group_size)                     # [B, G]
+    advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std)  # [B, G]
+    mask = roll.mask                                                     # [B*G, T]
+    if args.overlong_filter:
+        mask = dapo.overlong_filter(roll.mask, roll.truncated)
+    return advantages.view(-1), mask                                     # [B*G], [B*G, T]
 
 
-def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
-    # ---------------------------------------------------------------- setup
+# ---------------------------------------------------------------------------------------------
+# After the update: the metrics row, rank 0's files, held-out evaluation, checkpoints, the end
+# ---------------------------------------------------------------------------------------------
+
+def step_row(s: Setup, args: flags.TrainArgs, step: int, d: dict[str, float],
+             stats: update.UpdateStats, sstats: dict[str, float], rounds: list, samples: int,
+             t0: float) -> dict:
+    """The step's metrics.jsonl row: drawn_sums `d` and the update's `stats` (both over all ranks)
+    as metrics.step_metrics, the learning rate, the sampling/*, time/* and memory/* keys."""
+    row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c),
+           "lr": s.sched.get_last_lr()[0], "samples": samples, **sstats,
+           "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
+           "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
+           "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
+           "time/step_s": time.time() - t0}
+    own_ref = None if s.ref is s.model else s.ref  # the bytes rank 0 holds (--fsdp: its shards)
+    row["memory/state_bytes"] = parallel.state_bytes(s.model, s.learner.opt, own_ref)
+    return row
+
+
+def log_step(s: Setup, args: flags.TrainArgs, step: int, row: dict, roll: Rollout,
+             signal: metrics.SignalCheck) -> None:
+    """Rank 0: the row to metrics.jsonl, the no-signal warnings (once each, in plain words) and a
+    few completions of the batch trained on, to read what the policy writes."""
+    s.out.log(row)
+    for warning in signal(row):
+        tqdm.write(warning, file=sys.stderr)
+    s.out.completions(step + 1,
+                      metrics.sampled_completions(roll, s.tokenizer, args.log_completions))
+
+
+def held_out(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, step: int) -> float | None:
+    """Held-out metrics (evaluate.py; split over ranks) logged; returns accuracy, or mean@n."""
+    if not s.eval_rows:
+        return None
+    with parallel.unsharded(None if s.engine else s.model):  # --fsdp: gathered once for all
+        m, _ = evaluate.evaluate_model(s.model, s.tokenizer, s.eval_rows, args, ddp,
+                                       s.task.reward_fn, s.task.sample)
+    if s.out:
+        s.out.log({"step": step, **m})
+    return m[evaluate.headline(args.eval_samples)]
+
+
+def save_checkpoint(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, state: dict) -> None:
+    """--save-every: the logs synced to disk first (a checkpoint never runs ahead of them), then
+    OUT/checkpoint.pt from rank 0, or with --fsdp every rank's shards under OUT/checkpoint/."""
+    if s.out:
+        s.out.sync()
+    if args.fsdp:
+        checkpoint.save_sharded(s.ckpt_path, s.model, s.learner.opt, s.sched, state, ddp)
+    elif ddp.master:
+        checkpoint.save(s.ckpt_path, s.model, s.learner.opt, s.sched, state)
+
+
+def show_progress(bar, row: dict, acc: float | None, silent: bool) -> None:
+    """Rank 0's progress bar: the step's reward and length, the last held-out accuracy, and
+    signal=none when the step trained nothing."""
+    bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
+                    **({"eval": f"{acc:.2f}"} if acc is not None else {}),
+                    **({"signal": "none"} if silent else {}))
+
+
+def finish(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, state: dict,
+           elapsed: float) -> dict:
+    """The end: the whole model saved to OUT/final by rank 0 (FSDP2: gathered; LoRA's adapters
+    merged, and OUT/adapter alone), the summary line, --plot's OUT/curves.png."""
+    weights = lora.merged_state_dict(s.model) if args.lora_r else parallel.full_state_dict(s.model)
+    if s.engine:
+        s.engine.close()
+    if ddp.master:
+        adapter = None
+        if args.lora_r:
+            adapter = lambda tmp: lora.save_adapter(s.model, s.lora_config, tmp)  # noqa: E731
+        final = checkpoint.save_final(args.out, s.model, s.tokenizer, weights, adapter)
+        s.out.close()
+        what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
+        acc = ""
+        if s.eval_rows and state["acc_before"] is not None:
+            acc = (f"held-out {what} {state['acc_before']:.3f} -> {state['acc_after']:.3f} "
+                   f"({len(s.eval_rows)} problems); ")
+        print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; "
+              f"model saved to {final}")
+        if args.plot:
+            png = os.path.join(args.out, "curves.png")
+            if curves.plot_runs({args.algo: [metrics.read_metrics(s.out.metrics_path)]}, png):
+                print(f"curves: {png}")
+    return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up: the data, the policy and its reference, the rollout engine, the optimizer, the resume
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """What the loop runs on, made once by set_up."""
+    task: Task                          # the training prompts, their encoding, reward, Step 1
+    eval_rows: list[dict]               # held-out rows ([] without --eval-data)
+    tokenizer: object
+    model: torch.nn.Module              # the policy itself (FSDP2: sharded in place)
+    lora_config: object | None          # --lora-r: the adapters' config, for OUT/adapter
+    ref: torch.nn.Module | None         # the KL term's reference (None: beta 0)
+    engine: vllm_rollout.Engine | None  # --rollout vllm
+    learner: update.Learner
+    sched: torch.optim.lr_scheduler.LambdaLR
+    ckpt_path: str                      # OUT/checkpoint.pt, or OUT/checkpoint/ with --fsdp
+    out: metrics.RunLog | None          # rank 0's run files; None on the other ranks
+
+
+def set_up(args: flags.TrainArgs, ddp: parallel.Dist) -> tuple[Setup, dict]:
+    """Everything the loop needs, in this order (the order the seeded RNG is drawn in), and the
+    run's counters: step, data position, samples, accuracy before and after (a resumed run's)."""
     if args.prompts_per_step % ddp.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the "
                               f"{ddp.world} ranks")
     torch.manual_seed(args.seed)
+    reward_fn, train_rows, eval_rows = load_data(args)
+    ckpt_path = find_checkpoint(args)
+    path, tokenizer, model, lora_config = load_policy(args, ddp)
+    task = make_task(args, tokenizer, model, train_rows, eval_rows, reward_fn)
+    ref = make_reference(args, model, ddp)
+    engine = start_engine(args, path, ddp)
+    if engine:
+        task.sample = engine.sample_groups  # Step 1 on the engine instead of sampler.py
+    learner, sched = make_learner(args, model, ref, ddp)
+    state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
+    if args.resume:
+        state = resume_state(args, ckpt_path, model, learner, sched, ddp, state)
+    if engine:
+        engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
+    out = open_run_log(args, ddp, path, state) if ddp.master else None  # rank 0 writes OUT/
+    return Setup(task, eval_rows, tokenizer, model, lora_config, ref, engine, learner, sched,
+                 ckpt_path, out), state
+
+
+def load_data(args: flags.TrainArgs) -> tuple[data.Reward, list[dict], list[dict]]:
+    """The --reward functions, the --data rows and the held-out --eval-data rows ([] without)."""
     reward_fn = data.Reward.load(args.reward, args.reward_weights)
     fields = args.prompt_field, args.answer_field
     train_rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split)
     eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split) \
         if args.eval_data else []
+    return reward_fn, train_rows, eval_rows
+
+
+def find_checkpoint(args: flags.TrainArgs) -> str:
+    """OUT/checkpoint.pt (--fsdp: the folder OUT/checkpoint/); with --resume it must be there."""
     ckpt_path = os.path.join(args.out, "checkpoint" if args.fsdp else "checkpoint.pt")
     found = checkpoint.latest(ckpt_path) if args.fsdp else os.path.exists(ckpt_path)
     if args.resume and not found:
         raise data.InputError(f"--resume: no checkpoint at {ckpt_path}")
+    return ckpt_path
+
+
+def load_policy(args: flags.TrainArgs, ddp: parallel.Dist):
+    """(folder, tokenizer, model, LoRA config or None): --model loaded (the built-in one built by
+    rank 0 alone), --lora-r's adapters added, --gradient-checkpointing on, on the device."""
     if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once
         if ddp.master:
             builtin.base_model()
@@ -156,157 +379,77 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
         parallel.checkpoint_activations(model)
     if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
         model.to(ddp.device)
+    return path, tokenizer, model, lora_config
+
+
+def make_task(args: flags.TrainArgs, tokenizer, model, train_rows: list[dict],
+              eval_rows: list[dict], reward_fn: data.Reward) -> Task:
+    """The prompts' encoding (checked on every row now: messages need a chat template), the end
+    ids and pad, the decoding of a response, the reward; Step 1 on sampler.py."""
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                   args.chat_template)
-    encode.check(train_rows, f"--data {args.data}")  # messages need a chat template: say so now
+    encode.check(train_rows, f"--data {args.data}")
     encode.check(eval_rows, f"--eval-data {args.eval_data}")
     eos = checkpoint.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     decode = lambda roll, i: tokenizer.decode(roll.response_ids[i, : roll.lengths[i]],  # noqa: E731
                                               skip_special_tokens=True)
+    return Task(train_rows, encode, decode, reward_fn, eos, pad)
+
+
+def make_reference(args: flags.TrainArgs, model, ddp: parallel.Dist):
+    """The KL term's reference (beta > 0): a frozen copy (--fsdp: sharded), or with LoRA the model
+    itself with its adapters off; None at beta 0."""
+    if args.beta <= 0:
+        return None
+    if args.lora_r:
+        return model
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if args.fsdp:
+        parallel.shard(ref, ddp.device)
+    return ref
+
+
+def start_engine(args: flags.TrainArgs, path: str, ddp: parallel.Dist):
+    """--rollout vllm: a colocated vLLM engine on this rank's device, loaded from `path`; else
+    None."""
+    if args.rollout != "vllm":
+        return None
+    return vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed,
+                               args.vllm_gpu_memory_utilization, args.max_num_seqs)
+
+
+def make_learner(args: flags.TrainArgs, model, ref, ddp: parallel.Dist):
+    """(update.Learner, the lr schedule): the policy wrapped for DDP or FSDP2, AdamW on its
+    trainable parameters, --bf16's autocast, the linear --warmup-steps schedule."""
     device_type = torch.device(ddp.device).type
     amp = lambda: torch.autocast(device_type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    ref = None  # the KL term's reference: a frozen copy, or with LoRA the model, adapters off
-    if args.beta > 0:
-        ref = model if args.lora_r else copy.deepcopy(model).eval().requires_grad_(False)
-    engine = None
-    if args.rollout == "vllm":
-        engine = vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed,
-                                     args.vllm_gpu_memory_utilization, args.max_num_seqs)
-    sample = engine.sample_groups if engine else None  # Step 1's sampler: None for sampler.py's
-    if ref is not None and args.fsdp:
-        parallel.shard(ref, ddp.device)
     policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (policy is model)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0  # noqa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     as_reference = (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext
-    learner = update.Learner(policy, model, ref, opt, amp, as_reference)
-    state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
-    if args.resume:
-        ckpt = checkpoint.load_sharded(ckpt_path, model, opt, sched, ddp) if args.fsdp else \
-            checkpoint.load(ckpt_path, model, opt, sched)
-        state = {k: ckpt[k] for k in state}
-    if engine:
-        engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
+    return update.Learner(policy, model, ref, opt, amp, as_reference), sched
+
+
+def resume_state(args: flags.TrainArgs, ckpt_path: str, model, learner: update.Learner, sched,
+                 ddp: parallel.Dist, state: dict) -> dict:
+    """--resume: model, optimizer, scheduler and RNG states read back; the counters of `state`
+    (step, data position, samples, accuracies) as the checkpoint saved them."""
+    if args.fsdp:
+        ckpt = checkpoint.load_sharded(ckpt_path, model, learner.opt, sched, ddp)
+    else:
+        ckpt = checkpoint.load(ckpt_path, model, learner.opt, sched)
+    return {k: ckpt[k] for k in state}
+
+
+def open_run_log(args: flags.TrainArgs, ddp: parallel.Dist, path: str, state: dict):
+    """Rank 0's metrics.RunLog: config.json (the resolved flags, the world size, the model's
+    folder); a resumed run cuts its logs back to the checkpoint's step."""
     config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
     resumed_at = state["step"] if args.resume else None
-    out = metrics.RunLog(args, config, resumed_at) if ddp.master else None  # rank 0 writes OUT/
-
-    def evaluate_at(step: int) -> float | None:
-        """Held-out metrics (evaluate.py; split over ranks) logged; returns accuracy, or mean@n."""
-        if not eval_rows:
-            return None
-        with parallel.unsharded(None if engine else model):  # --fsdp: gathered once for all
-            m, _ = evaluate.evaluate_model(model, tokenizer, eval_rows, args, ddp, reward_fn,
-                                           sample)
-        if out:
-            out.log({"step": step, **m})
-        return m[evaluate.headline(args.eval_samples)]
-
-    task = Task(train_rows, encode, decode, reward_fn, eos, pad, sample)
-
-    # ---------------------------------------------------------------- the loop
-    t_start = time.time()
-    if not args.resume:
-        state["acc_before"] = state["acc_after"] = evaluate_at(0)
-    steps = range(state["step"], args.steps)
-    bar, signal = steps, metrics.SignalCheck(args)
-    if ddp.master and len(steps):
-        bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps,
-                   dynamic_ncols=True)
-    for step in bar:
-        t0 = time.time()
-        # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
-        def draw(rnd: int, start: int = state["data_pos"]) -> tuple[Rollout, dict[str, float]]:
-            """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
-            return draw_round(model, task, args, ddp, start + rnd * args.prompts_per_step)
-
-        if args.dynamic_sampling:  # rounds: every (rollout, timings) drawn, kept or not
-            roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step,
-                                                         args.max_rounds, ddp.gather, ddp.rank)
-        else:
-            rounds = [draw(0)]
-            roll, sstats = rounds[0][0], {"sampling/rounds": 1.0}
-        state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
-
-        # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks'
-        rewards = roll.rewards.view(-1, args.group_size)                     # [B, G]
-        advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std)  # [B, G]
-        advantages = advantages.view(-1)                                     # [B*G]
-        mask = roll.mask                                                     # [B*G, T]
-        if args.overlong_filter:
-            mask = dapo.overlong_filter(roll.mask, roll.truncated)
-
-        # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
-        if engine:
-            engine.sleep()                           # CUDA: its memory is the update's until push
-        stats = update.update_policy(learner, roll, advantages, mask, args, ddp)
-        sched.step()                                 # the lr schedule counts rollout steps
-        if engine:
-            engine.push(model)                       # the updated weights, for what samples next
-
-        # ---- metrics, summed over ranks ----
-        d = ddp.sum_named(metrics.drawn_sums([r for r, _ in rounds]))
-        state["samples"] += int(d["samples"])
-        row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c),
-               "lr": sched.get_last_lr()[0], "samples": state["samples"], **sstats,
-               "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
-               "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
-               "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
-               "time/step_s": time.time() - t0}
-        own_ref = None if ref is model else ref  # the bytes rank 0 holds (--fsdp: its shards)
-        row["memory/state_bytes"] = parallel.state_bytes(model, opt, own_ref)
-        if out:
-            out.log(row)
-            for warning in signal(row):  # no learning signal: once, in plain words
-                tqdm.write(warning, file=sys.stderr)
-            # a few of rank 0's completions of the batch trained on, to read what the policy writes
-            out.completions(step + 1,
-                            metrics.sampled_completions(roll, tokenizer, args.log_completions))
-        state["step"] = step + 1
-        done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
-        if state["step"] % args.eval_every == 0 or done:
-            state["acc_after"] = evaluate_at(state["step"])
-        if args.save_every and (state["step"] % args.save_every == 0 or done):
-            if out:
-                out.sync()  # the logs on disk up to this step before the checkpoint that says so
-            if args.fsdp:   # every rank writes its shards
-                checkpoint.save_sharded(ckpt_path, model, opt, sched, state, ddp)
-            elif ddp.master:
-                checkpoint.save(ckpt_path, model, opt, sched, state)
-        if ddp.master and hasattr(bar, "set_postfix"):
-            acc = state["acc_after"]
-            bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
-                            **({"eval": f"{acc:.2f}"} if acc is not None else {}),
-                            **({"signal": "none"} if signal.silent else {}))
-        if done:
-            break
-
-    # ---------------------------------------------------------------- the end
-    elapsed = time.time() - t_start
-    # the whole model on rank 0 (FSDP2: gathered), LoRA's adapters merged
-    weights = lora.merged_state_dict(model) if args.lora_r else parallel.full_state_dict(model)
-    if engine:
-        engine.close()
-    if ddp.master:
-        adapter = (lambda tmp: lora.save_adapter(model, lora_config, tmp)) if args.lora_r else None
-        final = checkpoint.save_final(args.out, model, tokenizer, weights, adapter)
-        out.close()
-        what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
-        acc = ""
-        if eval_rows and state["acc_before"] is not None:
-            acc = (f"held-out {what} {state['acc_before']:.3f} -> {state['acc_after']:.3f} "
-                   f"({len(eval_rows)} problems); ")
-        print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; "
-              f"model saved to {final}")
-        if args.plot:
-            png = os.path.join(args.out, "curves.png")
-            if curves.plot_runs({args.algo: [metrics.read_metrics(out.metrics_path)]}, png):
-                print(f"curves: {png}")
-    return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
+    return metrics.RunLog(args, config, resumed_at)
 
 
 if __name__ == "__main__":
