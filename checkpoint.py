@@ -49,13 +49,13 @@ class FolderInUse(ValueError):
     """Another live run holds the output folder: train.py prints the message in one line."""
 
 
-def lock_folder(out: str, ddp):
+def lock_folder(out: str, ranks):
     """An exclusive lock on the output folder for the whole run: rank 0 takes `fcntl.flock` on OUT/.lock and
     keeps the returned file open; the kernel drops the lock when the process ends, however it ends (a
     SIGKILL leaves no stale lock). Every rank learns rank 0's verdict (an all-reduced flag); when another run
     holds the folder, rank 0 raises FolderInUse (one line) and the other ranks exit 2 without a word."""
     fh, held = None, 1.0
-    if ddp.master:
+    if ranks.master:
         os.makedirs(out, exist_ok=True)
         fh = open(os.path.join(out, ".lock"), "a+")
         try:
@@ -68,9 +68,9 @@ def lock_folder(out: str, ddp):
             pid = fh.read().strip() or "?"
             fh.close()
             fh, held = None, 0.0
-    if ddp.sum(torch.tensor([held])).item() == ddp.world:  # rank 0's flag, and 1 from each other rank
+    if ranks.sum(torch.tensor([held])).item() == ranks.world:  # rank 0's flag, and 1 from each other rank
         return fh
-    if not ddp.master:
+    if not ranks.master:
         sys.exit(2)
     raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds {os.path.join(out, '.lock')}): "
                           "let it finish or stop it, or pass another --out")
@@ -290,26 +290,26 @@ def latest(folder: str) -> str | None:
         return None
 
 
-def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
+def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
     """Every rank writes its shards of model and optimizer to folder/step-N; atomic as a whole (see above)."""
     import torch.distributed.checkpoint as dcp
     name = f"step-{state['step']:06d}"
     target, tmp = os.path.join(folder, name), os.path.join(folder, name + ".tmp")
-    if ddp.master:
+    if ranks.master:
         shutil.rmtree(tmp, ignore_errors=True)          # left by a crash mid-save
         os.makedirs(tmp)
-    ddp.barrier()
+    ranks.barrier()
     tensors = {}
     skeleton = _split(_sharded_dicts(model, opt), "", tensors)
     dcp.save(tensors, checkpoint_id=tmp)                 # fsyncs its files (sync_files)
-    rng = os.path.join(tmp, f"rng-rank{ddp.rank}.pt")
+    rng = os.path.join(tmp, f"rng-rank{ranks.rank}.pt")
     torch.save({"rng": _rng_states()}, rng)
     _fsync_file(rng)                                     # each rank its own (on its host)
-    if ddp.master:
-        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ddp.world, **state},
+    if ranks.master:
+        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ranks.world, **state},
                    os.path.join(tmp, "state.pt"))
-    ddp.barrier()                                        # every rank's files are written
-    if ddp.master:
+    ranks.barrier()                                        # every rank's files are written
+    if ranks.master:
         _fsync_tree(tmp)
         previous = latest(folder)
         if os.path.isdir(target):                        # a same-step save that never became `latest`
@@ -319,10 +319,10 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
             fh.write(name)
         if previous and os.path.abspath(previous) != os.path.abspath(target):
             shutil.rmtree(previous, ignore_errors=True)
-    ddp.barrier()
+    ranks.barrier()
 
 
-def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
+def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
     """Restore this rank's shards, the optimizer, the scheduler and this rank's RNG from `folder`'s latest
     checkpoint; returns the saved train state (step, data position, ...)."""
     import torch.distributed.checkpoint as dcp
@@ -332,9 +332,9 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
         raise CheckpointError(f"{folder}: no sharded checkpoint (no 'latest' file)")
     try:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
-        if meta["world_size"] != ddp.world:
-            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ddp.world}: the RNG states are per rank")
-        rng = torch.load(os.path.join(path, f"rng-rank{ddp.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
+        if meta["world_size"] != ranks.world:
+            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the RNG states are per rank")
+        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
         tensors = {}
         _split(_sharded_dicts(model, opt), "", tensors)   # the tensors to read into, sharded as this run shards
         dcp.load(tensors, checkpoint_id=path)

@@ -141,7 +141,7 @@ class OneProcess:
 
 
 @torch.no_grad()
-def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None,
+def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=None,
                    sample=None) -> tuple[dict, list[dict]]:
     """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt",
     "answer"}).
@@ -160,7 +160,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
                                   args.chat_template)
     eos = checkpoint.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    mine = list(range(ddp.rank, len(rows), ddp.world))
+    mine = list(range(ranks.rank, len(rows), ranks.world))
     per = max(1, EVAL_BATCH // n)
     records = []
     for start in range(0, len(mine), per):
@@ -177,7 +177,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
             scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n, token_ids)[0].tolist()
             records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs],
                                           [truncated[j] for j in rs]))
-    return eval_metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
+    return eval_metrics(ranks.sum(totals(records, ks)).cpu(), n, ks), records
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2914,8 +2914,8 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
-    ddp = parallel.Dist("cuda")
-    assert (ddp.device, ddp.rank, ddp.world, ddp.master) == ("cuda:1", 3, 2, False)
+    ranks = parallel.Dist("cuda")
+    assert (ranks.device, ranks.rank, ranks.world, ranks.master) == ("cuda:1", 3, 2, False)
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", {})]
     # without torchrun: no process group, except for --fsdp, which shards over one rank (an in-memory store)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -2923,8 +2923,8 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
     calls.clear()
     parallel.Dist("cuda")
     assert calls == []
-    ddp = parallel.Dist("cuda", fsdp=True)
-    assert ddp.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
+    ranks = parallel.Dist("cuda", fsdp=True)
+    assert ranks.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
 
 
 def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
@@ -2963,13 +2963,13 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
     import parallel
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    ddp = parallel.Dist("cpu", fsdp=True)
+    ranks = parallel.Dist("cpu", fsdp=True)
     try:
         def fresh():
             torch.manual_seed(0)
             cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2)
-            model = parallel.wrap(LlamaForCausalLM(cfg), ddp, fsdp=True)
+            model = parallel.wrap(LlamaForCausalLM(cfg), ranks, fsdp=True)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
@@ -2994,7 +2994,7 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
         assert sharded()                             # a layer frees its gathered weights after a forward again
         folder = str(tmp_path / "checkpoint")
         train_step(model, opt, sched)
-        checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ddp)
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ranks)
         saved = snapshot(model, opt)
         train_step(model, opt, sched)
         real_save = dcp.save
@@ -3004,20 +3004,20 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
             raise KeyboardInterrupt("killed mid-save")
         monkeypatch.setattr(dcp, "save", crash)
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)
+            checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)
         monkeypatch.setattr(dcp, "save", real_save)
         assert checkpoint.latest(folder).endswith("step-000001") and os.path.isdir(folder + "/step-000002.tmp")
         meta = dcp.FileSystemReader(checkpoint.latest(folder)).read_metadata().state_dict_metadata
         assert all(type(m).__name__ == "TensorStorageMetadata" for m in meta.values())  # nothing DCP would unpickle
         model2, opt2, sched2 = fresh()
-        state = checkpoint.load_sharded(folder, model2, opt2, sched2, ddp)
+        state = checkpoint.load_sharded(folder, model2, opt2, sched2, ranks)
         assert (state["step"], state["data_pos"], sched2.last_epoch, opt2.param_groups[0]["lr"]) == (1, 4, 1, 5e-3)
         (w, m), (w2, m2) = saved, snapshot(model2, opt2)
         assert all(torch.equal(w[k], w2[k]) for k in w) and all(torch.equal(a, b) for a, b in zip(m, m2)) and len(m) > 0
-        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)  # a completed save
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)  # a completed save
         assert sorted(os.listdir(folder)) == ["latest", "step-000002"]                   # replaces the old one
     finally:
-        ddp.close()
+        ranks.close()
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
@@ -3267,7 +3267,7 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
     # (not even the lock), rank 0 all of it
     import parallel
     import train
-    monkeypatch.setattr(parallel, "wrap", lambda model, ddp, fsdp: model)
+    monkeypatch.setattr(parallel, "wrap", lambda model, ranks, fsdp: model)
     files = {}
     for rank in (1, 0):
         monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, rank=rank: _Twin(rank))
@@ -4448,9 +4448,9 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
     plain = {k: v.clone() for k, v in model.state_dict().items()}
     gathers, real = [], DTensor.full_tensor
     monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathers.append(self.shape) or real(self, **kw))
-    ddp = parallel.Dist("cpu", fsdp=True)
+    ranks = parallel.Dist("cpu", fsdp=True)
     try:
-        parallel.wrap(model, ddp, fsdp=True)
+        parallel.wrap(model, ranks, fsdp=True)
         stream, seen = vllm_rollout.full_weights(model, torch.bfloat16), {}
         for i, (name, t) in enumerate(stream):
             assert len(gathers) == i + 1                     # gathered as read, one tensor in flight
@@ -4458,7 +4458,7 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
             seen[name] = t
         assert set(seen) == set(plain)
     finally:
-        ddp.close()
+        ranks.close()
 
 
 class _RecordingLLM:

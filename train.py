@@ -63,52 +63,52 @@ USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInU
 
 def main(argv=None) -> dict:
     args = flags.parse_train_args(argv, __doc__.split("\n\n")[0])
-    ddp = parallel.Dist(args.device, args.fsdp)
+    ranks = parallel.Dist(args.device, args.fsdp)
     lock = None
     try:
-        lock = checkpoint.lock_folder(args.out, ddp)  # rank 0 holds OUT/.lock for the whole run
-        return run(args, ddp)
+        lock = checkpoint.lock_folder(args.out, ranks)  # rank 0 holds OUT/.lock for the whole run
+        return run(args, ranks)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
         if lock is not None:
             lock.close()
-        ddp.close()
+        ranks.close()
 
 
-def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
+def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
     """The run: set-up, the held-out evaluation before the first step, then each step's Steps 1-4,
     its metrics row, evaluation and checkpoint; the final model. Returns the held-out accuracy
     (or mean@n) before and after, and the seconds the loop took."""
-    s, state = set_up(args, ddp)
+    s, state = set_up(args, ranks)
     t_start = time.time()
     if not args.resume:
-        state["acc_before"] = state["acc_after"] = held_out(s, args, ddp, 0)
+        state["acc_before"] = state["acc_after"] = held_out(s, args, ranks, 0)
     steps = range(state["step"], args.steps)
     bar, signal = steps, metrics.SignalCheck(args)
-    if ddp.master and len(steps):
+    if ranks.master and len(steps):
         bar = tqdm(steps, desc=args.algo, initial=state["step"], total=args.steps,
                    dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
-        roll, sstats, rounds = draw_step(s, args, ddp, state["data_pos"])
+        roll, sstats, rounds = draw_step(s, args, ranks, state["data_pos"])
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        advantages, mask = advantages_and_mask(roll, args, ddp)
+        advantages, mask = advantages_and_mask(roll, args, ranks)
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
         if s.engine:
             s.engine.sleep()                         # CUDA: its memory is the update's until push
-        stats = update.update_policy(s.learner, roll, advantages, mask, args, ddp)
+        stats = update.update_policy(s.learner, roll, advantages, mask, args, ranks)
         s.sched.step()                               # the lr schedule counts rollout steps
         if s.engine:
             s.engine.push(s.model)                   # the updated weights, for what samples next
 
         # ---- metrics, summed over ranks; rank 0's files ----
-        d = ddp.sum_named(metrics.drawn_sums([r for r, _ in rounds]))
+        d = ranks.sum_named(metrics.drawn_sums([r for r, _ in rounds]))
         state["samples"] += int(d["samples"])
         row = step_row(s, args, step, d, stats, sstats, rounds, state["samples"], t0)
         if s.out:
@@ -116,14 +116,14 @@ def run(args: flags.TrainArgs, ddp: parallel.Dist) -> dict:
         state["step"] = step + 1
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
-            state["acc_after"] = held_out(s, args, ddp, state["step"])
+            state["acc_after"] = held_out(s, args, ranks, state["step"])
         if args.save_every and (state["step"] % args.save_every == 0 or done):
-            save_checkpoint(s, args, ddp, state)
-        if ddp.master and hasattr(bar, "set_postfix"):
+            save_checkpoint(s, args, ranks, state)
+        if ranks.master and hasattr(bar, "set_postfix"):
             show_progress(bar, row, state["acc_after"], signal.silent)
         if done:
             break
-    return finish(s, args, ddp, state, time.time() - t_start)
+    return finish(s, args, ranks, state, time.time() - t_start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,29 +142,29 @@ class Task:
     sample: Callable | None = None              # Step 1: None (sampler.py), or a vLLM engine's
 
 
-def draw_step(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, data_pos: int):
+def draw_step(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_pos: int):
     """Steps 1 + 2 of a step from the stream's position `data_pos`: one round of draw_round, or with
     --dynamic-sampling rounds until the step's groups are filled (dapo.dynamic_sampling). Returns
     the rollout trained on, the sampling/* metrics and every (rollout, timings) drawn, kept or
     not."""
     def draw(rnd: int) -> tuple[Rollout, dict[str, float]]:
         """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
-        return draw_round(s.model, s.task, args, ddp, data_pos + rnd * args.prompts_per_step)
+        return draw_round(s.model, s.task, args, ranks, data_pos + rnd * args.prompts_per_step)
 
     if args.dynamic_sampling:
-        return dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ddp.gather,
-                                     ddp.rank)
+        return dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds, ranks.gather,
+                                     ranks.rank)
     rounds = [draw(0)]
     return rounds[0][0], {"sampling/rounds": 1.0}, rounds
 
 
-def draw_round(model, task: Task, args: flags.TrainArgs, ddp: parallel.Dist, first: int):
+def draw_round(model, task: Task, args: flags.TrainArgs, ranks: parallel.Dist, first: int):
     """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the
     stream. Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1
     and the soft overlong penalty, `index`, `reward_parts`), and its timings."""
     t0 = time.time()
-    block = args.prompts_per_step // ddp.world
-    mine = data.prompt_rows(task.rows, args.seed, first + ddp.rank * block, block)
+    block = args.prompts_per_step // ranks.world
+    mine = data.prompt_rows(task.rows, args.seed, first + ranks.rank * block, block)
     prompts = [task.encode(r["prompt"]) for _, r in mine]
     generators = [data.prompt_generator(args.seed, j) for j, _ in mine]      # one per prompt
     with parallel.unsharded(None if task.sample else model):  # an engine holds its own weights
@@ -189,18 +189,18 @@ def draw_round(model, task: Task, args: flags.TrainArgs, ddp: parallel.Dist, fir
     return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
 
 
-def reward_std(roll: Rollout, ddp: parallel.Dist) -> float:
+def reward_std(roll: Rollout, ranks: parallel.Dist) -> float:
     """The std of all ranks' rewards of the step (--adv-scale batch), Bessel-corrected."""
     r = roll.rewards.double()                                                # [N]
     sums = torch.tensor([r.numel(), r.sum(), (r * r).sum()], dtype=torch.float64)
-    n, s1, s2 = ddp.sum(sums).tolist()
+    n, s1, s2 = ranks.sum(sums).tolist()
     return math.sqrt(max(s2 - s1 * s1 / n, 0.0) / (n - 1)) if n > 1 else 0.0
 
 
-def advantages_and_mask(roll: Rollout, args: flags.TrainArgs, ddp: parallel.Dist):
+def advantages_and_mask(roll: Rollout, args: flags.TrainArgs, ranks: parallel.Dist):
     """Step 3: each response's group advantage ([B*G]; --adv-scale batch: over all ranks' rewards)
     and the loss mask ([B*G, T]; DAPO's overlong filtering masks truncated responses out)."""
-    batch_std = reward_std(roll, ddp) if args.adv_scale == "batch" else None  # all ranks'
+    batch_std = reward_std(roll, ranks) if args.adv_scale == "batch" else None  # all ranks'
     rewards = roll.rewards.view(-1, args.group_size)                     # [B, G]
     advantages = grpo.group_advantages(rewards, args.adv_scale, batch_std=batch_std)  # [B, G]
     mask = roll.mask                                                     # [B*G, T]
@@ -240,26 +240,26 @@ def log_step(s: Setup, args: flags.TrainArgs, step: int, row: dict, roll: Rollou
                       metrics.sampled_completions(roll, s.tokenizer, args.log_completions))
 
 
-def held_out(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, step: int) -> float | None:
+def held_out(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int) -> float | None:
     """Held-out metrics (evaluate.py; split over ranks) logged; returns accuracy, or mean@n."""
     if not s.eval_rows:
         return None
     with parallel.unsharded(None if s.engine else s.model):  # --fsdp: gathered once for all
-        m, _ = evaluate.evaluate_model(s.model, s.tokenizer, s.eval_rows, args, ddp,
+        m, _ = evaluate.evaluate_model(s.model, s.tokenizer, s.eval_rows, args, ranks,
                                        s.task.reward_fn, s.task.sample)
     if s.out:
         s.out.log({"step": step, **m})
     return m[evaluate.headline(args.eval_samples)]
 
 
-def save_checkpoint(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, state: dict) -> None:
+def save_checkpoint(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: dict) -> None:
     """--save-every: the logs synced to disk first (a checkpoint never runs ahead of them), then
     OUT/checkpoint.pt from rank 0, or with --fsdp every rank's shards under OUT/checkpoint/."""
     if s.out:
         s.out.sync()
     if args.fsdp:
-        checkpoint.save_sharded(s.ckpt_path, s.model, s.learner.opt, s.sched, state, ddp)
-    elif ddp.master:
+        checkpoint.save_sharded(s.ckpt_path, s.model, s.learner.opt, s.sched, state, ranks)
+    elif ranks.master:
         checkpoint.save(s.ckpt_path, s.model, s.learner.opt, s.sched, state)
 
 
@@ -271,14 +271,14 @@ def show_progress(bar, row: dict, acc: float | None, silent: bool) -> None:
                     **({"signal": "none"} if silent else {}))
 
 
-def finish(s: Setup, args: flags.TrainArgs, ddp: parallel.Dist, state: dict,
+def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: dict,
            elapsed: float) -> dict:
     """The end: the whole model saved to OUT/final by rank 0 (FSDP2: gathered; LoRA's adapters
     merged, and OUT/adapter alone), the summary line, --plot's OUT/curves.png."""
     weights = lora.merged_state_dict(s.model) if args.lora_r else parallel.full_state_dict(s.model)
     if s.engine:
         s.engine.close()
-    if ddp.master:
+    if ranks.master:
         adapter = None
         if args.lora_r:
             adapter = lambda tmp: lora.save_adapter(s.model, s.lora_config, tmp)  # noqa: E731
@@ -318,28 +318,28 @@ class Setup:
     out: metrics.RunLog | None          # rank 0's run files; None on the other ranks
 
 
-def set_up(args: flags.TrainArgs, ddp: parallel.Dist) -> tuple[Setup, dict]:
+def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
     """Everything the loop needs, in this order (the order the seeded RNG is drawn in), and the
     run's counters: step, data position, samples, accuracy before and after (a resumed run's)."""
-    if args.prompts_per_step % ddp.world:
+    if args.prompts_per_step % ranks.world:
         raise data.InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the "
-                              f"{ddp.world} ranks")
+                              f"{ranks.world} ranks")
     torch.manual_seed(args.seed)
     reward_fn, train_rows, eval_rows = load_data(args)
     ckpt_path = find_checkpoint(args)
-    path, tokenizer, model, lora_config = load_policy(args, ddp)
+    path, tokenizer, model, lora_config = load_policy(args, ranks)
     task = make_task(args, tokenizer, model, train_rows, eval_rows, reward_fn)
-    ref = make_reference(args, model, ddp)
-    engine = start_engine(args, path, ddp)
+    ref = make_reference(args, model, ranks)
+    engine = start_engine(args, path, ranks)
     if engine:
         task.sample = engine.sample_groups  # Step 1 on the engine instead of sampler.py
-    learner, sched = make_learner(args, model, ref, ddp)
+    learner, sched = make_learner(args, model, ref, ranks)
     state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
     if args.resume:
-        state = resume_state(args, ckpt_path, model, learner, sched, ddp, state)
+        state = resume_state(args, ckpt_path, model, learner, sched, ranks, state)
     if engine:
         engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
-    out = open_run_log(args, ddp, path, state) if ddp.master else None  # rank 0 writes OUT/
+    out = open_run_log(args, ranks, path, state) if ranks.master else None  # rank 0 writes OUT/
     return Setup(task, eval_rows, tokenizer, model, lora_config, ref, engine, learner, sched,
                  ckpt_path, out), state
 
@@ -363,13 +363,13 @@ def find_checkpoint(args: flags.TrainArgs) -> str:
     return ckpt_path
 
 
-def load_policy(args: flags.TrainArgs, ddp: parallel.Dist):
+def load_policy(args: flags.TrainArgs, ranks: parallel.Dist):
     """(folder, tokenizer, model, LoRA config or None): --model loaded (the built-in one built by
     rank 0 alone), --lora-r's adapters added, --gradient-checkpointing on, on the device."""
-    if args.model == "builtin" and ddp.world > 1:  # rank 0 builds the cached base model once
-        if ddp.master:
+    if args.model == "builtin" and ranks.world > 1:  # rank 0 builds the cached base model once
+        if ranks.master:
             builtin.base_model()
-        ddp.barrier()
+        ranks.barrier()
     path, tokenizer, model = checkpoint.load_model(args.model, args.trust_remote_code)
     lora_config = None
     if args.lora_r:
@@ -378,7 +378,7 @@ def load_policy(args: flags.TrainArgs, ddp: parallel.Dist):
     if args.gradient_checkpointing:
         parallel.checkpoint_activations(model)
     if not args.fsdp:  # FSDP2 moves each layer's shards to the device as it wraps it
-        model.to(ddp.device)
+        model.to(ranks.device)
     return path, tokenizer, model, lora_config
 
 
@@ -397,7 +397,7 @@ def make_task(args: flags.TrainArgs, tokenizer, model, train_rows: list[dict],
     return Task(train_rows, encode, decode, reward_fn, eos, pad)
 
 
-def make_reference(args: flags.TrainArgs, model, ddp: parallel.Dist):
+def make_reference(args: flags.TrainArgs, model, ranks: parallel.Dist):
     """The KL term's reference (beta > 0): a frozen copy (--fsdp: sharded), or with LoRA the model
     itself with its adapters off; None at beta 0."""
     if args.beta <= 0:
@@ -406,25 +406,25 @@ def make_reference(args: flags.TrainArgs, model, ddp: parallel.Dist):
         return model
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     if args.fsdp:
-        parallel.shard(ref, ddp.device)
+        parallel.shard(ref, ranks.device)
     return ref
 
 
-def start_engine(args: flags.TrainArgs, path: str, ddp: parallel.Dist):
+def start_engine(args: flags.TrainArgs, path: str, ranks: parallel.Dist):
     """--rollout vllm: a colocated vLLM engine on this rank's device, loaded from `path`; else
     None."""
     if args.rollout != "vllm":
         return None
-    return vllm_rollout.Engine(path, ddp.device, args.bf16, args.seed,
+    return vllm_rollout.Engine(path, ranks.device, args.bf16, args.seed,
                                args.vllm_gpu_memory_utilization, args.max_num_seqs)
 
 
-def make_learner(args: flags.TrainArgs, model, ref, ddp: parallel.Dist):
+def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):
     """(update.Learner, the lr schedule): the policy wrapped for DDP or FSDP2, AdamW on its
     trainable parameters, --bf16's autocast, the linear --warmup-steps schedule."""
-    device_type = torch.device(ddp.device).type
+    device_type = torch.device(ranks.device).type
     amp = lambda: torch.autocast(device_type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    policy = parallel.wrap(model, ddp, args.fsdp)  # FSDP2 shards `model` in place (policy is model)
+    policy = parallel.wrap(model, ranks, args.fsdp)  # FSDP2 shards `model` in place: policy is it
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0  # noqa
@@ -434,20 +434,20 @@ def make_learner(args: flags.TrainArgs, model, ref, ddp: parallel.Dist):
 
 
 def resume_state(args: flags.TrainArgs, ckpt_path: str, model, learner: update.Learner, sched,
-                 ddp: parallel.Dist, state: dict) -> dict:
+                 ranks: parallel.Dist, state: dict) -> dict:
     """--resume: model, optimizer, scheduler and RNG states read back; the counters of `state`
     (step, data position, samples, accuracies) as the checkpoint saved them."""
     if args.fsdp:
-        ckpt = checkpoint.load_sharded(ckpt_path, model, learner.opt, sched, ddp)
+        ckpt = checkpoint.load_sharded(ckpt_path, model, learner.opt, sched, ranks)
     else:
         ckpt = checkpoint.load(ckpt_path, model, learner.opt, sched)
     return {k: ckpt[k] for k in state}
 
 
-def open_run_log(args: flags.TrainArgs, ddp: parallel.Dist, path: str, state: dict):
+def open_run_log(args: flags.TrainArgs, ranks: parallel.Dist, path: str, state: dict):
     """Rank 0's metrics.RunLog: config.json (the resolved flags, the world size, the model's
     folder); a resumed run cuts its logs back to the checkpoint's step."""
-    config = {**dataclasses.asdict(args), "world_size": ddp.world, "model_path": path}
+    config = {**dataclasses.asdict(args), "world_size": ranks.world, "model_path": path}
     resumed_at = state["step"] if args.resume else None
     return metrics.RunLog(args, config, resumed_at)
 

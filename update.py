@@ -56,7 +56,7 @@ class UpdateStats:
     update_s: float                 # seconds of the gradient passes and optimizer steps after them
 
 
-def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
+def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
     """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
 
     Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
@@ -65,8 +65,8 @@ def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
     """
     G = roll.G
     idx = roll.index[::G].contiguous()                                   # [b] each group's prompt index
-    b_max = ddp.max(idx.numel())
-    everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    b_max = ranks.max(idx.numel())
+    everyone = torch.cat(ranks.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
     everyone = everyone[everyone >= 0].sort().values                                             # [B]
     B = everyone.numel()
     if B == 0:
@@ -76,7 +76,7 @@ def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
 
 
 def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
-                  ddp: parallel.Dist) -> UpdateStats:
+                  ranks: parallel.Dist) -> UpdateStats:
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, the surrogate's tokens weighted by truncated IS with
     --tis-cap: grpo.policy_loss) on this rank's rows of `roll` (advantages [N], loss mask [N, T]);
@@ -91,10 +91,10 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     update the ratio is exactly 1. The entropy and the sampler/trainer mismatch (Rollout.logprobs
     against the old log-probs) are summed once per row.
     """
-    minibatches = plan_minibatches(roll, mask, args, ddp)
+    minibatches = plan_minibatches(roll, mask, args, ranks)
     several = args.mu * len(minibatches) > 1       # more than one update: old != current policy
     t0 = time.time()
-    old_logp, ref_logp = fixed_logprobs(learner, roll, minibatches, args, ddp, several)
+    old_logp, ref_logp = fixed_logprobs(learner, roll, minibatches, args, ranks, several)
     batch = StepBatch(roll, advantages, mask, old_logp, ref_logp)
     t_logprob, t0 = time.time() - t0, time.time()
     first = dict.fromkeys(UPDATE_SUMS, 0.0)                           # the first update
@@ -109,17 +109,18 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
                 with (parallel.grad_sync(learner.policy, last), learner.amp(),
                       parallel.recompute(learner.policy, args.gradient_checkpointing)):
                     if s.start >= s.stop:  # none of this rank's rows: a zero-weight pass for DDP
-                        empty_pass(learner.policy, ddp)
+                        empty_pass(learner.policy, ranks)
                         continue
-                    micro = micro_loss(learner, batch, s, mb, args, ddp, epoch, loss_fns)
+                    micro = micro_loss(learner, batch, s, mb, args, ranks, epoch, loss_fns)
                     # DDP averages gradients over ranks; the loss is already a global mean
-                    (micro.loss * ddp.world).backward()
+                    (micro.loss * ranks.world).backward()
                 add_loss_sums(sums, micro)
                 if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
                     abs_max = max(abs_max, add_once_sums(sums, micro))
-            optimizer_step(learner, sums, args, ddp)
-    abs_max = torch.cat(ddp.gather(torch.tensor([abs_max], dtype=torch.float64))).max()  # all ranks
-    return UpdateStats(ddp.sum_named(first), ddp.sum_named(rest), float(abs_max), t_logprob,
+            optimizer_step(learner, sums, args, ranks)
+    abs_max = torch.tensor([abs_max], dtype=torch.float64)
+    abs_max = torch.cat(ranks.gather(abs_max)).max()                   # over all ranks
+    return UpdateStats(ranks.sum_named(first), ranks.sum_named(rest), float(abs_max), t_logprob,
                        time.time() - t0)
 
 
@@ -158,37 +159,37 @@ class MicroLoss:
     valid: torch.Tensor         # [n, T] the response's positions
 
 
-def plan_minibatches(roll: Rollout, mask, args, ddp: parallel.Dist) -> list[Minibatch]:
+def plan_minibatches(roll: Rollout, mask, args, ranks: parallel.Dist) -> list[Minibatch]:
     """This rank's rows of each mini-batch (minibatch_rows) cut into --micro-batch-size slices,
     as many on every rank (DDP synchronises in each backward), and each update's denominators."""
     size = args.micro_batch_size
     minibatches = []
-    for rows in minibatch_rows(roll, args.mini_batches, ddp):
+    for rows in minibatch_rows(roll, args.mini_batches, ranks):
         n = rows.stop - rows.start
-        starts = range(rows.start, rows.start + ddp.max(math.ceil(n / size)) * size, size)
+        starts = range(rows.start, rows.start + ranks.max(math.ceil(n / size)) * size, size)
         micro = [slice(a, min(a + size, rows.stop)) for a in starts]
         rows_mask = mask[rows]                                          # [n, T]
-        num_tokens = ddp.sum(rows_mask.sum()).float()
-        num_seqs = ddp.sum((rows_mask.sum(-1) > 0).sum()).float()
+        num_tokens = ranks.sum(rows_mask.sum()).float()
+        num_seqs = ranks.sum((rows_mask.sum(-1) > 0).sum()).float()
         minibatches.append(Minibatch(micro, num_tokens, num_seqs))
     return minibatches
 
 
-def forward_options(args, ddp: parallel.Dist, grad: bool) -> dict:
+def forward_options(args, ranks: parallel.Dist, grad: bool) -> dict:
     """How the training forward may run (logprobs.rollout_logprobs): each response with its own
     prompt under FSDP2, and with gradients under --gradient-checkpointing; one length bucket per
     slice with several ranks."""
     own_prompt = args.fsdp or (grad and args.gradient_checkpointing)
-    return dict(shared_prefix=not own_prompt, buckets=ddp.world == 1)
+    return dict(shared_prefix=not own_prompt, buckets=ranks.world == 1)
 
 
 def fixed_logprobs(learner: Learner, roll: Rollout, minibatches: list[Minibatch], args,
-                   ddp: parallel.Dist, several: bool):
+                   ranks: parallel.Dist, several: bool):
     """The no-grad passes before the first update, (start, stop) -> [n, T] each: the old policy's
     log-probs only when it differs from the current one (`several` updates), the reference's only
     when beta > 0 (else None)."""
     passes = [s for mb in minibatches for s in mb.micro if s.start < s.stop]
-    nograd = forward_options(args, ddp, grad=False)
+    nograd = forward_options(args, ranks, grad=False)
     with (torch.no_grad(), learner.amp(), parallel.unsharded(learner.model if several else None),
           parallel.unsharded(learner.ref)):
         logp_of = lambda net: {(s.start, s.stop):  # noqa: E731
@@ -207,21 +208,21 @@ def objective(args) -> tuple[Callable, Callable]:
     return functools.partial(LOSSES[args.loss], **clip), KL_ESTIMATORS[args.kl]
 
 
-def empty_pass(policy: torch.nn.Module, ddp: parallel.Dist) -> None:
+def empty_pass(policy: torch.nn.Module, ranks: parallel.Dist) -> None:
     """A zero-weight forward and backward, for a rank with no rows left in this update: DDP's
     backward is a collective every rank must join."""
-    one = torch.zeros(1, 1, dtype=torch.long, device=ddp.device)
+    one = torch.zeros(1, 1, dtype=torch.long, device=ranks.device)
     (policy(input_ids=one).logits.sum() * 0.0).backward()
 
 
 def micro_loss(learner: Learner, batch: StepBatch, s: slice, mb: Minibatch, args,
-               ddp: parallel.Dist, epoch: int, loss_fns: tuple[Callable, Callable]) -> MicroLoss:
+               ranks: parallel.Dist, epoch: int, loss_fns: tuple[Callable, Callable]) -> MicroLoss:
     """Step 4 on the rows `s`: the training forward, then grpo.policy_loss = surrogate (--loss,
     each token weighted by --reduction with the update's global counts, truncated IS with
     --tis-cap) + beta * KL (--kl), - entropy_coef * entropy."""
     bonus = args.entropy_coef != 0
     logp, ent, valid = rollout_logprobs(learner.policy, batch.roll, s, args.temperature,
-                                        epoch == 0 or bonus, **forward_options(args, ddp, True))
+                                        epoch == 0 or bonus, **forward_options(args, ranks, True))
     key, dev = (s.start, s.stop), logp.device
     old = batch.old_logp[key] if batch.old_logp is not None else logp.detach()  # [n, T]
     mask_s = batch.mask[s].to(dev)                                   # [n, T]
@@ -262,13 +263,13 @@ def add_once_sums(sums: dict[str, float], micro: MicroLoss) -> float:
     return mismatch["mismatch/logp_abs_max"]
 
 
-def optimizer_step(learner: Learner, sums: dict[str, float], args, ddp: parallel.Dist) -> None:
+def optimizer_step(learner: Learner, sums: dict[str, float], args, ranks: parallel.Dist) -> None:
     """The gradient clipped to --grad-clip (its norm logged with clipping off too: max_norm inf
     clips nothing), counted once (every rank holds the same all-reduced gradient), one AdamW
     step."""
     max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(learner.model.parameters(), max_norm)
-    if ddp.master:
+    if ranks.master:
         sums["grad_norm"] += float(grad_norm)
         sums["updates"] += 1
     learner.opt.step()
