@@ -1,5 +1,5 @@
-"""Models and checkpoints on disk: loading --model, everything an exact resume needs, the final model,
-all written atomically.
+"""Models and checkpoints on disk: loading --model, everything an exact resume needs, the final
+model, all written atomically.
 
 Not an article section: the run's bookkeeping, written so that a SIGKILL at any byte (the OOM
 killer, a preemption) loses nothing but the work since the last checkpoint. `save` writes model,
@@ -187,7 +187,8 @@ def save_final(out: str, model, tokenizer, weights: dict, adapter=None) -> str:
 
 
 def load_model(spec: str, trust_remote_code: bool = False):
-    """(folder, tokenizer, model) for --model: 'builtin' (built and cached on first use), a folder or a hub id."""
+    """(folder, tokenizer, model) for --model: 'builtin' (built and cached on first use), a folder
+    or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -195,24 +196,28 @@ def load_model(spec: str, trust_remote_code: bool = False):
     if spec == "builtin":
         import builtin
         path = builtin.base_model()
-    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):  # not a hub id
-        raise InputError(f"--model {path}: no such folder")
+    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise InputError(f"--model {path}: no such folder")  # a path, not a hub id
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        # float32 master weights whatever the checkpoint's dtype (most hub models are saved in bfloat16, and
-        # transformers 5 keeps that dtype: AdamW updates of lr ~1e-6 would then mostly round away); bf16 is
-        # the compute path, through autocast (--bf16)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        # float32 master weights whatever the checkpoint's dtype (most hub models are saved in
+        # bfloat16, and transformers 5 keeps that dtype: AdamW updates of lr ~1e-6 would then
+        # mostly round away); bf16 is the compute path, through autocast (--bf16)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise InputError(f"--model {path}: could not be loaded ({str(e).splitlines()[0]})") from None
+        why = str(e).splitlines()[0]
+        raise InputError(f"--model {path}: could not be loaded ({why})") from None
     if tokenizer.eos_token_id is None:
-        raise InputError(f"--model {path}: the tokenizer has no EOS token, so responses could never end")
+        raise InputError(f"--model {path}: the tokenizer has no EOS token, so responses could "
+                         "never end")
     return path, tokenizer, model
 
 
 def end_ids(tokenizer, model) -> list[int]:
-    """The tokenizer's EOS, then any other end ids the model's generation config lists (as generate stops on
-    them): some chat models end a turn with a token that is not the tokenizer's eos_token."""
+    """The tokenizer's EOS, then any other end ids the model's generation config lists (as
+    generate stops on them): some chat models end a turn with a token that is not the tokenizer's
+    eos_token."""
     config = getattr(model, "generation_config", None)
     extra = getattr(config, "eos_token_id", None)
     extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)

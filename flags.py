@@ -31,14 +31,14 @@ import variants
 # Flags as dataclass fields, and argparse from them
 # ---------------------------------------------------------------------------------------------
 
-def flag(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
+def flag(default, help, choices=None):  # noqa: A002 - a dataclass field, help for argparse
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
 
 @dataclass
 class EvalArgs:
-    """The flags evaluation and sampling share with train.py (TrainArgs and EvalCli inherit them)."""
+    """The flags evaluation and sampling share with train.py (TrainArgs, EvalCli inherit them)."""
     # -- the model and data
     model: str = flag("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub "
                       "id or a local folder")
@@ -121,7 +121,8 @@ def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
     groups = {t: p.add_argument_group(t) for t in order}
     for f in dataclasses.fields(cls):
         group = groups[titles[f.name]] if f.name in titles else p
-        flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
+        flag_ = "--" + f.name.replace("_", "-")
+        kw = {"default": f.default, "help": f.metadata["help"]}
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         kind = kind.removesuffix(" | None")                                   # None: resolved later
         if kind == "bool":

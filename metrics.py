@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
     """This rank's sums over every response drawn in a step, kept by dynamic sampling or not."""
-    s = dict.fromkeys(["samples", "reward", "correct", "length", "truncated", "groups", "groups_zero_std",
-                       "groups_all_correct", "groups_all_wrong"], 0.0)
+    s = dict.fromkeys(["samples", "reward", "correct", "length", "truncated", "groups",
+                       "groups_zero_std", "groups_all_correct", "groups_all_wrong"], 0.0)
     for r in rolls:
         correct, rewards = r.correct.view(-1, r.G), r.rewards.view(-1, r.G)  # [b, G] each
         s["samples"] += correct.numel()
@@ -47,7 +47,7 @@ def drawn_sums(rolls: list[Rollout]) -> dict[str, float]:
         s["groups_zero_std"] += float(grpo.constant_groups(rewards).sum())
         s["groups_all_correct"] += float((correct == 1).all(1).sum())
         s["groups_all_wrong"] += float((correct == 0).all(1).sum())
-        for name, score in r.reward_parts.items():  # each --reward component: sum and count of its scores
+        for name, score in r.reward_parts.items():  # each --reward component: sum, count of scores
             k, scored = f"reward/{name}", ~score.isnan()                     # [N] bool
             s[k] = s.get(k, 0.0) + float(score[scored].sum())
             s["scored:" + k] = s.get("scored:" + k, 0.0) + float(scored.sum())
@@ -59,10 +59,12 @@ def _mean(total: float, count: float) -> float:
     return total / max(count, 1.0)
 
 
-def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int, clip_c: float) -> dict[str, float]:
-    """The step's measured metrics (the README's glossary): drawn_sums `d` and update_policy's `stats`,
-    both summed over ranks, turned into means. The clip and ratio metrics are the off-policy updates' (all
-    but the first) once there are any, and absent when no token was in the loss."""
+def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int,
+                 clip_c: float) -> dict[str, float]:
+    """The step's measured metrics (the README's glossary): drawn_sums `d` and update_policy's
+    `stats`, both summed over ranks, turned into means. The clip and ratio metrics are the
+    off-policy updates' (all but the first) once there are any, and absent when no token was in
+    the loss."""
     u = {k: stats.first[k] + stats.rest[k] for k in update.UPDATE_SUMS}  # all updates of the step
     off = stats.rest if stats.rest["tokens"] > 0 else stats.first
     row = {}
@@ -72,7 +74,7 @@ def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int, clip_c
     row["reward/frac_zero_std"] = d["groups_zero_std"] / d["groups"]
     row["groups/all_correct"] = d["groups_all_correct"] / d["groups"]
     row["groups/all_wrong"] = d["groups_all_wrong"] / d["groups"]
-    for k in [k for k in d if k.startswith("reward/") and d["scored:" + k] > 0]:  # each --reward component
+    for k in [k for k in d if k.startswith("reward/") and d["scored:" + k] > 0]:  # each --reward
         row[k] = d[k] / d["scored:" + k]
     row["kl"] = _mean(u["kl"], u["tokens"])
     row["entropy"] = _mean(u["entropy"], u["entropy_tokens"])
@@ -98,12 +100,12 @@ NO_SIGNAL_STEPS = 3  # no sample of this many first steps scored above 0: the ru
 
 @dataclass
 class SignalCheck:
-    """Rank 0's watch for steps that train nothing. Called with each step's metrics row, it returns the
-    warnings to print, each kind once a run: every group's rewards equal (all advantages 0), dynamic sampling
-    keeping no group in --max-rounds rounds, no sample right in the first NO_SIGNAL_STEPS steps; `silent`
-    says whether this step trained nothing."""
+    """Rank 0's watch for steps that train nothing. Called with each step's metrics row, it returns
+    the warnings to print, each kind once a run: every group's rewards equal (all advantages 0),
+    dynamic sampling keeping no group in --max-rounds rounds, no sample right in the first
+    NO_SIGNAL_STEPS steps; `silent` says whether this step trained nothing."""
     args: TrainArgs                  # train.py's flags
-    steps: int = 0                   # steps checked (of this process: a resumed run counts from its resume)
+    steps: int = 0                   # steps checked (this process's: a resumed run counts anew)
     scored: float = 0.0              # reward/correct summed over them
     said: set[str] = field(default_factory=set)
     silent: bool = False
@@ -112,25 +114,29 @@ class SignalCheck:
         if row["reward/correct"] >= 1.0:
             return "every sample is right: the data is too easy for this model"
         if row["reward/correct"] > 0.0:
-            return "each group's answers are all right or all wrong: try a larger --group-size or --temperature"
+            return ("each group's answers are all right or all wrong: try a larger --group-size or "
+                    "--temperature")
         a = self.args
-        return ("likely causes: the answers are not in a form the reward reads (verifier: \\boxed{}, '####', "
-                "'Answer:', or the number alone; see OUT/completions.jsonl), a --prompt-template that does not ask "
-                f"for it, --reward {' '.join(a.reward)}, or --max-new-tokens {a.max_new_tokens} cutting answers off "
-                f"(len/truncated_frac {row['len/truncated_frac']:.2f})")
+        return ("likely causes: the answers are not in a form the reward reads (verifier: "
+                "\\boxed{}, '####', 'Answer:', or the number alone; see OUT/completions.jsonl), a "
+                "--prompt-template that does not ask for it, "
+                f"--reward {' '.join(a.reward)}, or --max-new-tokens {a.max_new_tokens} cutting "
+                f"answers off (len/truncated_frac {row['len/truncated_frac']:.2f})")
 
     def __call__(self, row: dict) -> list[str]:
         a, step = self.args, row["step"]
         self.steps, self.scored = self.steps + 1, self.scored + row["reward/correct"]
         found = {}
         if a.dynamic_sampling and row["sampling/groups_kept"] == 0:
-            found["dynamic"] = (f"dynamic sampling kept no group in --max-rounds {a.max_rounds} rounds: every group "
-                                "was all right or all wrong")
+            found["dynamic"] = (f"dynamic sampling kept no group in --max-rounds {a.max_rounds} "
+                                "rounds: every group was all right or all wrong")
         elif not a.dynamic_sampling and row["reward/frac_zero_std"] == 1.0:
-            found["zero_advantage"] = f"every group's {a.group_size} rewards are equal, so every advantage is 0"
+            found["zero_advantage"] = (f"every group's {a.group_size} rewards are equal, so every "
+                                       "advantage is 0")
         self.silent = bool(found)
         if self.steps == NO_SIGNAL_STEPS and self.scored == 0.0:
-            found["none_correct"] = f"no sample of the first {NO_SIGNAL_STEPS} steps scored above 0 (reward/correct 0)"
+            found["none_correct"] = (f"no sample of the first {NO_SIGNAL_STEPS} steps scored above "
+                                     "0 (reward/correct 0)")
         new = [f"warning: no learning signal at step {step}: {m}; {self.causes(row)}"
                + (" (this step trained nothing)" if k != "none_correct" else "")
                for k, m in found.items() if k not in self.said]
@@ -143,24 +149,27 @@ class SignalCheck:
 # ---------------------------------------------------------------------------------------------
 
 class LiveCurves:
-    """--report-to: every row train.py writes to metrics.jsonl (eval rows too) sent on, under the same keys at
-    the row's `step`, to wandb (wandb.init(name=run_name, config=config, dir=out); WANDB_PROJECT, WANDB_MODE
-    apply) or to tensorboard event files in OUT/tensorboard/<run_name> (the config as text). Rank 0 only.
-    Each package is imported only here; a missing one is an InputError (one line, exit code 2)."""
+    """--report-to: every row train.py writes to metrics.jsonl (eval rows too) sent on, under the
+    same keys at the row's `step`, to wandb (wandb.init(name=run_name, config=config, dir=out);
+    WANDB_PROJECT, WANDB_MODE apply) or to tensorboard event files in OUT/tensorboard/<run_name>
+    (the config as text). Rank 0 only. Each package is imported only here; a missing one is an
+    InputError (one line, exit code 2)."""
 
     def __init__(self, kind: str, run_name: str, out: str, config: dict):
         self.kind, self.run, self.writer = kind, None, None
         try:
             if kind == "wandb":
                 import wandb
-                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-dapo"), name=run_name, config=config,
-                                      dir=out)
-            else:
-                from torch.utils.tensorboard import SummaryWriter  # torch's writer, needs the tensorboard package
+                self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-dapo"),
+                                      name=run_name, config=config, dir=out)
+            else:  # torch's writer, which needs the tensorboard package
+                from torch.utils.tensorboard import SummaryWriter
                 self.writer = SummaryWriter(os.path.join(out, "tensorboard", run_name))
-                self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))  # as code
+                as_code = "    " + json.dumps(config, indent=1).replace("\n", "\n    ")
+                self.writer.add_text("config", as_code)
         except ImportError:
-            raise InputError(f"--report-to {kind}: the {kind} package is not installed (pip install {kind})") from None
+            raise InputError(f"--report-to {kind}: the {kind} package is not installed (pip "
+                             f"install {kind})") from None
 
     def log(self, row: dict) -> None:
         scalars = {k: v for k, v in row.items() if k != "step"}
@@ -190,7 +199,9 @@ class RunLog:
     def __init__(self, args: TrainArgs, config: dict, resume_step: int | None = None):
         os.makedirs(args.out, exist_ok=True)
         checkpoint.write_text(os.path.join(args.out, "config.json"), json.dumps(config, indent=1))
-        self.live = LiveCurves(args.report_to, args.run_name, args.out, config) if args.report_to != "none" else None
+        self.live = None
+        if args.report_to != "none":
+            self.live = LiveCurves(args.report_to, args.run_name, args.out, config)
         self.metrics_path = os.path.join(args.out, "metrics.jsonl")
         completions_path = os.path.join(args.out, "completions.jsonl")
         if resume_step is not None:
@@ -267,8 +278,9 @@ def _parse_jsonl(data: bytes, path: str) -> list[tuple[str, dict]]:
             out.append((line + "\n", json.loads(line)))
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             why = str(e).splitlines()[0]
-            raise checkpoint.CheckpointError(f"{path}:{i}: not a JSON line ({why}): the file is corrupt "
-                                  "(a kill can only cut the last line)") from None
+            msg = (f"{path}:{i}: not a JSON line ({why}): the file is corrupt (a kill can only "
+                   "cut the last line)")
+            raise checkpoint.CheckpointError(msg) from None
     if tail.strip():
         try:  # a whole object without its newline (a proper prefix of one never decodes)
             line = tail.decode("utf-8")
@@ -288,7 +300,8 @@ def trim_metrics(path: str, last_step: int) -> None:
     keep = []
     for line, row in _jsonl_lines(path):
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise checkpoint.CheckpointError(f"{path}: a line without an integer 'step': {line.strip()[:80]}")
+            raise checkpoint.CheckpointError(f"{path}: a line without an integer 'step': "
+                                             f"{line.strip()[:80]}")
         if row["step"] <= last_step:
             keep.append(line)
     checkpoint.write_text(path, "".join(keep))
