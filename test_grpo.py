@@ -2,8 +2,8 @@
 
 The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then DAPO's
 Eq. 10-13), each case worked by hand; then shared helpers, then one section per module in the order
-grpo, variants, dapo, update, logprobs, sampler, verifier, builtin, data, evaluate, train, checkpoint and
-parallel, curves/lora/integrations, bench, ablate, vllm_rollout, and the GPU-only tests.
+grpo, variants, dapo, update, logprobs, sampler, verifier, builtin, data, evaluate, train and flags,
+checkpoint and parallel, metrics/lora/integrations, bench, ablate, vllm_rollout, and the GPU-only tests.
 
     python -m pytest -q test_grpo.py
 """
@@ -2587,7 +2587,7 @@ def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags reach the update
+# train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags reach the update
 # ---------------------------------------------------------------------------------------------
 
 def test_bad_flags_exit_with_one_line(capsys):
@@ -3882,7 +3882,7 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
 
 
 # ---------------------------------------------------------------------------------------------
-# curves.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
+# metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------
 
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
