@@ -1,4 +1,5 @@
-"""Checkpoints: everything an exact resume needs, written atomically.
+"""Models and checkpoints on disk: loading --model, everything an exact resume needs, the final
+model, all written atomically.
 
 Not an article section: the run's bookkeeping, written so that a SIGKILL at any byte (the OOM
 killer, a preemption) loses nothing but the work since the last checkpoint. `save` writes model,
@@ -6,12 +7,11 @@ optimizer, scheduler, RNG states, step and data position to one file through `at
 name, fsync, os.replace), so a crash in the middle of a save leaves the previous checkpoint intact.
 `load` reads it back with `weights_only=True` (no pickled code is ever executed). `save_final`
 replaces OUT/final the same way, so that at every moment OUT/final or its aside copy OUT/final.old
-is a whole model.
+is a whole model. `load_model` reads --model ('builtin', a folder such as OUT/final, or a hub id)
+with its tokenizer, `end_ids` the token ids a response ends on.
 
-The logs (metrics.jsonl, completions.jsonl) are appended to line by line: a kill can cut their last
-line. `read_jsonl` drops such a line with a one-line notice (any other bad line is corruption:
-an error naming file:line), and `trim_metrics` (--resume) rewrites a log through
-`atomic` too.
+The logs (metrics.jsonl, completions.jsonl) are metrics.py's: appended to line by line, read back
+without a last line a kill cut (metrics.read_metrics), rewritten by --resume through `write_text`.
 
 With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
 torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after a
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import pickle
 import random
@@ -38,6 +37,8 @@ import shutil
 import sys
 
 import torch
+
+from data import InputError
 
 
 class CheckpointError(ValueError):
@@ -48,13 +49,13 @@ class FolderInUse(ValueError):
     """Another live run holds the output folder: train.py prints the message in one line."""
 
 
-def lock_folder(out: str, ddp):
+def lock_folder(out: str, ranks):
     """An exclusive lock on the output folder for the whole run: rank 0 takes `fcntl.flock` on OUT/.lock and
     keeps the returned file open; the kernel drops the lock when the process ends, however it ends (a
     SIGKILL leaves no stale lock). Every rank learns rank 0's verdict (an all-reduced flag); when another run
     holds the folder, rank 0 raises FolderInUse (one line) and the other ranks exit 2 without a word."""
     fh, held = None, 1.0
-    if ddp.master:
+    if ranks.master:
         os.makedirs(out, exist_ok=True)
         fh = open(os.path.join(out, ".lock"), "a+")
         try:
@@ -67,9 +68,9 @@ def lock_folder(out: str, ddp):
             pid = fh.read().strip() or "?"
             fh.close()
             fh, held = None, 0.0
-    if ddp.sum(torch.tensor([held])).item() == ddp.world:  # rank 0's flag, and 1 from each other rank
+    if ranks.sum(torch.tensor([held])).item() == ranks.world:  # rank 0's flag, and 1 from each other rank
         return fh
-    if not ddp.master:
+    if not ranks.master:
         sys.exit(2)
     raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds {os.path.join(out, '.lock')}): "
                           "let it finish or stop it, or pass another --out")
@@ -185,6 +186,44 @@ def save_final(out: str, model, tokenizer, weights: dict, adapter=None) -> str:
     return final
 
 
+def load_model(spec: str, trust_remote_code: bool = False):
+    """(folder, tokenizer, model) for --model: 'builtin' (built and cached on first use), a folder
+    or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    path = loadable(spec)  # OUT/final.old where a save was killed half way
+    if spec == "builtin":
+        import builtin
+        path = builtin.base_model()
+    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise InputError(f"--model {path}: no such folder")  # a path, not a hub id
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # float32 master weights whatever the checkpoint's dtype (most hub models are saved in
+        # bfloat16, and transformers 5 keeps that dtype: AdamW updates of lr ~1e-6 would then
+        # mostly round away); bf16 is the compute path, through autocast (--bf16)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        why = str(e).splitlines()[0]
+        raise InputError(f"--model {path}: could not be loaded ({why})") from None
+    if tokenizer.eos_token_id is None:
+        raise InputError(f"--model {path}: the tokenizer has no EOS token, so responses could "
+                         "never end")
+    return path, tokenizer, model
+
+
+def end_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's EOS, then any other end ids the model's generation config lists (as
+    generate stops on them): some chat models end a turn with a token that is not the tokenizer's
+    eos_token."""
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
+
+
 def save(path: str, model, opt, sched, state: dict) -> None:
     """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -256,26 +295,26 @@ def latest(folder: str) -> str | None:
         return None
 
 
-def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
+def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
     """Every rank writes its shards of model and optimizer to folder/step-N; atomic as a whole (see above)."""
     import torch.distributed.checkpoint as dcp
     name = f"step-{state['step']:06d}"
     target, tmp = os.path.join(folder, name), os.path.join(folder, name + ".tmp")
-    if ddp.master:
+    if ranks.master:
         shutil.rmtree(tmp, ignore_errors=True)          # left by a crash mid-save
         os.makedirs(tmp)
-    ddp.barrier()
+    ranks.barrier()
     tensors = {}
     skeleton = _split(_sharded_dicts(model, opt), "", tensors)
     dcp.save(tensors, checkpoint_id=tmp)                 # fsyncs its files (sync_files)
-    rng = os.path.join(tmp, f"rng-rank{ddp.rank}.pt")
+    rng = os.path.join(tmp, f"rng-rank{ranks.rank}.pt")
     torch.save({"rng": _rng_states()}, rng)
     _fsync_file(rng)                                     # each rank its own (on its host)
-    if ddp.master:
-        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ddp.world, **state},
+    if ranks.master:
+        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ranks.world, **state},
                    os.path.join(tmp, "state.pt"))
-    ddp.barrier()                                        # every rank's files are written
-    if ddp.master:
+    ranks.barrier()                                        # every rank's files are written
+    if ranks.master:
         _fsync_tree(tmp)
         previous = latest(folder)
         if os.path.isdir(target):                        # a same-step save that never became `latest`
@@ -285,10 +324,10 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ddp) -> None:
             fh.write(name)
         if previous and os.path.abspath(previous) != os.path.abspath(target):
             shutil.rmtree(previous, ignore_errors=True)
-    ddp.barrier()
+    ranks.barrier()
 
 
-def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
+def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
     """Restore this rank's shards, the optimizer, the scheduler and this rank's RNG from `folder`'s latest
     checkpoint; returns the saved train state (step, data position, ...)."""
     import torch.distributed.checkpoint as dcp
@@ -298,9 +337,9 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
         raise CheckpointError(f"{folder}: no sharded checkpoint (no 'latest' file)")
     try:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
-        if meta["world_size"] != ddp.world:
-            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ddp.world}: the RNG states are per rank")
-        rng = torch.load(os.path.join(path, f"rng-rank{ddp.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
+        if meta["world_size"] != ranks.world:
+            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the RNG states are per rank")
+        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
         tensors = {}
         _split(_sharded_dicts(model, opt), "", tensors)   # the tensors to read into, sharded as this run shards
         dcp.load(tensors, checkpoint_id=path)
@@ -313,53 +352,3 @@ def load_sharded(folder: str, model, opt, sched, ddp) -> dict:
     return meta
 
 
-def _jsonl_lines(path: str) -> list[tuple[str, dict]]:
-    """(line, its row) for each line of a JSONL log; see `read_jsonl`."""
-    with open(path, "rb") as fh:
-        return _parse_jsonl(fh.read(), path)
-
-
-def _parse_jsonl(data: bytes, path: str) -> list[tuple[str, dict]]:
-    lines = data.split(b"\n")
-    tail = lines.pop()  # what follows the last newline: b"" unless a write was cut short
-    out = []
-    for i, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8")
-            out.append((line + "\n", json.loads(line)))
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            why = str(e).splitlines()[0]
-            raise CheckpointError(f"{path}:{i}: not a JSON line ({why}): the file is corrupt "
-                                  "(a kill can only cut the last line)") from None
-    if tail.strip():
-        try:  # a whole object without its newline (a proper prefix of one never decodes)
-            line = tail.decode("utf-8")
-            out.append((line + "\n", json.loads(line)))
-        except ValueError:
-            print(f"note: {path}: dropped its last line, cut short ({len(tail)} bytes without a "
-                  "newline: the run was stopped while writing it)", file=sys.stderr)
-    return out
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a JSONL log (metrics.jsonl, completions.jsonl). A run killed while writing leaves
-    its last line cut (no newline): that line is dropped with a one-line notice. Any other bad
-    line is corruption, not a kill: CheckpointError naming file:line."""
-    return [row for _, row in _jsonl_lines(path)]
-
-
-def trim_metrics(path: str, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (the checkpoint's own step included), so a resumed run
-    logs each step exactly once; a cut last line goes too (`read_jsonl`). The log is rewritten
-    through `atomic`: a kill during the rewrite leaves the whole old one."""
-    if not os.path.exists(path):
-        return
-    keep = []
-    for line, row in _jsonl_lines(path):
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise CheckpointError(f"{path}: a line without an integer 'step': {line.strip()[:80]}")
-        if row["step"] <= last_step:
-            keep.append(line)
-    write_text(path, "".join(keep))

@@ -1,5 +1,5 @@
 """A run's inputs: prompts and reference answers (the built-in task or a JSONL file, formatted for the model,
-in a seeded order), and the model with its tokenizer and end tokens.
+in a seeded order), and the reward that scores the answers (`--reward`).
 
 Article section: the `prompts` / `batch_prompts` fed to Step 1 ("Rollout 采样"); the answers are what
 Step 2's verifier compares against.
@@ -321,37 +321,3 @@ def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tup
 def prompt_generator(seed: int, j: int) -> torch.Generator:
     """Sampling randomness of the j-th prompt of the run: a function of (seed, j) alone, never of the rank."""
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{j}".encode()))
-
-
-def load_model(spec: str, trust_remote_code: bool = False):
-    """(folder, tokenizer, model) for --model: 'builtin' (built and cached on first use), a folder or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    import checkpoint
-    path = checkpoint.loadable(spec)  # OUT/final.old where a save was killed half way
-    if spec == "builtin":
-        import builtin
-        path = builtin.base_model()
-    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):  # not a hub id
-        raise InputError(f"--model {path}: no such folder")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        # float32 master weights whatever the checkpoint's dtype (most hub models are saved in bfloat16, and
-        # transformers 5 keeps that dtype: AdamW updates of lr ~1e-6 would then mostly round away); bf16 is
-        # the compute path, through autocast (--bf16)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise InputError(f"--model {path}: could not be loaded ({str(e).splitlines()[0]})") from None
-    if tokenizer.eos_token_id is None:
-        raise InputError(f"--model {path}: the tokenizer has no EOS token, so responses could never end")
-    return path, tokenizer, model
-
-
-def end_ids(tokenizer, model) -> list[int]:
-    """The tokenizer's EOS, then any other end ids the model's generation config lists (as generate stops on
-    them): some chat models end a turn with a token that is not the tokenizer's eos_token."""
-    config = getattr(model, "generation_config", None)
-    extra = getattr(config, "eos_token_id", None)
-    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))

@@ -21,21 +21,18 @@ run draws with the same randomness (before/after comparisons are paired).
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import inspect
 import json
 import math
-import re
 import sys
 import zlib
-from dataclasses import dataclass, field
 
 import torch
 
+import checkpoint
 import data
+import flags
 import verifier
-from sampler import Rollout, num_seqs_within, sample_groups
+from sampler import sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -99,7 +96,7 @@ def problem_record(index: int, row: dict, responses: list[str], scores: list[flo
 
 
 def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
-    """Sums over `records` that metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
+    """Sums over `records` that eval_metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
     each k, sum maj, samples, truncated, tokens] (float64, so ranks' sums all-reduce exactly)."""
     t = torch.zeros(7 + len(ks), dtype=torch.float64)
     for r in records:
@@ -110,7 +107,7 @@ def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
     return t
 
 
-def metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
+def eval_metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
     """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1, sampled ones for n > 1."""
     P, s1, s2, *rest = t.tolist()
     passes, (maj, samples, trunc, tokens) = rest[:len(ks)], rest[len(ks):]
@@ -143,23 +140,8 @@ class OneProcess:
         return x.detach().to(torch.float64).clone()
 
 
-def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
-                   generator, eos: list[int], pad: int, args: EvalArgs, sample=None) -> Rollout:
-    """Step 1 as training and evaluation run it: sampler.sample_groups under --bf16 autocast, at
-    most --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); or `sample`, a vLLM
-    engine's sample_groups (train.py --rollout vllm), which holds its own weights and
-    --max-num-seqs and runs without autocast."""
-    T = args.max_new_tokens
-    if sample is not None:
-        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
-    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
-    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
-        return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
-                             generator=generator, max_num_seqs=S)
-
-
 @torch.no_grad()
-def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None,
+def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=None,
                    sample=None) -> tuple[dict, list[dict]]:
     """(metrics over all ranks, this rank's per-problem records) of `model` on `rows` ({"prompt",
     "answer"}).
@@ -176,9 +158,9 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
     reward_fn = data.as_reward(reward_fn)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                   args.chat_template)
-    eos = data.end_ids(tokenizer, model)
+    eos = checkpoint.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    mine = list(range(ddp.rank, len(rows), ddp.world))
+    mine = list(range(ranks.rank, len(rows), ranks.world))
     per = max(1, EVAL_BATCH // n)
     records = []
     for start in range(0, len(mine), per):
@@ -195,186 +177,21 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ddp, reward_fn=None
             scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n, token_ids)[0].tolist()
             records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs],
                                           [truncated[j] for j in rs]))
-    return metrics(ddp.sum(totals(records, ks)).cpu(), n, ks), records
-
-
-def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
-    """Up to k of a training batch's completions (prompt, response, reward), one per group first.
-    The prompt is the text the model saw, special tokens kept (a chat template's turn markers)."""
-    N, G = roll.response_ids.shape[0], roll.G
-    order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return [{"prompt": tokenizer.decode(roll.prompts[i // G]),
-             "response": decode(roll.response_ids[i, : roll.lengths[i]]),
-             "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
-             "truncated": bool(roll.truncated[i])}
-            for i in order[:k]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Flags shared with train.py: defined once here (train.Args inherits EvalArgs)
-# ---------------------------------------------------------------------------------------------
-
-def flag(default, help, choices=None):  # noqa: A002 - a dataclass field whose help text argparse shows
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
-@dataclass
-class EvalArgs:
-    """The flags evaluation and sampling share with train.py (train.Args inherits them)."""
-    # -- the model and data
-    model: str = flag("builtin", "'builtin' (a tiny model built and cached on first use), a HF hub "
-                      "id or a local folder")
-    prompt_field: str = flag("prompt", "field holding the prompt: a text, or a list of chat "
-                             "messages (TRL's conversational format); a dotted path reaches a "
-                             "nested field (GSM8K: question)")
-    answer_field: str = flag("answer", "field holding the reference answer, or a dotted path "
-                             "(DAPO-Math-17k: reward_model.ground_truth; GSM8K's '... #### 72' "
-                             "works as is)")
-    prompt_template: str = flag("{prompt}", "text sent as the user turn; {prompt} is replaced by "
-                                "the row's prompt (a list of messages: the content of its last "
-                                "user turn)")
-    system_prompt: str | None = flag(None, "system message for chat models (prepended as a line "
-                                     "without a chat template; a list of messages with a system "
-                                     "turn of its own keeps that one)")
-    chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one "
-                               "(--no-chat-template: raw text, an error for a list of messages)")
-    reward: list[str] | None = flag(None, "'verifier' (the default) or module:function, "
-                                    "f(response, answer) -> float or TRL's f(prompts, completions, "
-                                    "**columns) -> list[float | None]; repeat to sum several")
-    reward_weights: list[float] | None = flag(None, "one weight per --reward, the score being "
-                                              "their weighted sum (default: all 1)")
-    trust_remote_code: bool = flag(False, "let transformers run code shipped with the model (only "
-                                   "for models you trust)")
-    # -- how much
-    max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 "
-                                      "otherwise)")
-    max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; "
-                                    "continuous batching): the KV cache holds N x (P + T) "
-                                    "positions (default: as many as --kv-cache-gb holds)")
-    kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: "
-                              "layers x KV heads x head_dim x 2 x bytes x N x (P + T) <= this, N a "
-                              "multiple of G and at least G")
-    eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
-    eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy "
-                             "(eval/accuracy); n > 1 logs mean@n, pass@k, maj@n")
-    eval_temperature: float = flag(1.0, "sampling temperature of evaluation when --eval-samples > "
-                                   "1 (DAPO: 1.0)")
-    eval_top_p: float = flag(1.0, "nucleus sampling of evaluation when --eval-samples > 1 (DAPO: "
-                             "0.7)")
-    # -- the run
-    seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation "
-                     "(evaluation: with the problem index)")
-    device: str | None = flag(None, "cpu or cuda (default: cuda if available)")
-    bf16: bool | None = flag(None, "bfloat16 autocast for every forward pass, weights and Adam "
-                             "kept in float32 (default: on with CUDA)")
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, like every other bad input
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def sections(cls) -> tuple[dict[str, str], list[str]]:
-    """The sections of a flag dataclass and its bases, as `# -- title` comment lines in each class
-    body mark them: ({field name: the title of its section}, the titles in order). A class inserts
-    the titles it adds after the section before them in its body (train.Args adds "optimisation"
-    after EvalArgs' "how much")."""
-    titles, order = {}, []
-    for c in [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]:  # bases first
-        title, at = None, 0
-        for line in inspect.getsource(c).splitlines():
-            if line.startswith("    # -- "):
-                title = line.removeprefix("    # -- ").strip()
-                if title in order:
-                    at = order.index(title) + 1
-                else:
-                    order.insert(at, title)
-                    at += 1
-            elif title and (name := re.match(r"    (\w+):", line)):
-                titles[name.group(1)] = title
-    return titles, order
-
-
-def add_flags(p: argparse.ArgumentParser, cls, **overrides) -> None:
-    """One --flag per field of the dataclass `cls` (bools as --x/--no-x), in an argument group per
-    section (`sections`); overrides: extra add_argument kwargs."""
-    titles, order = sections(cls)
-    groups = {t: p.add_argument_group(t) for t in order}
-    for f in dataclasses.fields(cls):
-        group = groups[titles[f.name]] if f.name in titles else p
-        flag_, kw = "--" + f.name.replace("_", "-"), {"default": f.default, "help": f.metadata["help"]}
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        kind = kind.removesuffix(" | None")                                   # None: resolved later
-        if kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        elif kind == "list[str]":  # repeated flag: --reward a --reward b
-            kw["action"] = "append"
-        elif kind == "list[float]":  # one flag, several values: --reward-weights 1 0.5
-            kw.update(nargs="+", type=float)
-        else:
-            kw["type"] = {"int": int, "float": float, "str": str}[kind]
-            kw["choices"] = f.metadata["choices"]
-        group.add_argument(flag_, **{**kw, **overrides.get(f.name, {})})
-
-
-def resolve(ns, error, builtin: bool) -> None:
-    """The shared derived settings, filled in place, and their checks (`error(message)` exits)."""
-    if ns.max_new_tokens is None:
-        ns.max_new_tokens = 40 if builtin else 1024
-    if ns.device is None:
-        ns.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if ns.bf16 is None:
-        ns.bf16 = ns.device.startswith("cuda")
-    if ns.reward is None:
-        ns.reward = ["verifier"]
-    checks = [  # (holds, the one-line error if not)
-        (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
-        (ns.eval_size >= 1, "--eval-size must be >= 1"),
-        ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
-        (ns.eval_samples >= 1, "--eval-samples must be >= 1"),
-        (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
-        (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
-        (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
-        (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
-         "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)"),
-        (ns.reward_weights is None or len(ns.reward_weights) == len(ns.reward),
-         "--reward-weights needs one weight per --reward"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            error(msg)
+    return eval_metrics(ranks.sum(totals(records, ks)).cpu(), n, ks), records
 
 
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
 
-@dataclass
-class Cli(EvalArgs):
-    # -- the model and data
-    data: str = flag("builtin", "'builtin' (the built-in held-out split), a JSONL (or .json) file "
-                     "with a prompt and an answer per row, or through `datasets`: a Parquet/Arrow "
-                     "file, a folder or a hub data set id")
-    data_split: str = flag("test", "split of --data when it is a folder or a hub id (datasets)")
-    # -- the run
-    out: str | None = flag(None, "write one JSON line per model and problem here (prompt, "
-                           "reference, samples with score and answer)")
-
-
 def main(argv=None) -> list[tuple[str, dict]]:
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(p, Cli, model={"nargs": "+", "default": ["builtin"],
-                             "help": "one or more models ('builtin', a HF hub id or a local folder), side by side"})
-    args = p.parse_args(argv)
-    resolve(args, p.error, builtin=args.data == "builtin" or all(m == "builtin" for m in args.model))
+    args = flags.parse_eval_args(argv, __doc__.split("\n\n")[0])
     try:
         rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.data_split)
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
-            _, tokenizer, model = data.load_model(spec, args.trust_remote_code)
+            _, tokenizer, model = checkpoint.load_model(spec, args.trust_remote_code)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
             m, records = evaluate_model(model.to(args.device), tokenizer, rows, args, OneProcess(), reward_fn)

@@ -160,11 +160,11 @@ def shard(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return model
 
 
-def wrap(model: torch.nn.Module, ddp: Dist, fsdp: bool) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, ranks: Dist, fsdp: bool) -> torch.nn.Module:
     """The module to run forward/backward through: FSDP2 (model sharded in place), DDP, or the model itself."""
     if fsdp:
-        return shard(model, ddp.device)
-    if ddp.world > 1:
+        return shard(model, ranks.device)
+    if ranks.world > 1:
         return torch.nn.parallel.DistributedDataParallel(model)
     return model
 

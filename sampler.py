@@ -15,6 +15,9 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 Prompts of different lengths are left-padded with position ids counted from each prompt's first real
 token. One generator per prompt if a list is given, so a prompt's samples depend only on its own seed,
 never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the same).
+
+`sample_rollout` is Step 1 as train.py and evaluate.py call it: sample_groups under --bf16 autocast
+with --max-num-seqs slots, or a vLLM engine's sample_groups (--rollout vllm).
 """
 from __future__ import annotations
 
@@ -366,3 +369,19 @@ def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) ->
     mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # [N, T]
     return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id, response_ids=response[:, :T], mask=mask,
                    lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
+
+
+def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
+                   generator, eos: list[int], pad: int, args, sample=None) -> Rollout:
+    """Step 1 as training (train.draw_round) and evaluation (evaluate.evaluate_model) run it:
+    sample_groups under --bf16 autocast, at most --max-num-seqs rows at once (default: as many as
+    --kv-cache-gb holds); or `sample`, a vLLM engine's sample_groups (train.py --rollout vllm),
+    which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
+    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16)."""
+    T = args.max_new_tokens
+    if sample is not None:
+        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
+    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
+    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
+        return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
+                             generator=generator, max_num_seqs=S)

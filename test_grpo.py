@@ -2,8 +2,8 @@
 
 The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then DAPO's
 Eq. 10-13), each case worked by hand; then shared helpers, then one section per module in the order
-grpo, variants, dapo, update, logprobs, sampler, verifier, builtin, data, evaluate, train, checkpoint and
-parallel, curves/lora/integrations, bench, ablate, vllm_rollout, and the GPU-only tests.
+grpo, variants, dapo, update, logprobs, sampler, verifier, builtin, data, evaluate, train and flags,
+checkpoint and parallel, metrics/lora/integrations, bench, ablate, vllm_rollout, and the GPU-only tests.
 
     python -m pytest -q test_grpo.py
 """
@@ -23,11 +23,14 @@ import pytest
 import torch
 
 import builtin
+import checkpoint
 import curves
 import dapo
 import data
+import flags
 import grpo
 import logprobs
+import metrics
 import update
 import variants
 import verifier
@@ -799,13 +802,12 @@ def test_mismatch_metrics_by_hand():
 
 
 def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
-    import train
     assert set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"}
-    a = train.parse_args(["--loss", "gspo"])
+    a = flags.parse_train_args(["--loss", "gspo"])
     assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
-    a = train.parse_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
+    a = flags.parse_train_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
     assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
-    a = train.parse_args(["--algo", "dapo"])
+    a = flags.parse_train_args(["--algo", "dapo"])
     assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
 
 
@@ -891,11 +893,10 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
 
 def test_dapo_with_fixes_off_is_grpo():
     """DAPO with all four fixes off resolves to exactly GRPO's settings (see also the end-to-end check)."""
-    import train
     off = ["--eps-high", "0.2", "--reduction", "sequence", "--no-dynamic-sampling", "--no-overlong-filter",
            "--no-overlong-penalty", "--beta", "0.04", "--wrong-reward", "0"]
-    a = train.parse_args(["--algo", "dapo", *off])
-    b = train.parse_args(["--algo", "grpo"])
+    a = flags.parse_train_args(["--algo", "dapo", *off])
+    b = flags.parse_train_args(["--algo", "grpo"])
     assert {**vars(a), "algo": None} == {**vars(b), "algo": None}
     # and the loss pieces: no truncation -> the filter changes nothing; token == sequence on equal lengths
     logp, adv, mask = torch.randn(4, 3), torch.randn(4), torch.ones(4, 3)
@@ -1029,7 +1030,7 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
 
 
 def _update_args(**kw):
-    """update_policy's args (the train.Args fields it reads): 2 mini-batches, micro-batches of 3,
+    """update_policy's args (the flags.TrainArgs fields it reads): 2 mini-batches, micro-batches of 3,
     no clip."""
     from types import SimpleNamespace
     base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
@@ -1425,10 +1426,10 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
         for r in (2 * i, 2 * i + 1):
             L = int(roll.lengths[r])
             assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
-    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (data.end_ids)
+    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (checkpoint.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
-    assert data.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
+    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
@@ -1540,13 +1541,13 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
     # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups, one slot
     # idle), lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon
     # as G are free (continuous batching): the decode forwards follow the continuous _slot_schedule,
-    # not the static one (the rollout is the same either way). Through evaluate.sample_rollout, as
+    # not the static one (the rollout is the same either way). Through sampler.sample_rollout, as
     # train.py samples.
     from types import SimpleNamespace
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import evaluate
+    import sampler
     torch.manual_seed(1)
     cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -1560,7 +1561,7 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
                                     with_kwargs=True)
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
     args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
-    roll = evaluate.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
+    roll = sampler.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
     lengths = roll.lengths.tolist()
     assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5
     prefills = [c for c in calls if c[1] > 1]                     # [k groups, P of the k]
@@ -1595,9 +1596,8 @@ def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch)
 
 def test_max_num_seqs_flags_are_checked(capsys):
     import evaluate
-    import train
-    assert train.parse_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and train.parse_args([]).kv_cache_gb == 8.0
-    for parse, bad in ((train.parse_args, ["--max-num-seqs", "4"]), (train.parse_args, ["--kv-cache-gb", "0"]),
+    assert flags.parse_train_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and flags.parse_train_args([]).kv_cache_gb == 8.0
+    for parse, bad in ((flags.parse_train_args, ["--max-num-seqs", "4"]), (flags.parse_train_args, ["--kv-cache-gb", "0"]),
                        (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
         with pytest.raises(SystemExit) as e:
             parse(bad)
@@ -1615,13 +1615,13 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     def recording(*a, max_num_seqs=None, **k):
         seen.append(max_num_seqs)
         return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    monkeypatch.setattr(evaluate, "sample_groups", recording)  # train.draw_round samples through evaluate's too
+    monkeypatch.setattr(sampler, "sample_groups", recording)  # sampler.sample_rollout reads it at call time
     model = _tiny("qwen2", torch.float32)
     task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
-    for flags, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
-        args = train.parse_args(["--prompts-per-step", "4", *flags])
+    for extra, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
+        args = flags.parse_train_args(["--prompts-per-step", "4", *extra])
         train.draw_round(model, task, args, one, 0)
         assert seen.pop() == want
     args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
@@ -1961,7 +1961,7 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
     assert builtin.base_model(other, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(other)}")
     assert builtin.ship(other, cache, shipped, log=quiet) == shipped and builtin.shipped_key(shipped) == builtin.recipe_key(other)
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
-    _, tok, model = data.load_model(shipped)
+    _, tok, model = checkpoint.load_model(shipped)
     assert model.config.hidden_size == 16 and tok.eos_token_id == 1
 
 
@@ -2065,14 +2065,13 @@ def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
 
 @pytest.mark.slow
 def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
-    import train
     row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length", "--reward-weights", "1", "0.5")
     # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 * trl_length
     assert row["reward/correct"] == pytest.approx(row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
     assert row["reward/trl_length"] < 0 and json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == \
         ["test_grpo:has_x", "test_grpo:trl_length"]
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
+        flags.parse_train_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
     assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
 
 
@@ -2257,7 +2256,6 @@ def _recipe_flags(schema: str, data_path, model) -> list[str]:
 @pytest.mark.parametrize("schema", ["gsm8k", "dapo", "trl", "text"])
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_docs_recipes_read_the_real_rows_of_their_data_sets(tmp_path, schema, fmt):
-    import train
     raw = _schema_rows(schema)
     path = tmp_path / f"rows.{fmt}"
     if fmt == "parquet":
@@ -2265,7 +2263,7 @@ def test_docs_recipes_read_the_real_rows_of_their_data_sets(tmp_path, schema, fm
         datasets.Dataset.from_list(raw).to_parquet(str(path))
     else:
         path.write_text("".join(json.dumps(r) + "\n" for r in raw))
-    args = train.parse_args(_recipe_flags(schema, path, tmp_path))
+    args = flags.parse_train_args(_recipe_flags(schema, path, tmp_path))
     fields = args.prompt_field, args.answer_field
     rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split)
     eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split)
@@ -2442,8 +2440,8 @@ def test_train_and_evaluate_run_on_dapo_math_rows(tmp_path):
     assert [m["ground_truth"] for m in step["reward_model"]] == \
         [r["reward_model"]["ground_truth"] for p in step["prompts"] for r in raw
          if r["prompt"] == p]
-    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert "eval/maj@2" in metrics[0] and "reward/trl_spy_reward" in metrics[1]
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/maj@2" in logged[0] and "reward/trl_spy_reward" in logged[1]
     # evaluate.py with evaluation.md's recipe (its budget cut to a tiny run): the per-problem lines
     # keep each row's messages as they are, and its nested reference
     recipe = _doc_commands("docs/evaluation.md", "evaluate.py")[0]
@@ -2513,12 +2511,12 @@ def test_eval_metrics_by_hand():
     assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2  # the right '4' won
     assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
     ks = evaluate.pass_ks(4)
-    m = evaluate.metrics(evaluate.totals([a, b], ks), 4, ks)
+    m = evaluate.eval_metrics(evaluate.totals([a, b], ks), 4, ks)
     assert m == pytest.approx({
         "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
         "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,      # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
         "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
-    g = evaluate.metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
+    g = evaluate.eval_metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
     assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
 
 
@@ -2560,7 +2558,7 @@ def test_majority_vote_merges_one_answer_written_three_ways():
     half, four = canonical("1/2"), canonical("4")
     assert [s["answer"] for s in r["samples"]] == [four, half, half, four, half]
     assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
-    m = evaluate.metrics(evaluate.totals([r], [1]), 5, [1])
+    m = evaluate.eval_metrics(evaluate.totals([r], [1]), 5, [1])
     assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
 
 
@@ -2573,12 +2571,11 @@ class _Rank:
         return x.detach().double().clone()
 
 
-def _eval_setup(d, *flags):
-    """train.py's Args, the tiny model with large random weights (the fixture's answers '\n' to every prompt
+def _eval_setup(d, *extra):
+    """train.py's flags (flags.TrainArgs), the tiny model with large random weights (the fixture's answers '\n' to every prompt
     greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
-    import train
-    args = train.parse_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *flags])
-    _, tok, model = data.load_model(args.model)
+    args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *extra])
+    _, tok, model = checkpoint.load_model(args.model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -2596,7 +2593,7 @@ def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs
     reward = _has_9
     m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
     # one greedy answer per problem, scored here: sums of reward, truncation, length
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id, temperature=0.0)
     texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True) for i in range(len(rows))]
     correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
@@ -2616,7 +2613,7 @@ def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkey
     parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1] for k in range(3)]
     assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1  # same samples, scores, votes
     ks = evaluate.pass_ks(4)
-    assert evaluate.metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
+    assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
     scores = [[s["score"] for s in r["samples"]] for r in r1]
     assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
     assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
@@ -2628,11 +2625,10 @@ def test_eval_flags_are_shared_and_checked(capsys):
     import dataclasses as dc
 
     import evaluate
-    import train
-    mine = {f.name: f for f in dc.fields(train.Args)}
-    for f in dc.fields(evaluate.EvalArgs):  # one definition: same type, default and help in train.py
+    mine = {f.name: f for f in dc.fields(flags.TrainArgs)}
+    for f in dc.fields(flags.EvalArgs):  # one definition: same type, default and help in train.py
         assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
-    for parse in (train.parse_args, evaluate.main):
+    for parse in (flags.parse_train_args, evaluate.main):
         for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"], ["--max-new-tokens", "0"]):
             with pytest.raises(SystemExit) as e:
                 parse(bad)
@@ -2661,16 +2657,15 @@ def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags reach the update
+# train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags reach the update
 # ---------------------------------------------------------------------------------------------
 
 def test_bad_flags_exit_with_one_line(capsys):
-    import train
     for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"],
                 ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"], ["--loss", "reinforce"],
                 ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"], ["--beta", "-0.1"]):
         with pytest.raises(SystemExit) as e:
-            train.parse_args(bad)
+            flags.parse_train_args(bad)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
@@ -2779,7 +2774,7 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
 
     import parallel
     import train
-    args = train.parse_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step", "3", "--group-size", "4",
+    args = flags.parse_train_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step", "3", "--group-size", "4",
                              "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
     task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
@@ -2791,7 +2786,7 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     want = torch.where(right == 1, 1.0, -0.5) + penalty
     assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.correct, right)
     assert torch.allclose(roll.rewards, want)
-    s = curves.drawn_sums([roll])
+    s = metrics.drawn_sums([roll])
     assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
 
 
@@ -2811,7 +2806,7 @@ def test_step_metrics_worked_by_hand():
              "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
     rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
             "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
-    row = curves.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    row = metrics.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
     assert row == pytest.approx({
         "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
         "reward/mean": 0.25,             # 2 / 8 samples
@@ -2836,11 +2831,11 @@ def test_step_metrics_worked_by_hand():
         "updates": 2.0,
     })
     # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
-    row = curves.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    row = metrics.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
     assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
     assert "clip/dual_frac" not in row
     # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
-    row = curves.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    row = metrics.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
     assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
 
@@ -2849,10 +2844,9 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
     import dataclasses as dc
     import re
 
-    import train
     monkeypatch.setenv("COLUMNS", "120")
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--help"])
+        flags.parse_train_args(["--help"])
     assert e.value.code == 0
     groups, where = {}, None                   # group title -> the flags listed under it, in order
     for line in capsys.readouterr().out.splitlines():
@@ -2863,13 +2857,13 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
     titles = ["options", "the model and data", "how much", "optimisation",
               "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
     assert list(groups) == titles and groups["options"] == ["--help"]
-    # EvalArgs' flags (train.Args inherits them) come first in their sections
-    assert [flags[0] for flags in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
+    # EvalArgs' flags (flags.TrainArgs inherits them) come first in their sections
+    assert [group[0] for group in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
     assert "--algo" in groups["the model and data"] and "--mini-batches" in groups["optimisation"]
     assert "--eval-samples" in groups["how much"] and "--bf16" in groups["the run"]
     assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
-    listed = [f for flags in list(groups.values())[1:] for f in flags]
-    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(train.Args))  # each once
+    listed = [f for group in list(groups.values())[1:] for f in group]
+    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(flags.TrainArgs))  # each once
 
 
 class _TwoRanks:
@@ -2901,8 +2895,8 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
 @pytest.mark.slow
 def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU run in float32
-    for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
-        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *flags)
+    for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
+        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *extra)
     fp32, bf16 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines() if "loss" in x][0]
                   for n in ("fp32", "bf16"))
     # bfloat16 logits round differently: the entropy and the gradient move, within bfloat16's 8 significant bits
@@ -2923,7 +2917,7 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
     AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / "bf16")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16  # the trap is real
-    _, _, model = data.load_model(str(tmp_path / "bf16"))
+    _, _, model = checkpoint.load_model(str(tmp_path / "bf16"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     _run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1", "--save-every", "1")
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
@@ -2990,8 +2984,8 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
-    ddp = parallel.Dist("cuda")
-    assert (ddp.device, ddp.rank, ddp.world, ddp.master) == ("cuda:1", 3, 2, False)
+    ranks = parallel.Dist("cuda")
+    assert (ranks.device, ranks.rank, ranks.world, ranks.master) == ("cuda:1", 3, 2, False)
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", {})]
     # without torchrun: no process group, except for --fsdp, which shards over one rank (an in-memory store)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -2999,8 +2993,8 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
     calls.clear()
     parallel.Dist("cuda")
     assert calls == []
-    ddp = parallel.Dist("cuda", fsdp=True)
-    assert ddp.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
+    ranks = parallel.Dist("cuda", fsdp=True)
+    assert ranks.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
 
 
 def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
@@ -3039,13 +3033,13 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
     import parallel
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    ddp = parallel.Dist("cpu", fsdp=True)
+    ranks = parallel.Dist("cpu", fsdp=True)
     try:
         def fresh():
             torch.manual_seed(0)
             cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2)
-            model = parallel.wrap(LlamaForCausalLM(cfg), ddp, fsdp=True)
+            model = parallel.wrap(LlamaForCausalLM(cfg), ranks, fsdp=True)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
@@ -3070,7 +3064,7 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
         assert sharded()                             # a layer frees its gathered weights after a forward again
         folder = str(tmp_path / "checkpoint")
         train_step(model, opt, sched)
-        checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ddp)
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ranks)
         saved = snapshot(model, opt)
         train_step(model, opt, sched)
         real_save = dcp.save
@@ -3080,20 +3074,20 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
             raise KeyboardInterrupt("killed mid-save")
         monkeypatch.setattr(dcp, "save", crash)
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)
+            checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)
         monkeypatch.setattr(dcp, "save", real_save)
         assert checkpoint.latest(folder).endswith("step-000001") and os.path.isdir(folder + "/step-000002.tmp")
         meta = dcp.FileSystemReader(checkpoint.latest(folder)).read_metadata().state_dict_metadata
         assert all(type(m).__name__ == "TensorStorageMetadata" for m in meta.values())  # nothing DCP would unpickle
         model2, opt2, sched2 = fresh()
-        state = checkpoint.load_sharded(folder, model2, opt2, sched2, ddp)
+        state = checkpoint.load_sharded(folder, model2, opt2, sched2, ranks)
         assert (state["step"], state["data_pos"], sched2.last_epoch, opt2.param_groups[0]["lr"]) == (1, 4, 1, 5e-3)
         (w, m), (w2, m2) = saved, snapshot(model2, opt2)
         assert all(torch.equal(w[k], w2[k]) for k in w) and all(torch.equal(a, b) for a, b in zip(m, m2)) and len(m) > 0
-        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ddp)  # a completed save
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)  # a completed save
         assert sorted(os.listdir(folder)) == ["latest", "step-000002"]                   # replaces the old one
     finally:
-        ddp.close()
+        ranks.close()
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
@@ -3175,11 +3169,11 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
              "--algo", "dapo", "--beta", "0.04", "--mu", "2", "--mini-batches", "2"]
     fsdp = ["--fsdp", "--gradient-checkpointing", "--save-every", "3"]
 
-    def metrics(out):
+    def step_rows(out):
         return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
     _run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
     _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "3")
-    (m1, w1), (m2, w2) = ((metrics(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
+    (m1, w1), (m2, w2) = ((step_rows(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
     assert len(m1) == len(m2) == 3
     for a, b in zip(m1, m2):
         for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept"):
@@ -3198,7 +3192,7 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
     _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp, "--steps", "6")
     a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
-    assert [r["loss"] for r in metrics(tmp_path / "two")] == [r["loss"] for r in metrics(tmp_path / "six")]
+    assert [r["loss"] for r in step_rows(tmp_path / "two")] == [r["loss"] for r in step_rows(tmp_path / "six")]
     assert sorted(os.listdir(tmp_path / "six" / "checkpoint")) == ["latest", "step-000006"]
 
 
@@ -3343,7 +3337,7 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
     # (not even the lock), rank 0 all of it
     import parallel
     import train
-    monkeypatch.setattr(parallel, "wrap", lambda model, ddp, fsdp: model)
+    monkeypatch.setattr(parallel, "wrap", lambda model, ranks, fsdp: model)
     files = {}
     for rank in (1, 0):
         monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, rank=rank: _Twin(rank))
@@ -3516,28 +3510,28 @@ def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle
             assert err == "", (at, err)
     for cut in range(len(head), len(full) + 1):
         rows, cut_short = expected(cut)
-        assert [r for _, r in checkpoint._parse_jsonl(full[:cut], str(path))] == rows, cut
+        assert [r for _, r in metrics._parse_jsonl(full[:cut], str(path))] == rows, cut
         check_notice(capsys.readouterr().err, cut_short, cut)
     cuts = {c + k for c in [len(head), *ends] for k in (-1, 0, 1)}
     cuts |= set(range(len(head), len(full), 50))
     for cut in sorted(c for c in cuts if len(head) <= c <= len(full)):
         path.write_bytes(full[:cut])
         rows, cut_short = expected(cut)
-        assert checkpoint.read_jsonl(str(path)) == rows, cut
+        assert metrics.read_metrics(str(path)) == rows, cut
         check_notice(capsys.readouterr().err, cut_short, cut)
-        checkpoint.trim_metrics(str(path), 2)
+        metrics.trim_metrics(str(path), 2)
         check_notice(capsys.readouterr().err, cut_short, cut)
         assert path.read_bytes() == head and os.listdir(tmp_path) == ["completions.jsonl"], cut
     # any other bad line is corruption, not a kill: one line naming file:line, the file as it was
     for bad, line in ((head[:30] + b"\n" + head, 1), (head + b"not json\n", len(kept) + 1)):
         path.write_bytes(bad)
-        for read in (checkpoint.read_jsonl, lambda p: checkpoint.trim_metrics(p, 2)):
+        for read in (metrics.read_metrics, lambda p: metrics.trim_metrics(p, 2)):
             with pytest.raises(checkpoint.CheckpointError,
                                match=f"^{re.escape(str(path))}:{line}: not a JSON line .*corrupt"):
                 read(str(path))
         assert path.read_bytes() == bad
     path.write_bytes(head)
-    assert curves.read_metrics(str(path)) == kept            # --plot and ablate.py read through it
+    assert metrics.read_metrics(str(path)) == kept            # whole lines: read back as written
 
 
 class _CutWrites:
@@ -3596,7 +3590,6 @@ def test_trim_killed_at_any_byte_of_its_rewrite_keeps_the_whole_log(tmp_path, mo
     does the job."""
     import builtins
 
-    import checkpoint
     rows = [{"step": s, "loss": s / 8, "response": "y" * 40} for s in range(6)]
     log = tmp_path / "metrics.jsonl"
     old = _jsonl_file(rows) + b'{"step": 6, "lo'                 # killed mid-step 6 the first time
@@ -3609,10 +3602,10 @@ def test_trim_killed_at_any_byte_of_its_rewrite_keeps_the_whole_log(tmp_path, mo
         monkeypatch.setattr(os, "fsync", lambda fd: None)
         monkeypatch.setattr(builtins, "open", _CutWrites(tmp_path, budget, die))
         with pytest.raises(_Killed):
-            checkpoint.trim_metrics(str(log), 3)
+            metrics.trim_metrics(str(log), 3)
         monkeypatch.setattr(builtins, "open", builtins.open.real_open)
         assert log.read_bytes() == old, budget
-        checkpoint.trim_metrics(str(log), 3)
+        metrics.trim_metrics(str(log), 3)
         assert log.read_bytes() == kept and os.listdir(tmp_path) == ["metrics.jsonl"], budget
 
 
@@ -3719,10 +3712,10 @@ def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one
 def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(tiny_run_inputs,
                                                                               tmp_path, capsys):
     """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
-    between its two renames, only OUT/final.old is there: data.load_model (--model OUT/final, as
+    between its two renames, only OUT/final.old is there: checkpoint.load_model (--model OUT/final, as
     evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
     import checkpoint
-    _, tok, model = data.load_model(str(tiny_run_inputs / "model"))
+    _, tok, model = checkpoint.load_model(str(tiny_run_inputs / "model"))
     out, final = str(tmp_path), str(tmp_path / "final")
     checkpoint.save_final(out, model, tok, model.state_dict())
     with torch.no_grad():
@@ -3731,7 +3724,7 @@ def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(ti
     checkpoint.save_final(out, model, tok, model.state_dict())
     assert os.listdir(tmp_path) == ["final"]
     os.rename(final, final + ".old")                             # the moment between the renames
-    path, _, loaded = data.load_model(final)
+    path, _, loaded = checkpoint.load_model(final)
     assert path == final + ".old" and "final.old is whole" in capsys.readouterr().err
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     checkpoint.save_final(out, model, tok, model.state_dict())
@@ -3755,28 +3748,28 @@ def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, 
 
     def logged(name):
         return [(r["step"], r.get("response", "eval" if "eval/accuracy" in r else ""))
-                for r in curves.read_metrics(str(tmp_path / name))]
-    log = curves.RunLog(args, {"run": 1})
+                for r in metrics.read_metrics(str(tmp_path / name))]
+    log = metrics.RunLog(args, {"run": 1})
     log.log({"step": 0, "eval/accuracy": 0.25})
     steps(log, [1, 2, 3, 4])
     log.close()
     for name in ("metrics.jsonl", "completions.jsonl"):
         with open(tmp_path / name, "a") as fh:
             fh.write('{"step": 5, "lo')                          # killed mid-write
-    log = curves.RunLog(args, {"run": 1, "resume": True}, resume_step=2)
+    log = metrics.RunLog(args, {"run": 1, "resume": True}, resume_step=2)
     steps(log, [3, 4, 5])
     log.close()
     assert [s for s, _ in logged("metrics.jsonl")] == [0, 1, 2, 2, 3, 4, 5]
     assert logged("completions.jsonl") == [(s, f"{s}{c}") for s in range(1, 6) for c in "ab"]
     assert capsys.readouterr().err.count("dropped its last line, cut short") == 2
-    log = curves.RunLog(args, {"run": 2})
+    log = metrics.RunLog(args, {"run": 2})
     steps(log, [1])
     log.close()
     assert logged("metrics.jsonl") == [(1, "")]
     assert logged("completions.jsonl") == [(1, "1a"), (1, "1b")]
     assert json.loads((tmp_path / "config.json").read_text()) == {"run": 2}
     args.log_completions = 0
-    curves.RunLog(args, {"run": 3}).close()
+    metrics.RunLog(args, {"run": 3}).close()
     assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl"]
 
 
@@ -3816,8 +3809,8 @@ def flip_x(response: str, answer: str) -> float:
 _KILL_DRIVER = r"""
 import builtins, json, os, random, signal, sys, time, traceback
 import torch
-import data, test_grpo, train
-data.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
+import checkpoint, test_grpo, train
+checkpoint.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
 param = torch.zeros(1, requires_grad=True)
 param.grad = torch.ones(1)
 torch.optim.AdamW([param]).step()
@@ -3959,7 +3952,7 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
 
 
 # ---------------------------------------------------------------------------------------------
-# curves.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
+# metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------
 
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
@@ -3968,10 +3961,9 @@ def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
 
 
 def test_no_learning_signal_is_said_once_with_its_likely_causes():
-    import train
-    grpo_args, dapo_args = train.parse_args(["--algo", "grpo"]), train.parse_args(["--algo", "dapo", "--max-rounds", "4"])
+    grpo_args, dapo_args = flags.parse_train_args(["--algo", "grpo"]), flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"])
     # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
-    check = curves.SignalCheck(grpo_args)
+    check = metrics.SignalCheck(grpo_args)
     said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
     assert len(said[0]) == 1 and said[1] == [] and check.silent
     msg = said[0][0]
@@ -3981,13 +3973,13 @@ def test_no_learning_signal_is_said_once_with_its_likely_causes():
     third = check(_signal_row(3, 0.0, 1.0))
     assert len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0] and check(_signal_row(4, 0, 1)) == []
     # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains (not silent)
-    check = curves.SignalCheck(dapo_args)
+    check = metrics.SignalCheck(dapo_args)
     assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
     said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
     assert len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0] and check.silent
     assert "every sample is right" in said[0]
     assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []      # once a run; and some samples scored: no "none right"
-    mixed = curves.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
+    mixed = metrics.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
     assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
 
 
@@ -3996,8 +3988,7 @@ def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
     # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
     # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
     # groups are all equal is one, after it.
-    import train
-    check = curves.SignalCheck(train.parse_args(["--algo", "grpo", "--format-weight", "0.5"]))
+    check = metrics.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight", "0.5"]))
     said, silent = [], []
     for step in (1, 2, 3, 4):
         said.append(check(_signal_row(step, 0.0, 0.5)))
@@ -4127,7 +4118,7 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
 def _lora_model(d, r=4):
     """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would be a no-op)."""
     import lora
-    path, tok, model = data.load_model(str(d / "model"))
+    path, tok, model = checkpoint.load_model(str(d / "model"))
     config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -4141,11 +4132,11 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     pytest.importorskip("peft", reason="--lora-r needs peft")
     import lora
     tok, model, _ = _lora_model(tiny_run_inputs)
-    _, _, base = data.load_model(str(tiny_run_inputs / "model"))
+    _, _, base = checkpoint.load_model(str(tiny_run_inputs / "model"))
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
     assert len(adapters) == 2 * 7 * 2                                       # A and B of 7 projections in 2 layers
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 2, 8, eos,
                          tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
     rows = slice(0, 6)
@@ -4188,7 +4179,7 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     base = {n for n in before if ".lora_" not in n}
     assert len(base) == len(before) - 28                          # A and B of 14 projections
     assert not any(model.get_parameter(n).requires_grad for n in base)
-    encode, eos = data.PromptFormatter(tok), data.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
     prompts = [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)]
     roll = sample_groups(model, prompts, 4, 8, eos, tok.pad_token_id, temperature=1.0,
                          generator=torch.Generator().manual_seed(1))
@@ -4243,7 +4234,7 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     import importlib.util
 
     import train
-    flags = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
+    run = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
     for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
                            (["--lora-r", "4", "--rollout", "vllm"], "--lora-r with --rollout vllm is not supported"),
                            (["--lora-r", "-1"], "--lora-r must be >= 0"),
@@ -4251,14 +4242,14 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
         if "wq,wk" in extra and importlib.util.find_spec("peft") is None:  # the others need no peft
             continue
         with pytest.raises(SystemExit) as e:
-            train.main([*flags, *extra])
+            train.main([*run, *extra])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(SystemExit) as e:
-        train.main([*flags, "--lora-r", "4"])
+        train.main([*run, "--lora-r", "4"])
     assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
-    assert train.parse_args(["--lora-r", "8"]).lora_alpha == 16 and train.parse_args(["--lora-r", "8"]).lr == 2e-3
+    assert flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16 and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3
 
 
 @pytest.mark.slow
@@ -4316,18 +4307,18 @@ def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
 
 def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
     import ablate.rows
-    import train
-    first = train.parse_args(ablate.rows.row_flags(0))
+    first = flags.parse_train_args(ablate.rows.row_flags(0))
     assert (first.beta, first.eps_high, first.reduction, first.dynamic_sampling, first.overlong_filter,
             first.overlong_penalty) == (0.0, 0.2, "sequence", False, False, False)
-    last = train.parse_args(ablate.rows.row_flags(len(ablate.rows.ROWS) - 1))
-    assert {**vars(last), "algo": None} == {**vars(train.parse_args(["--algo", "dapo"])), "algo": None}
-    changed = [sum(vars(train.parse_args(ablate.rows.row_flags(i)))[k] != vars(train.parse_args(ablate.rows.row_flags(i - 1)))[k]
+    last = flags.parse_train_args(ablate.rows.row_flags(len(ablate.rows.ROWS) - 1))
+    assert {**vars(last), "algo": None} == {**vars(flags.parse_train_args(["--algo", "dapo"])), "algo": None}
+    parsed = [vars(flags.parse_train_args(ablate.rows.row_flags(i))) for i in range(len(ablate.rows.ROWS))]
+    changed = [sum(parsed[i][k] != parsed[i - 1][k]
                    for k in vars(first) if k != "algo") for i in range(1, len(ablate.rows.ROWS))]
     assert changed == [1] * (len(ablate.rows.ROWS) - 1)
     # an --add-row row is DAPO plus its flags
     rows = ablate.rows.ROWS + [ablate.rows.extra_row("+ CISPO=--loss cispo --tis-cap 2")]
-    v = train.parse_args(ablate.rows.row_flags(len(rows) - 1, rows))
+    v = flags.parse_train_args(ablate.rows.row_flags(len(rows) - 1, rows))
     assert {**vars(v), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None} == \
         {**vars(last), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None}
     assert (v.loss, v.tis_cap, v.eps_high) == ("cispo", 2.0, 0.28)  # ROWS set --eps-high 0.28 on the command line
@@ -4354,17 +4345,16 @@ def test_ablation_table_and_curves_from_metrics():
 
 def test_experiment_arms_change_only_their_fix():
     """Each experiment's arms are the baseline plus the one fix they test (all flags parse)."""
-    import train
     from ablate import experiments
     fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
              "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}], "token-level-loss": [{"reduction"}],
              "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
     assert [e.name for e in experiments.EXPERIMENTS] == list(fixes)
     for e in experiments.EXPERIMENTS:
-        base = vars(train.parse_args([*e.flags, *e.arms[0][1]]))
+        base = vars(flags.parse_train_args([*e.flags, *e.arms[0][1]]))
         assert (base["beta"], base["eps_high"], base["reduction"], base["dynamic_sampling"], base["overlong_filter"],
                 base["overlong_penalty"]) == (0.0, 0.2, "sequence", False, False, False)   # naive GRPO
-        changed = [{k for k, v in vars(train.parse_args([*e.flags, *flags])).items() if v != base[k]} for _, flags in e.arms[1:]]
+        changed = [{k for k, v in vars(flags.parse_train_args([*e.flags, *arm])).items() if v != base[k]} for _, arm in e.arms[1:]]
         assert changed == fixes[e.name], e.name
         data.Reward.load(base["reward"])  # a --reward module:function the experiment names imports
 
@@ -4498,16 +4488,15 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
     small, logs = habits.Habit(steps=2, batch_size=4), []
     folder = habits.habit_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a))
     assert folder == str(tmp_path / f"habit-{habits.habit_key(small, tiny)}") and len(logs) == 3  # base (2 lines), habit
-    _, _, base = data.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
-    _, tok, model = data.load_model(folder)
+    _, _, base = checkpoint.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
+    _, tok, model = checkpoint.load_model(folder)
     assert tok.eos_token_id == 1 and any(not torch.equal(p, q) for p, q in zip(base.parameters(), model.parameters()))
     assert habits.habit_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a)) == folder and len(logs) == 3
     # an experiment on a habit model runs train.py on its folder, the built-in task's learning rate
-    import train
     monkeypatch.setattr(habits, "habit_model", lambda h: folder)
     exp = next(e for e in experiments.EXPERIMENTS if e.name == "token-level-loss")
-    args = train.parse_args([*exp.model_flags(), *exp.flags])
-    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, train.BUILTIN_DEFAULTS["lr"], 96, 16)
+    args = flags.parse_train_args([*exp.model_flags(), *exp.flags])
+    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, flags.BUILTIN_DEFAULTS["lr"], 96, 16)
     assert experiments.Experiment("x", "", ("--steps", "2"), (), (), ()).model_flags() == ()
 
 # ---------------------------------------------------------------------------------------------
@@ -4517,12 +4506,12 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
 
 def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
     import train
-    assert (train.parse_args([]).rollout, train.parse_args([]).tis_cap) == ("hf", 0.0)
-    assert train.parse_args(["--rollout", "vllm"]).tis_cap == train.VLLM_TIS_CAP == 2.0  # TIS on with an engine
-    assert train.parse_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0       # unless switched off
+    assert (flags.parse_train_args([]).rollout, flags.parse_train_args([]).tis_cap) == ("hf", 0.0)
+    assert flags.parse_train_args(["--rollout", "vllm"]).tis_cap == flags.VLLM_TIS_CAP == 2.0  # TIS on with an engine
+    assert flags.parse_train_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0       # unless switched off
     for bad in (["--vllm-gpu-memory-utilization", "0"], ["--rollout", "sglang"]):
         with pytest.raises(SystemExit) as e:
-            train.parse_args(bad)
+            flags.parse_train_args(bad)
         assert e.value.code == 2
     capsys.readouterr()
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
@@ -4548,9 +4537,9 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
     plain = {k: v.clone() for k, v in model.state_dict().items()}
     gathers, real = [], DTensor.full_tensor
     monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathers.append(self.shape) or real(self, **kw))
-    ddp = parallel.Dist("cpu", fsdp=True)
+    ranks = parallel.Dist("cpu", fsdp=True)
     try:
-        parallel.wrap(model, ddp, fsdp=True)
+        parallel.wrap(model, ranks, fsdp=True)
         stream, seen = vllm_rollout.full_weights(model, torch.bfloat16), {}
         for i, (name, t) in enumerate(stream):
             assert len(gathers) == i + 1                     # gathered as read, one tensor in flight
@@ -4558,7 +4547,7 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
             seen[name] = t
         assert set(seen) == set(plain)
     finally:
-        ddp.close()
+        ranks.close()
 
 
 class _RecordingLLM:
@@ -4856,6 +4845,7 @@ def _cli_actions() -> list:
     as __main__ until its parser's parse_known_args, which hands the parser over instead of
     parsing."""
     import argparse
+    import re
     import runpy
 
     class Parsed(Exception):
@@ -4873,7 +4863,7 @@ def _cli_actions() -> list:
     try:
         for path, module in commands:
             src = _read(path) if path.endswith(".py") else ""
-            if "__main__" not in src or "parse_args(" not in src:
+            if "__main__" not in src or not re.search(r"parse_\w*args\(", src):
                 continue
             sys.argv = [path]
             with pytest.raises(Parsed) as got:  # a script that returns here parsed nothing: a bug in this test

@@ -56,7 +56,7 @@ class UpdateStats:
     update_s: float                 # seconds of the gradient passes and optimizer steps after them
 
 
-def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
+def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
     """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
 
     Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
@@ -65,8 +65,8 @@ def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
     """
     G = roll.G
     idx = roll.index[::G].contiguous()                                   # [b] each group's prompt index
-    b_max = ddp.max(idx.numel())
-    everyone = torch.cat(ddp.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    b_max = ranks.max(idx.numel())
+    everyone = torch.cat(ranks.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
     everyone = everyone[everyone >= 0].sort().values                                             # [B]
     B = everyone.numel()
     if B == 0:
@@ -76,11 +76,11 @@ def minibatch_rows(roll: Rollout, K: int, ddp: parallel.Dist) -> list[slice]:
 
 
 def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
-                  ddp: parallel.Dist) -> UpdateStats:
+                  ranks: parallel.Dist) -> UpdateStats:
     """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
     --kl estimator, - entropy_coef * entropy, the surrogate's tokens weighted by truncated IS with
     --tis-cap: grpo.policy_loss) on this rank's rows of `roll` (advantages [N], loss mask [N, T]);
-    returns its UpdateStats. `args` is train.Args.
+    returns its UpdateStats. `args` is flags.TrainArgs.
 
     Old log-probs are computed once, before the first update (with one update they equal the current
     ones). Each update's denominators are its mini-batch's global token and response counts (all
@@ -91,92 +91,185 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     update the ratio is exactly 1. The entropy and the sampler/trainer mismatch (Rollout.logprobs
     against the old log-probs) are summed once per row.
     """
-    policy, model, ref, amp = learner.policy, learner.model, learner.ref, learner.amp
-    mb = args.micro_batch_size
-    minibatches = []                                  # per update: (micro slices, tokens, seqs)
-    for rows in minibatch_rows(roll, args.mini_batches, ddp):
-        n = rows.stop - rows.start
-        starts = range(rows.start, rows.start + ddp.max(math.ceil(n / mb)) * mb, mb)
-        micro = [slice(a, min(a + mb, rows.stop)) for a in starts]
-        m = mask[rows]                                                  # [n, T]
-        num_tokens, num_seqs = ddp.sum(m.sum()).float(), ddp.sum((m.sum(-1) > 0).sum()).float()
-        minibatches.append((micro, num_tokens, num_seqs))
-    passes = [s for micro, _, _ in minibatches for s in micro if s.start < s.stop]
-    # how the training forward may run (logprobs.rollout_logprobs): each response with its own prompt under
-    # FSDP2, and with gradients under --gradient-checkpointing; one length bucket per slice with several ranks
-    nograd = dict(shared_prefix=not args.fsdp, buckets=ddp.world == 1)
-    grad = dict(nograd, shared_prefix=not (args.fsdp or args.gradient_checkpointing))
+    minibatches = plan_minibatches(roll, mask, args, ranks)
+    several = args.mu * len(minibatches) > 1       # more than one update: old != current policy
     t0 = time.time()
-    several = args.mu * len(minibatches) > 1
-    with (torch.no_grad(), amp(), parallel.unsharded(model if several else None),
-          parallel.unsharded(ref)):
-        # old policy only when it differs from the current one, reference only when beta > 0
-        logp_of = lambda m: {(s.start, s.stop): rollout_logprobs(m, roll, s, args.temperature, **nograd)[0]  # noqa: E731
-                             for s in passes}                            # (start, stop) -> [n, T]
-        old_logp = logp_of(model) if several else None
-        with learner.as_reference():
-            ref_logp = logp_of(ref) if ref is not None else None
+    old_logp, ref_logp = fixed_logprobs(learner, roll, minibatches, args, ranks, several)
+    batch = StepBatch(roll, advantages, mask, old_logp, ref_logp)
     t_logprob, t0 = time.time() - t0, time.time()
     first = dict.fromkeys(UPDATE_SUMS, 0.0)                           # the first update
     rest = dict.fromkeys(UPDATE_SUMS, 0.0)                            # the others
-    abs_max, bonus = 0.0, args.entropy_coef != 0
-    dual = {"clip_c": args.clip_c} if args.clip_c else {}             # dual-clip: --loss ppo only
-    clip = dict(eps_low=args.eps_low, eps_high=args.eps_high, **dual)
-    surrogate = functools.partial(LOSSES[args.loss], **clip)          # the --loss objective
-    kl = KL_ESTIMATORS[args.kl]
+    abs_max, loss_fns = 0.0, objective(args)
     for epoch in range(args.mu):
-        for k, (micro, num_tokens, num_seqs) in enumerate(minibatches):
+        for k, mb in enumerate(minibatches):
             sums = first if epoch == 0 and k == 0 else rest
             learner.opt.zero_grad(set_to_none=True)
-            for i, s in enumerate(micro):
-                last = i == len(micro) - 1
-                with (parallel.grad_sync(policy, last), amp(),
-                      parallel.recompute(policy, args.gradient_checkpointing)):
+            for i, s in enumerate(mb.micro):
+                last = i == len(mb.micro) - 1
+                with (parallel.grad_sync(learner.policy, last), learner.amp(),
+                      parallel.recompute(learner.policy, args.gradient_checkpointing)):
                     if s.start >= s.stop:  # none of this rank's rows: a zero-weight pass for DDP
-                        one = torch.zeros(1, 1, dtype=torch.long, device=ddp.device)
-                        (policy(input_ids=one).logits.sum() * 0.0).backward()
+                        empty_pass(learner.policy, ranks)
                         continue
-                    logp, ent, valid = rollout_logprobs(policy, roll, s, args.temperature, epoch == 0 or bonus, **grad)
-                    key, dev = (s.start, s.stop), logp.device
-                    old = old_logp[key] if old_logp is not None else logp.detach()  # [n, T]
-                    m_s = mask[s].to(dev)                                   # [n, T]
-                    sampler_logp = roll.logprobs[s].to(dev)                 # [n, T], the sampler's
-                    # each token's weight: --reduction with this update's global counts
-                    w = grpo.token_weights(m_s, args.reduction, num_tokens, args.max_new_tokens,
-                                           num_seqs)                        # [n, T]
-                    tis = None                                              # --tis-cap: [n, T]
-                    if args.tis_cap:
-                        tis = variants.tis_weights(old, sampler_logp, m_s, args.tis_cap)
-                    ref_s = ref_logp[key] if ref_logp is not None else None  # [n, T]; None: beta 0
-                    # Step 4: surrogate (--loss) + beta * KL (--kl), truncated IS on the surrogate
-                    loss, m = grpo.policy_loss(logp, old, advantages[s].to(dev), m_s, w, surrogate,
-                                               ref_s, args.beta, kl, tis)
-                    if bonus:                                               # - coef * entropy
-                        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, m_s, w)[0]
+                    micro = micro_loss(learner, batch, s, mb, args, ranks, epoch, loss_fns)
                     # DDP averages gradients over ranks; the loss is already a global mean
-                    (loss * ddp.world).backward()
-                tok = float(m_s.sum())
-                sums["loss"] += loss.item()
-                sums["tokens"] += tok
-                for name in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean",
-                             "clip/dual_frac"):
-                    sums[name] += m.get(name, 0.0) * tok
+                    (micro.loss * ranks.world).backward()
+                add_loss_sums(sums, micro)
                 if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
-                    mm = variants.mismatch_metrics(old, sampler_logp, valid)
-                    n_valid = float(valid.sum())
-                    sums["entropy"] += float((ent.detach() * valid).sum())
-                    sums["entropy_tokens"] += n_valid
-                    sums["mismatch/abs"] += mm["mismatch/logp_abs_mean"] * n_valid
-                    sums["mismatch/kl"] += mm["mismatch/kl"] * n_valid
-                    sums["mismatch/tokens"] += n_valid
-                    abs_max = max(abs_max, mm["mismatch/logp_abs_max"])
-            # the norm is logged with clipping off too (max_norm inf clips nothing)
-            max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if ddp.master:  # every rank holds the same all-reduced gradient: count its norm once
-                sums["grad_norm"] += float(grad_norm)
-                sums["updates"] += 1
-            learner.opt.step()
-    abs_max = torch.cat(ddp.gather(torch.tensor([abs_max], dtype=torch.float64))).max()  # all ranks
-    return UpdateStats(ddp.sum_named(first), ddp.sum_named(rest), float(abs_max), t_logprob,
+                    abs_max = max(abs_max, add_once_sums(sums, micro))
+            optimizer_step(learner, sums, args, ranks)
+    abs_max = torch.tensor([abs_max], dtype=torch.float64)
+    abs_max = torch.cat(ranks.gather(abs_max)).max()                   # over all ranks
+    return UpdateStats(ranks.sum_named(first), ranks.sum_named(rest), float(abs_max), t_logprob,
                        time.time() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts of an update: the plan of mini- and micro-batches, the no-grad passes, one
+# micro-batch's loss, the sums, the optimizer step
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Minibatch:
+    """One optimizer update's share of this rank's rows, with the update's global counts."""
+    micro: list[slice]          # this rank's micro-batches (empty slices once it has run out)
+    num_tokens: torch.Tensor    # the mini-batch's loss tokens, over all ranks
+    num_seqs: torch.Tensor      # its responses with a loss token, over all ranks
+
+
+@dataclass
+class StepBatch:
+    """This rank's rows of the step as the update reads them."""
+    roll: Rollout
+    advantages: torch.Tensor    # [N]
+    mask: torch.Tensor          # [N, T] the loss mask
+    old_logp: dict | None       # (start, stop) -> [n, T]; None: the current policy's (one update)
+    ref_logp: dict | None       # (start, stop) -> [n, T]; None: beta 0, no reference
+
+
+@dataclass
+class MicroLoss:
+    """One micro-batch's loss (rows [n] of the step) and what its sums are made of."""
+    loss: torch.Tensor          # its share of the update's global mean
+    stats: dict[str, float]     # grpo.policy_loss's metrics (kl, clip and ratio fractions)
+    mask: torch.Tensor          # [n, T] the loss mask
+    old: torch.Tensor           # [n, T] old log-probs
+    sampler_logp: torch.Tensor  # [n, T] the sampler's log-probs (Rollout.logprobs)
+    ent: torch.Tensor | None    # [n, T] token entropies (the first pass, or with a bonus)
+    valid: torch.Tensor         # [n, T] the response's positions
+
+
+def plan_minibatches(roll: Rollout, mask, args, ranks: parallel.Dist) -> list[Minibatch]:
+    """This rank's rows of each mini-batch (minibatch_rows) cut into --micro-batch-size slices,
+    as many on every rank (DDP synchronises in each backward), and each update's denominators."""
+    size = args.micro_batch_size
+    minibatches = []
+    for rows in minibatch_rows(roll, args.mini_batches, ranks):
+        n = rows.stop - rows.start
+        starts = range(rows.start, rows.start + ranks.max(math.ceil(n / size)) * size, size)
+        micro = [slice(a, min(a + size, rows.stop)) for a in starts]
+        rows_mask = mask[rows]                                          # [n, T]
+        num_tokens = ranks.sum(rows_mask.sum()).float()
+        num_seqs = ranks.sum((rows_mask.sum(-1) > 0).sum()).float()
+        minibatches.append(Minibatch(micro, num_tokens, num_seqs))
+    return minibatches
+
+
+def forward_options(args, ranks: parallel.Dist, grad: bool) -> dict:
+    """How the training forward may run (logprobs.rollout_logprobs): each response with its own
+    prompt under FSDP2, and with gradients under --gradient-checkpointing; one length bucket per
+    slice with several ranks."""
+    own_prompt = args.fsdp or (grad and args.gradient_checkpointing)
+    return dict(shared_prefix=not own_prompt, buckets=ranks.world == 1)
+
+
+def fixed_logprobs(learner: Learner, roll: Rollout, minibatches: list[Minibatch], args,
+                   ranks: parallel.Dist, several: bool):
+    """The no-grad passes before the first update, (start, stop) -> [n, T] each: the old policy's
+    log-probs only when it differs from the current one (`several` updates), the reference's only
+    when beta > 0 (else None)."""
+    passes = [s for mb in minibatches for s in mb.micro if s.start < s.stop]
+    nograd = forward_options(args, ranks, grad=False)
+    with (torch.no_grad(), learner.amp(), parallel.unsharded(learner.model if several else None),
+          parallel.unsharded(learner.ref)):
+        logp_of = lambda net: {(s.start, s.stop):  # noqa: E731
+                               rollout_logprobs(net, roll, s, args.temperature, **nograd)[0]
+                               for s in passes}
+        old_logp = logp_of(learner.model) if several else None
+        with learner.as_reference():
+            ref_logp = logp_of(learner.ref) if learner.ref is not None else None
+    return old_logp, ref_logp
+
+
+def objective(args) -> tuple[Callable, Callable]:
+    """(the --loss surrogate with its clip range, the --kl estimator) for grpo.policy_loss."""
+    dual = {"clip_c": args.clip_c} if args.clip_c else {}             # dual-clip: --loss ppo only
+    clip = dict(eps_low=args.eps_low, eps_high=args.eps_high, **dual)
+    return functools.partial(LOSSES[args.loss], **clip), KL_ESTIMATORS[args.kl]
+
+
+def empty_pass(policy: torch.nn.Module, ranks: parallel.Dist) -> None:
+    """A zero-weight forward and backward, for a rank with no rows left in this update: DDP's
+    backward is a collective every rank must join."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=ranks.device)
+    (policy(input_ids=one).logits.sum() * 0.0).backward()
+
+
+def micro_loss(learner: Learner, batch: StepBatch, s: slice, mb: Minibatch, args,
+               ranks: parallel.Dist, epoch: int, loss_fns: tuple[Callable, Callable]) -> MicroLoss:
+    """Step 4 on the rows `s`: the training forward, then grpo.policy_loss = surrogate (--loss,
+    each token weighted by --reduction with the update's global counts, truncated IS with
+    --tis-cap) + beta * KL (--kl), - entropy_coef * entropy."""
+    bonus = args.entropy_coef != 0
+    logp, ent, valid = rollout_logprobs(learner.policy, batch.roll, s, args.temperature,
+                                        epoch == 0 or bonus, **forward_options(args, ranks, True))
+    key, dev = (s.start, s.stop), logp.device
+    old = batch.old_logp[key] if batch.old_logp is not None else logp.detach()  # [n, T]
+    mask_s = batch.mask[s].to(dev)                                   # [n, T]
+    sampler_logp = batch.roll.logprobs[s].to(dev)                   # [n, T], the sampler's
+    w = grpo.token_weights(mask_s, args.reduction, mb.num_tokens, args.max_new_tokens,
+                           mb.num_seqs)                              # [n, T]
+    tis = None                                                       # --tis-cap: [n, T]
+    if args.tis_cap:
+        tis = variants.tis_weights(old, sampler_logp, mask_s, args.tis_cap)
+    ref_s = batch.ref_logp[key] if batch.ref_logp is not None else None  # [n, T]; None: beta 0
+    surrogate, kl = loss_fns
+    loss, stats = grpo.policy_loss(logp, old, batch.advantages[s].to(dev), mask_s, w, surrogate,
+                                   ref_s, args.beta, kl, tis)
+    if bonus:                                                        # - coef * entropy
+        loss = loss - args.entropy_coef * variants.entropy_bonus(ent, mask_s, w)[0]
+    return MicroLoss(loss, stats, mask_s, old, sampler_logp, ent, valid)
+
+
+def add_loss_sums(sums: dict[str, float], micro: MicroLoss) -> None:
+    """The loss, its tokens, and the token-weighted KL, clip and ratio metrics of a micro-batch."""
+    tok = float(micro.mask.sum())
+    sums["loss"] += micro.loss.item()
+    sums["tokens"] += tok
+    for name in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
+        sums[name] += micro.stats.get(name, 0.0) * tok
+
+
+def add_once_sums(sums: dict[str, float], micro: MicroLoss) -> float:
+    """The entropy and the sampler/trainer mismatch of a micro-batch (the first pass only: once
+    per response); returns its largest |sampler - old| log-prob."""
+    mismatch = variants.mismatch_metrics(micro.old, micro.sampler_logp, micro.valid)
+    n_valid = float(micro.valid.sum())
+    sums["entropy"] += float((micro.ent.detach() * micro.valid).sum())
+    sums["entropy_tokens"] += n_valid
+    sums["mismatch/abs"] += mismatch["mismatch/logp_abs_mean"] * n_valid
+    sums["mismatch/kl"] += mismatch["mismatch/kl"] * n_valid
+    sums["mismatch/tokens"] += n_valid
+    return mismatch["mismatch/logp_abs_max"]
+
+
+def optimizer_step(learner: Learner, sums: dict[str, float], args, ranks: parallel.Dist) -> None:
+    """The gradient clipped to --grad-clip (its norm logged with clipping off too: max_norm inf
+    clips nothing), counted once (every rank holds the same all-reduced gradient), one AdamW
+    step."""
+    max_norm = args.grad_clip if args.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(learner.model.parameters(), max_norm)
+    if ranks.master:
+        sums["grad_norm"] += float(grad_norm)
+        sums["updates"] += 1
+    learner.opt.step()

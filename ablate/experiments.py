@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import builtin
 import dapo
-import train
+import flags
 import verifier
 from ablate import habits
 from ablate.measures import Run, at_samples, by_step, end, final, fmt, logged, over_run
@@ -107,11 +107,11 @@ class Experiment:
 
     def model_flags(self) -> tuple[str, ...]:
         """--model and the built-in task's defaults a model folder does not get
-        (train.BUILTIN_DEFAULTS, 40 tokens)."""
+        (flags.BUILTIN_DEFAULTS, 40 tokens)."""
         if self.habit is None:
             return ()
         return ("--model", habits.habit_model(self.habit),
-                "--lr", str(train.BUILTIN_DEFAULTS["lr"]), "--max-new-tokens", "40")
+                "--lr", str(flags.BUILTIN_DEFAULTS["lr"]), "--max-new-tokens", "40")
 
 
 def difference(base: list[float], other: list[float]) -> tuple[float, float | None]:

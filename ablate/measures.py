@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from curves import read_metrics
+from metrics import read_metrics
 
 
 @dataclass

@@ -192,15 +192,16 @@ def _passes(fn, model, roll, mb: int, temperature: float, device: str) -> dict:
 
 def bench_forward(device: str, repeats: int) -> None:
     import builtin
+    import checkpoint
     import data
     print("\n## The training forward: each group's prompt once (shared prefix) vs once per "
           "response, seconds")
     cases = []
     # the built-in task: the base model's own rollouts of the default step (32 prompts x 8, 40 new)
-    _, tok, model = data.load_model("builtin")
+    _, tok, model = checkpoint.load_model("builtin")
     encode = data.PromptFormatter(tok, "{prompt}", None, True)
     prompts = [encode(r["prompt"]) for r in builtin.sample_problems(32, 0, False, distinct=False)]
-    roll = sample_groups(model.to(device), prompts, 8, 40, data.end_ids(tok, model),
+    roll = sample_groups(model.to(device), prompts, 8, 40, checkpoint.end_ids(tok, model),
                          tok.pad_token_id,
                          generator=[torch.Generator().manual_seed(i) for i in range(32)])
     cases.append(("built-in task, 32 prompts x G=8, micro-batch 64", model, roll, 64))
