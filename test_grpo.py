@@ -1,11 +1,16 @@
-"""Tests: hand-sized numeric cases, equivalence checks, and short end-to-end runs.
+"""Tests: the article walk-through and the unit tests (hand-sized numeric cases, equivalence checks).
 
 The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then DAPO's
-Eq. 10-13), each case worked by hand; then shared helpers, then one section per module in the order
-grpo, variants, dapo, update, logprobs, sampler, verifier, builtin, data, evaluate, train and flags,
-checkpoint and parallel, metrics/lora/integrations, bench, ablate, vllm_rollout, and the GPU-only tests.
+Eq. 10-13), each case worked by hand; then the shared fixtures and helpers (tiny_model,
+tiny_run_inputs, PROMPTS, _tiny_flags, and the rewards `--reward test_grpo:NAME` names: has_x,
+flip_x, trl_length, ...), then one section per module in the order grpo, variants, dapo, update,
+logprobs, sampler, verifier, builtin, data, evaluate, train and flags, checkpoint and parallel,
+metrics/lora/integrations. Nothing here is @slow. The other tests are in tests/, by kind: the
+end-to-end runs through subprocess and torchrun (test_runs.py, launched by launch.py), bench and
+ablate (test_tools.py), --rollout vllm (test_vllm.py), GPUs (test_gpu.py), the docs (test_docs.py);
+tests/conftest.py hands them this file's fixtures. All of them:
 
-    python -m pytest -q test_grpo.py
+    python -m pytest -q test_grpo.py tests
 """
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 import warnings
@@ -24,7 +28,6 @@ import torch
 
 import builtin
 import checkpoint
-import curves
 import dapo
 import data
 import flags
@@ -39,6 +42,7 @@ from sampler import Rollout, sample_groups
 from verifier import canonical, canonical_answer, extract_answer, format_reward, parse_number, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,8 +244,14 @@ def test_overlong_filter_masks_truncated_rows():
 
 # -- The whole example, printed by python grpo.py: Steps 1-4, then three of DAPO's fixes --
 S1, S2 = "Step 1: Rollout 采样", "Step 2: Reward 计算"
+
+
 S3, S4 = "Step 3: Advantage 估计", "Step 4: PPO Loss 计算"
+
+
 LN2 = math.log(2)
+
+
 # (article step, part of the quantity's name, its values, part of the note where the article
 # differs or None). By hand: A = [0.5, 0.5, 0.5, -1.5] (Step 3); ratios [1.1, 1.04, 1.25, 0.9]
 # give rho A = [0.55, 0.52, 0.625, -1.35]; eps 0.2 clips o_3's 1.25 to 1.2 (0.6 < 0.625, so min
@@ -329,9 +339,13 @@ def tiny_model():
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]]
+
+
 # prompts at a real run's shape: a shared 140-token instruction (longer than a 128-token KV block), then
 # each prompt's own 3, 6 and 1 tokens, so the prompts still differ in length and are left-padded
 INSTRUCTION = [int(t) for t in torch.randint(2, 40, (140,), generator=torch.Generator().manual_seed(4))]
+
+
 LONG_PROMPTS = [INSTRUCTION + p for p in PROMPTS]
 
 
@@ -368,25 +382,6 @@ def _tiny_flags(d, out):
             "--reward", "test_grpo:has_x", "--out", str(out), "--device", "cpu"]
 
 
-def _run_train(d, out, *extra):
-    flags = _tiny_flags(d, out)
-    if "--reward" in extra:  # --reward repeats to sum several rewards: the caller's replaces the default one
-        del flags[flags.index("--reward"):flags.index("--reward") + 2]
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), *flags, "--steps", "2", "--eval-every", "1", *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
-                         env={**os.environ, "PYTHONPATH": str(d)})
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
-
-
-def _torchrun(nproc, script, *flags):
-    """`script flags` under torchrun on nproc CPU ranks (gloo); fails the test unless every rank exits 0."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *flags]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,  # a rank that aborts prints its stack
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
-
-
 def _weights(folder):
     from transformers import AutoModelForCausalLM
     return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
@@ -397,6 +392,11 @@ def _one_step(d, out, *extra):
     train.main([*_tiny_flags(d, out), "--steps", "1", "--eval-every", "5", "--grad-clip", "0", "--algo", "dapo",
                 "--no-dynamic-sampling", *extra])
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][-1]
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2063,18 +2063,6 @@ def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
         data.Reward([("x", has_x)], [1.0, 2.0])
 
 
-@pytest.mark.slow
-def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
-    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length", "--reward-weights", "1", "0.5")
-    # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 * trl_length
-    assert row["reward/correct"] == pytest.approx(row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
-    assert row["reward/trl_length"] < 0 and json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == \
-        ["test_grpo:has_x", "test_grpo:trl_length"]
-    with pytest.raises(SystemExit) as e:
-        flags.parse_train_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
-    assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
-
-
 def _spy(monkeypatch, module, name):
     """Calls of module.name (arguments, return value) recorded as they happen; the real one runs."""
     seen, real = [], getattr(module, name)
@@ -2102,6 +2090,7 @@ def test_reward_weights_weigh_the_rewards_train_py_trains_on(tiny_run_inputs, tm
     penalty = dapo.overlong_penalty(roll.lengths, 12, 2)                  # --algo dapo: +-1, Eq. 13
     assert torch.allclose(roll.rewards, 2 * roll.correct - 1 + penalty, atol=1e-6)
     assert row["reward/correct"] == pytest.approx(float(roll.correct.mean()), abs=1e-6)
+
 
 def test_data_json_array_file_keeps_every_column(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1}, {"q": "2+2", "sol": 4}]))
@@ -2147,9 +2136,13 @@ DAPO_INSTRUCTION = ("Solve the following math problem step by step. The last lin
                     "should be of the form Answer: $Answer (without quotes) where $Answer is the "
                     "answer to the problem.\n\n{}\n\n"
                     "Remember to put your answer on its own line after \"Answer:\".")
+
+
 SCHEMA_PROBLEMS = [("Let $f(x) = 3x + 2$. Find $f(f(1))$.", "17"),
                    ("How many positive divisors does $36$ have?", "9"),
                    ("What is the remainder when $2^{10}$ is divided by $7$?", "2")]
+
+
 RECIPE_SCHEMAS = {"openai/gsm8k:main": "gsm8k", "BytedTsinghua-SIA/DAPO-Math-17k": "dapo",
                   "trl-lib/DeepMath-103K": "trl"}  # a docs recipe's --data: the schema of its rows
 
@@ -2399,62 +2392,6 @@ def trl_spy_reward(prompts, completions, reward_model, **kwargs):
     return [len(c[0]["content"]) / 100 for c in completions]
 
 
-@pytest.mark.slow
-def test_train_and_evaluate_run_on_dapo_math_rows(tmp_path):
-    import importlib
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import evaluate
-    import train
-    tok = _chat_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    raw = _schema_rows("dapo")
-    rows_file = tmp_path / "dapo.jsonl"
-    rows_file.write_text("".join(json.dumps(r) + "\n" for r in raw))
-    seen = importlib.import_module("test_grpo").TRL_SEEN  # the module --reward imports
-    seen.clear()
-    train.main(["--model", str(tmp_path / "model"), "--data", str(rows_file),
-                "--eval-data", str(rows_file), "--answer-field", "reward_model.ground_truth",
-                "--reward", "test_grpo:trl_spy_reward", "--reward", "verifier",
-                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
-                "--steps", "1", "--eval-samples", "2", "--log-completions", "4", "--algo", "grpo",
-                "--out", str(tmp_path / "run"), "--device", "cpu"])
-    rendered = {_chatml(r["prompt"]) for r in raw}
-    logged = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
-    logged = [json.loads(x) for x in logged]
-    assert len(logged) == 4 and all(c["prompt"] in rendered for c in logged)  # what the model saw
-    # the reward's calls: evaluation before the step (3 problems x 2), the step (2 x 2), after
-    assert [len(c["prompts"]) for c in seen] == [2, 2, 2, 4, 2, 2, 2]
-    assert [c["prompts"] for c in seen[:3]] == [[r["prompt"]] * 2 for r in raw]  # the messages
-    step = seen[3]
-    assert all(p in [r["prompt"] for r in raw] for p in step["prompts"])
-    assert all(isinstance(c, list) and len(c) == 1 and set(c[0]) == {"role", "content"} and
-               c[0]["role"] == "assistant" for c in step["completions"])
-    assert [m["ground_truth"] for m in step["reward_model"]] == \
-        [r["reward_model"]["ground_truth"] for p in step["prompts"] for r in raw
-         if r["prompt"] == p]
-    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert "eval/maj@2" in logged[0] and "reward/trl_spy_reward" in logged[1]
-    # evaluate.py with evaluation.md's recipe (its budget cut to a tiny run): the per-problem lines
-    # keep each row's messages as they are, and its nested reference
-    recipe = _doc_commands("docs/evaluation.md", "evaluate.py")[0]
-    flags = recipe[recipe.index("--data"):]  # after its --model list: the tiny model instead
-    flags[flags.index("--data") + 1] = str(rows_file)
-    flags[flags.index("--out") + 1] = str(tmp_path / "per-problem.jsonl")
-    evaluate.main(["--model", str(tmp_path / "model"), *flags, "--max-new-tokens", "4",
-                   "--eval-samples", "2", "--max-num-seqs", "2", "--device", "cpu", "--no-bf16"])
-    records = [json.loads(x) for x in (tmp_path / "per-problem.jsonl").read_text().splitlines()]
-    assert [r["prompt"] for r in records] == [r["prompt"] for r in raw]
-    assert [r["reference"] for r in records] == [a for _, a in SCHEMA_PROBLEMS]
-
-
 # ---------------------------------------------------------------------------------------------
 # evaluate.py: pass@k, maj@n, mean@n over ranks, the command
 # ---------------------------------------------------------------------------------------------
@@ -2636,26 +2573,6 @@ def test_eval_flags_are_shared_and_checked(capsys):
             assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.slow
-def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs, tmp_path, capsys):
-    import evaluate
-    model, out = str(tiny_run_inputs / "model"), tmp_path / "per-problem.jsonl"
-    res = evaluate.main(["--model", model, model, "--data", "builtin", "--eval-size", "5", "--eval-samples", "2",
-                         "--max-new-tokens", "6", "--device", "cpu", "--out", str(out)])
-    table = capsys.readouterr().out
-    assert "| model | mean@2 | mean@2_std | pass@1 | pass@2 | maj@2 | truncated_frac | len_mean |" in table
-    assert table.count(f"| {model} |") == 2 and [r[0] for r in res] == [model, model] and res[0][1] == res[1][1]
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["index"] for x in lines] == [0, 1, 2, 3, 4] * 2 and {x["model"] for x in lines} == {model}
-    heldout = builtin.sample_problems(5, 2, True)
-    for x in lines:
-        assert (x["prompt"], x["reference"]) == (heldout[x["index"]]["prompt"], heldout[x["index"]]["answer"])
-        assert len(x["samples"]) == 2 and set(x["samples"][0]) == {"response", "answer", "score", "length", "truncated"}
-        assert all(s["score"] == verify(s["response"], x["reference"]) for s in x["samples"])
-        assert all(s["answer"] == evaluate.canonical_answer(s["response"]) for s in x["samples"])
-    assert lines[:5] == lines[5:]  # the same model evaluated twice draws the same samples
-
-
 # ---------------------------------------------------------------------------------------------
 # train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags reach the update
 # ---------------------------------------------------------------------------------------------
@@ -2668,60 +2585,6 @@ def test_bad_flags_exit_with_one_line(capsys):
             flags.parse_train_args(bad)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-
-
-METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zero_std", "kl", "entropy",
-               "clip/low_frac", "clip/high_frac", "ratio/mean", "len/mean", "len/truncated_frac", "grad_norm",
-               "lr", "samples", "sampling/rounds", "time/step_s", "time/sample_s", "memory/state_bytes",
-               "mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl"}
-
-
-@pytest.mark.slow
-def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
-    d = tiny_run_inputs
-    res = _run_train(d, tmp_path / "run", "--algo", "dapo")
-    assert "held-out greedy accuracy" in res.stdout and "no learning signal" not in res.stderr
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval/accuracy" in r]
-    assert [r["step"] for r in train_rows] == [1, 2] and [r["step"] for r in evals] == [0, 1, 2]
-    for r in train_rows:
-        assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
-        assert all(math.isfinite(v) for v in r.values())
-        assert 0.0 <= r["entropy"] <= math.log(len(builtin.CHARS) + 3) + 1e-4
-        assert 0.0 <= r["len/truncated_frac"] <= 1.0 and 1.0 <= r["len/mean"] <= 12.0
-        assert r["kl"] == 0.0 and abs(r["ratio/mean"] - 1.0) < 1e-5  # beta 0: no reference; mu 1: ratio 1
-        # float32: the sampler's log-probs and the training forward's agree (the sampled tokens' own log-probs)
-        assert 0.0 <= r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"] < 1e-4 and 0 <= r["mismatch/kl"] < 1e-6
-    # AdamW (no decay) moves an element by lr * |m / sqrt(v)| an update, <= 1.0014 lr in the first two: the
-    # largest moves are those of steady gradients (lr each time), and every weight tensor moved
-    before, after = _weights(d / "model"), _weights(tmp_path / "run" / "final")
-    moved, lr_sum = {k: (after[k] - before[k]).abs() for k in before}, sum(r["lr"] * r["updates"] for r in train_rows)
-    assert 0.99 * lr_sum <= max(float(m.max()) for m in moved.values()) <= 1.01 * lr_sum
-    assert all(float(m.median()) > lr_sum / 4 for m in moved.values()), {k: float(m.median()) for k, m in moved.items()}
-    config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["eps_high"] == 0.28 and config["reduction"] == "token" and config["beta"] == 0.0
-
-
-@pytest.mark.slow
-def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_path):
-    # 3 new tokens: most responses are truncated. The same samples with the filter on and off (the filter
-    # changes only the loss mask): on, only the untruncated responses' tokens are in the loss.
-    flags = ["--algo", "dapo", "--max-new-tokens", "3", "--overlong-cache", "1", "--no-dynamic-sampling",
-             "--steps", "2", "--grad-clip", "0", "--mini-batches", "2", "--mu", "2", "--warmup-steps", "4"]
-    rows = {}
-    for name, extra in (("on", []), ("off", ["--no-overlong-filter"])):
-        _run_train(tiny_run_inputs, tmp_path / name, *flags, *extra)
-        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    on, off = rows["on"][0], rows["off"][0]
-    n = 4 * 4                                                     # prompts x G
-    assert off["tokens/in_loss"] == pytest.approx(off["len/mean"] * n)
-    assert on["tokens/in_loss"] < off["tokens/in_loss"] and on["len/truncated_frac"] > 0
-    assert on["tokens/in_loss"] <= 3 * n * (1 - on["len/truncated_frac"]) + 1e-6
-    assert off["grad_norm"] > 0                                   # logged with --grad-clip 0 too
-    # 2 mini-batches x 2 passes = 4 optimizer updates, and the schedule counts rollout steps: 2/4, then 3/4 of lr
-    assert [r["updates"] for r in rows["off"]] == [4, 4]
-    assert [r["lr"] for r in rows["off"]] == pytest.approx([1e-2 * 2 / 4, 1e-2 * 3 / 4])
 
 
 def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_inputs, tmp_path,
@@ -2740,32 +2603,6 @@ def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_input
     assert torch.equal(masks["off"], roll.mask)
     assert torch.equal(masks["on"], roll.mask * ~roll.truncated[:, None])
     assert masks["on"].sum() < masks["off"].sum()
-
-@pytest.mark.slow
-def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
-    d = tiny_run_inputs
-    # --mu 2 takes the old-policy pass and beta 0.04 the reference pass: both paths are compared too
-    _run_train(d, tmp_path / "grpo", "--algo", "grpo", "--mu", "2", "--reward", "tinyreward:has_x")
-    _run_train(d, tmp_path / "dapo", "--algo", "dapo", "--eps-high", "0.2", "--reduction", "sequence", "--beta", "0.04",
-               "--wrong-reward", "0", "--no-dynamic-sampling", "--no-overlong-filter", "--no-overlong-penalty", "--mu", "2",
-               "--reward", "tinyreward:has_x", "--log-completions", "0")
-    a, b = _weights(tmp_path / "grpo" / "final"), _weights(tmp_path / "dapo" / "final")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    start = _weights(d / "model")
-    assert any(not torch.equal(start[k], a[k]) for k in a)  # the runs did learn something
-    ka = [json.loads(x)["loss"] for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    kb = [json.loads(x)["loss"] for x in (tmp_path / "dapo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    assert ka == kb
-    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    assert all(r["kl"] > 0 for r in rows)               # the second update has moved away from the reference
-    assert any(r["ratio/mean"] != 1.0 for r in rows)    # and from the sampling policy
-    # --log-completions 2 (the default): two completions per step, one from each of the first two groups
-    comps = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()]
-    assert [c["step"] for c in comps] == [1, 1, 2, 2] and comps[0]["prompt"] != comps[1]["prompt"]
-    prompts = {r["prompt"] for r in data.load_rows(str(d / "train.jsonl"), "train")}
-    for c in comps:
-        assert c["prompt"] in prompts and c["reward"] == float("x" in c["response"]) and 1 <= c["length"] <= 12
-    assert not (tmp_path / "dapo" / "completions.jsonl").exists()  # --log-completions 0
 
 
 def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tiny_model):
@@ -2890,86 +2727,6 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
         sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(), (other * other).sum()])
         assert train.reward_std(halves[k], _TwoRanks(sums)) == pytest.approx(float(r.double().std()), abs=1e-12)
     assert train.reward_std(Rollout.empty(4, 0), parallel.Dist("cpu")) == 0.0
-
-
-@pytest.mark.slow
-def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
-    # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU run in float32
-    for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
-        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *extra)
-    fp32, bf16 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines() if "loss" in x][0]
-                  for n in ("fp32", "bf16"))
-    # bfloat16 logits round differently: the entropy and the gradient move, within bfloat16's 8 significant bits
-    for k in ("entropy", "grad_norm"):
-        assert 0 < abs(bf16[k] - fp32[k]) <= 2 ** -8 * fp32[k], (k, bf16[k], fp32[k])
-    # the sampler (KV cache, one token at a time) and the training forward round differently in bfloat16:
-    # the mismatch metrics see it, and it is far larger than float32's
-    assert bf16["mismatch/logp_abs_max"] > 100 * fp32["mismatch/logp_abs_max"] and bf16["mismatch/kl"] > 0
-    assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "bf16" / "final").values())  # weights stay float32
-
-
-@pytest.mark.slow
-def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, tmp_path):
-    # hub models are mostly saved in bfloat16; transformers 5 keeps a checkpoint's dtype unless told otherwise,
-    # and AdamW updates of ~lr 1e-6 on bf16 weights mostly round away: load float32 master weights always
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    src = tiny_run_inputs / "model"
-    AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / "bf16")
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16  # the trap is real
-    _, _, model = checkpoint.load_model(str(tmp_path / "bf16"))
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    _run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1", "--save-every", "1")
-    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
-    assert {v.dtype for v in ckpt["model"].values()} == {torch.float32}
-    moments = [t for s in ckpt["optimizer"]["state"].values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-    assert moments and {t.dtype for t in moments} == {torch.float32}
-
-
-@pytest.mark.slow
-def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
-    # The same samples each time (same seed); each flag must change the update as its math says.
-    d = tiny_run_inputs
-    base = _one_step(d, tmp_path / "base")
-    # float32: pi_old and the sampler agree to ~1e-7, so a cap of 0.5 makes every weight 0.5: half the gradient
-    tis = _one_step(d, tmp_path / "tis", "--tis-cap", "0.5")
-    assert tis["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-4)
-    assert tis["loss"] == pytest.approx(0.5 * base["loss"], rel=1e-4, abs=1e-7)
-
-    def g_plus_c_h(norms):  # grad norms at c = 0, 0.5, 1, 2 (one update): the gradient is g + c h for one h != 0
-        f = [x ** 2 for x in norms]          # |g + c h|^2, a quadratic in c: through c = 0, 0.5, 1 it predicts c = 2
-        assert f[3] == pytest.approx(3 * f[0] - 8 * f[1] + 6 * f[2], rel=1e-4) and f[2] - 2 * f[1] + f[0] > 1e-4 * f[0]
-
-    # entropy bonus: loss - c * H, H the token mean of the entropy over the loss's tokens (all of them without the
-    # overlong filter: the metric "entropy"); gradient g - c grad H
-    ent = {c: _one_step(d, tmp_path / f"ent{c}", "--entropy-coef", str(c), "--no-overlong-filter") for c in (0, 0.5, 1, 2)}
-    g_plus_c_h([r["grad_norm"] for r in ent.values()])
-    assert all(r["loss"] == pytest.approx(ent[0]["loss"] - c * r["entropy"], abs=1e-5) for c, r in ent.items())
-    # GSPO: on-policy (one update) its gradient is the policy gradient, as PPO's; off-policy (a second pass,
-    # where the paper's 3e-4 / 4e-4 clip most responses) it is not
-    gspo = _one_step(d, tmp_path / "gspo", "--loss", "gspo")
-    assert gspo["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
-    # (the same weights after the first, on-policy update): in the second, GSPO's ratio is per response, the
-    # geometric mean of its tokens' ratios, so its mean is below PPO's (Jensen; equal only if all are 1)
-    tiny = ["--mu", "2", "--eps-low", "3e-4", "--eps-high", "4e-4"]  # GSPO's clip range for both
-    ppo2, gspo2 = _one_step(d, tmp_path / "ppo2", *tiny), _one_step(d, tmp_path / "gspo2", "--loss", "gspo", *tiny)
-    assert gspo2["ratio/mean"] < ppo2["ratio/mean"] - 1e-4
-    # GSPO-token with one advantage per response is GSPO
-    tok2 = _one_step(d, tmp_path / "tok2", "--loss", "gspo-token", *tiny)
-    assert tok2["grad_norm"] == pytest.approx(gspo2["grad_norm"], rel=1e-5)
-    # CISPO: off-policy, a clipped token keeps a gradient where PPO's is zero (same clip range for both)
-    narrow = ["--mu", "2", "--eps-low", "0.01", "--eps-high", "0.01"]
-    ppo3, cispo3 = _one_step(d, tmp_path / "ppo3", *narrow), _one_step(d, tmp_path / "cispo3", "--loss", "cispo", *narrow)
-    assert cispo3["grad_norm"] > ppo3["grad_norm"] and ppo3["clip/low_frac"] + ppo3["clip/high_frac"] > 0
-    # the KL estimator reaches the loss. On-policy (pi = pi_ref) every estimator is 0, and so is k3's gradient
-    # ((1 - pi_ref / pi) grad log pi), not k1's (grad log pi): k1's gradient is g + beta h, h != 0
-    k3_on = _one_step(d, tmp_path / "k3on", "--beta", "0.5")
-    assert k3_on["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-6) and k3_on["kl"] < 1e-10
-    k1_on = [_one_step(d, tmp_path / f"k1on{b}", "--beta", b, "--kl", "k1") for b in ("0.5", "1", "2")]
-    g_plus_c_h([base["grad_norm"]] + [r["grad_norm"] for r in k1_on])
-    assert all(r["loss"] == pytest.approx(base["loss"], abs=1e-6) and r["kl"] < 1e-10 for r in k1_on)
-    k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")  # in the second pass the policy has left the reference
-    assert k3["kl"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3156,133 +2913,6 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(plain.parameters(), ckpt.parameters()))
 
 
-@pytest.mark.slow
-def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactly(tiny_run_inputs, tmp_path):
-    """FSDP2 on 2 gloo ranks against one plain process (same seed and global batch), 3 steps: the same rewards
-    at every step and final weights within 1e-3, with half the per-rank bytes of weights, gradients and AdamW
-    state; then 3 steps + --resume to 6 equals 6 straight steps, bit for bit. The flags take every FSDP path:
-    the reference model (beta > 0, sharded too), the old-policy pass (--mu 2, --mini-batches 2), ranks with
-    different numbers of groups and micro-batches (dynamic sampling, --micro-batch-size 3), gradient
-    checkpointing."""
-    d = tiny_run_inputs
-    flags = [*_tiny_flags(d, tmp_path / "unused"), "--overlong-cache", "12", "--micro-batch-size", "3", "--eval-every", "3",
-             "--algo", "dapo", "--beta", "0.04", "--mu", "2", "--mini-batches", "2"]
-    fsdp = ["--fsdp", "--gradient-checkpointing", "--save-every", "3"]
-
-    def step_rows(out):
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
-    _run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
-    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "3")
-    (m1, w1), (m2, w2) = ((step_rows(tmp_path / n), _weights(tmp_path / n / "final")) for n in ("one", "two"))
-    assert len(m1) == len(m2) == 3
-    for a, b in zip(m1, m2):
-        for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept"):
-            assert a[k] == pytest.approx(b[k], abs=1e-6), k
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["kl"] == pytest.approx(b["kl"], abs=1e-4)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert sum(r["sampling/groups_kept"] for r in m1) > 0 and all(r["kl"] > 0 for r in m1[1:])
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
-    assert any(not torch.equal(_weights(d / "model")[k], w1[k]) for k in w1)
-    ratio = m2[-1]["memory/state_bytes"] / m1[-1]["memory/state_bytes"]
-    print(f"per-rank bytes of weights + gradients + AdamW state + reference: 1 process {m1[-1]['memory/state_bytes']}, "
-          f"FSDP rank 0 of 2 {m2[-1]['memory/state_bytes']} ({ratio:.3f}x)")
-    assert ratio <= 0.55
-    # resume: the 3-step run's sharded checkpoint, continued to 6, against 6 straight steps
-    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp, "--steps", "6", "--resume")
-    _torchrun(2, os.path.join(HERE, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp, "--steps", "6")
-    a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
-    assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
-    assert [r["loss"] for r in step_rows(tmp_path / "two")] == [r["loss"] for r in step_rows(tmp_path / "six")]
-    assert sorted(os.listdir(tmp_path / "six" / "checkpoint")) == ["latest", "step-000006"]
-
-
-def _thread_counting_driver(tmp_path):
-    """A script that runs train.main, then writes how many gloo threads its rank still has to threads<RANK>."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(
-        f"import os, sys\nsys.path.insert(0, {HERE!r})\nimport train\ntrain.main(sys.argv[1:])\n"
-        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
-        f"open(os.path.join({str(tmp_path)!r}, 'threads' + os.environ['RANK']), 'w').write(\n"
-        "    str(sum('gloo' in n for n in names)))\n")
-    return driver
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("adv_scale,extra", [
-    ("group", ["--mini-batches", "2", "--mu", "2"]),
-    # the objectives of variants.py: GSPO off-policy, the KL term with k2, the entropy bonus, truncated IS
-    ("batch", ["--loss", "gspo", "--mu", "2", "--beta", "0.04", "--kl", "k2", "--entropy-coef", "0.01", "--tis-cap", "2"]),
-])
-@pytest.mark.slow
-def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, extra):
-    """1 rank and 2 ranks (gloo) with the same seed and global batch draw the same responses and rewards
-    at every step, compute the same gradients and end with the same weights, up to floating-point
-    reduction order (with --adv-scale batch, the std is that of the global batch, not of each rank's share;
-    with mini-batches, each update holds the same groups). AdamW normalises a gradient's scale away, so the
-    gradient norms are compared directly.
-
-    And after train.main returns, each rank's process group is gone with its gloo threads: a process group
-    that outlives destroy_process_group keeps them running into interpreter exit, where a rank can abort.
-    Evaluation with 2 samples per problem, split over the ranks, logs the same numbers."""
-    d = tiny_run_inputs
-    runs = {}
-    for n in (1, 2):
-        out = tmp_path / f"w{n}"
-        _torchrun(n, _thread_counting_driver(tmp_path) if n == 2 else os.path.join(HERE, "train.py"), *_tiny_flags(d, out),
-                  "--steps", "3", "--overlong-cache", "12", "--micro-batch-size", "3", "--eval-every", "3", "--algo", "dapo",
-                  "--adv-scale", adv_scale, "--grad-clip", "0", "--eval-samples", "2", *extra)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"), [r for r in rows if "eval/mean@2" in r])
-    (m1, w1, e1), (m2, w2, e2) = runs[1], runs[2]
-    assert len(m1) == len(m2) == 3
-    assert [e["step"] for e in e1] == [e["step"] for e in e2] == [0, 3]
-    for a, b in zip(e1, e2):  # the eval lines: mean@2 and its std, pass@1, pass@2, maj@2, truncation, length
-        assert {"eval/mean@2_std", "eval/pass@2", "eval/maj@2", "eval/len_mean"} <= set(a) and "eval/accuracy" not in a
-        assert a == pytest.approx(b, abs=1e-9)
-    assert e1[0]["eval/len_mean"] != e1[1]["eval/len_mean"]  # the trained model samples other responses
-    for a, b in zip(m1, m2):
-        for k in ("reward/mean", "len/mean", "samples", "sampling/groups_kept", "updates", "tokens/in_loss"):
-            assert a[k] == pytest.approx(b[k], abs=1e-6), k  # float32 sums in another order
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert sum(r["sampling/groups_kept"] for r in m1) > 0       # something was trained on
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
-    start = _weights(d / "model")
-    assert any(not torch.equal(start[k], w1[k]) for k in w1)
-    if os.path.isdir("/proc/self/task"):                      # Linux: gloo threads left per rank
-        assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]
-
-
-@pytest.mark.slow
-def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_no_lock(tiny_run_inputs, tmp_path, capsys):
-    import checkpoint
-    import parallel
-    import train
-    out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *_tiny_flags(tiny_run_inputs, out),
-                               "--steps", "100000", "--eval-data", "", "--log-completions", "0"],
-                              cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(600):  # it has taken the lock once it writes its config
-            if (out / "config.json").exists() and (out / "config.json").stat().st_size > 0:
-                break
-            assert holder.poll() is None, "the first run ended early"
-            time.sleep(0.1)
-        with pytest.raises(SystemExit) as e:
-            train.main(_tiny_flags(tiny_run_inputs, out) + ["--steps", "1", "--resume"])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
-        assert err.startswith(f"error: --out {out} is in use by another run (pid {holder.pid} holds"), err
-    finally:
-        holder.kill()  # SIGKILL: no cleanup ran, the kernel released the lock
-        holder.wait()
-    assert json.loads((out / "config.json").read_text())["steps"] == 100000  # the refused run wrote nothing
-    lock = checkpoint.lock_folder(str(out), parallel.Dist("cpu"))
-    assert lock is not None
-    lock.close()
-
-
 class _OtherRank:
     """Dist of rank 1 of 2 whose all-reduce adds rank 0's flag (1: it took the lock, 0: it was refused)."""
     master, world = False, 2
@@ -3348,76 +2978,6 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
     assert files[1] == []
     assert {".lock", "config.json", "metrics.jsonl", "completions.jsonl", "checkpoint.pt",
             "final/model.safetensors"} <= set(files[0])
-
-
-@pytest.mark.slow
-def test_finished_fsdp_runs_exit_0_every_time_with_no_gloo_thread_left(tiny_run_inputs, tmp_path):
-    """A finished 2-rank --fsdp run aborted at teardown now and then (rank 1, "terminate called without an
-    active exception"): DTensor's caches kept the process group alive past destroy_process_group, and its gloo
-    threads ran on into interpreter exit. Now the group is freed when train.main returns (no gloo thread on
-    either rank: what decides the race, checked every time) and each of 3 runs exits 0 (_torchrun)."""
-    d = tiny_run_inputs
-    for i in range(3):
-        for r in (0, 1):
-            (tmp_path / f"threads{r}").unlink(missing_ok=True)
-        _torchrun(2, _thread_counting_driver(tmp_path), "--model", str(d / "model"), "--data", str(d / "train.jsonl"),
-                  "--eval-data", "", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--steps", "1",
-                  "--fsdp", "--log-completions", "0", "--device", "cpu", "--out", str(tmp_path / f"run{i}"))
-        assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"], i
-        assert (tmp_path / f"run{i}" / "final" / "model.safetensors").exists()
-
-
-@pytest.mark.slow
-def test_resume_gives_the_same_weights_as_an_unbroken_run(tiny_run_inputs, tmp_path):
-    _run_train(tiny_run_inputs, tmp_path / "full", "--steps", "6", "--save-every", "3")
-    _run_train(tiny_run_inputs, tmp_path / "part", "--steps", "3", "--save-every", "3")
-    _run_train(tiny_run_inputs, tmp_path / "part", "--steps", "6", "--save-every", "3", "--resume")
-    a, b = _weights(tmp_path / "full" / "final"), _weights(tmp_path / "part" / "final")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    start = _weights(tiny_run_inputs / "model")
-    assert any(not torch.equal(start[k], a[k]) for k in a)
-    steps = [json.loads(x)["step"] for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    assert steps == [1, 2, 3, 4, 5, 6]
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
-    import signal
-    d, out = tiny_run_inputs, tmp_path / "killed"
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", str(d / "model"), "--data", str(d / "train.jsonl"),
-           "--steps", "400", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12",
-           "--save-every", "2", "--out", str(out), "--device", "cpu"]
-    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "checkpoint.pt").exists():
-        time.sleep(0.2)
-    time.sleep(1.0)  # let it run on past the checkpoint, into a step or a save
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
-    target = ckpt["step"] + 2
-    subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(target)] + cmd[cmd.index("--steps") + 2:] + ["--resume"],
-                   cwd=HERE, check=True, capture_output=True, timeout=300)
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in x]
-    assert steps == list(range(1, target + 1))
-
-
-@pytest.mark.slow
-def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1", "--save-every", "1")
-    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
-    # the policy as the loop held it after its last step (checkpoint.pt's weights), and the base model it started from
-    base, policy = (AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model") for _ in range(2))
-    policy.load_state_dict(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["model"])
-    ids = torch.tensor([tok("2x+4=10\n")["input_ids"]])
-    out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert out.shape[1] > ids.shape[1]
-    assert torch.equal(out, policy.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id))
-    with torch.no_grad():  # the log-probs of that output: the trained policy's, not the base model's
-        logp = [torch.log_softmax(m(out).logits[0, :-1], -1).gather(-1, out[0, 1:, None]) for m in (model, policy, base)]
-    assert torch.allclose(logp[0], logp[1], atol=1e-6) and not torch.allclose(logp[0], logp[2], atol=1e-3)
 
 
 def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -3731,6 +3291,7 @@ def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(ti
     assert os.listdir(tmp_path) == ["final"]
     assert all(torch.equal(v, trained[k]) for k, v in _weights(final).items())
 
+
 def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, capsys):
     """--resume from step 2 after a run killed in the middle of step 5's lines: metrics.jsonl and
     completions.jsonl both keep steps <= 2 (step 2's own lines too) and go on from there, each step
@@ -3801,156 +3362,6 @@ def flip_x(response: str, answer: str) -> float:
     return 1.0 - has_x(response, answer) if flip else has_x(response, answer)
 
 
-# A process that imports train.py (torch, transformers, what they import on first use) once, then
-# forks one child per line of stdin ({"argv", "out", "log", "kill_after_s" | "kill_after_bytes"}):
-# a train.main run that the driver kills with SIGKILL after kill_after_s seconds, or that kills
-# itself with SIGKILL once kill_after_bytes bytes went to the files it writes under OUT
-# (_CutWrites). One line back per run: how it ended.
-_KILL_DRIVER = r"""
-import builtins, json, os, random, signal, sys, time, traceback
-import torch
-import checkpoint, test_grpo, train
-checkpoint.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
-param = torch.zeros(1, requires_grad=True)
-param.grad = torch.ones(1)
-torch.optim.AdamW([param]).step()
-
-def child(cmd):
-    log = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    cut = test_grpo._CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
-                               lambda: os.kill(os.getpid(), signal.SIGKILL))
-    builtins.open = cut
-    random.seed(0)  # as ablate.py does: the Python RNG of a fresh run is seeded too
-    code = 0
-    try:
-        train.main(cmd["argv"])
-    except SystemExit as e:  # train.py's one-line errors: exit 2
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    with cut.real_open(cmd["log"] + ".bytes", "w") as fh:
-        fh.write(str(cut.written))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-for line in sys.stdin:
-    cmd = json.loads(line)
-    t0 = time.time()
-    pid = os.fork()
-    if pid == 0:
-        child(cmd)
-    deadline = t0 + min(cmd.get("kill_after_s") or 120.0, 120.0)
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.time() >= deadline:
-            os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.001)
-    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    print(json.dumps({"killed": killed, "code": os.waitstatus_to_exitcode(status),
-                      "seconds": time.time() - t0}), flush=True)
-"""
-
-
-def _run_record(out):
-    """What a finished run left: its logs without time/*, its final/ byte for byte, config.json
-    without the keys that name the folder or the resume, and the names in OUT."""
-    def rows(name):
-        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
-                for x in (out / name).read_text().splitlines()]
-    config = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
-              if k not in ("out", "run_name", "resume")}
-    final = {p.name: p.read_bytes() for p in sorted((out / "final").iterdir())}
-    return {"metrics": rows("metrics.jsonl"), "completions": rows("completions.jsonl"),
-            "final": final, "config": config, "files": sorted(os.listdir(out))}
-
-
-@pytest.mark.slow
-def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
-        tiny_run_inputs, tmp_path):
-    """train.py runs (6 steps, a checkpoint every 2, evaluation every 3, 16 completions a step, a
-    reward drawing from the global RNGs: flip_x) SIGKILLed over and over: half at a random moment of
-    the run (startup, steps, checkpoints, the final save, exit), half once a random number of bytes
-    went to the files it writes under OUT (its logs mid-line, config.json, the rewrites of --resume,
-    the tokenizer of final/), each then resumed with --resume (or started again where no checkpoint
-    was written yet), the resumed run perhaps killed again, until one finishes. Every finished run
-    equals the unbroken one: the same final/ byte for byte, the same metrics.jsonl and
-    completions.jsonl rows (all keys but time/*), the same config, and no file more (no temporary,
-    no aside copy). Each run is a fork of one process that imported train.py once (a fresh
-    interpreter per run would spend 4 s importing), then runs train.main as `python train.py` would:
-    44 tries, about 35 kills, in 30-40 s on 2 cores."""
-    d = tiny_run_inputs
-    flags = _tiny_flags(d, "OUT")
-    flags[flags.index("test_grpo:has_x")] = "test_grpo:flip_x"
-    flags += ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--log-completions", "16"]
-    with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen([sys.executable, "-c", _KILL_DRIVER, str(d / "model")],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                  text=True, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    runs = [0]
-
-    def run(out, **kill):
-        runs[0] += 1
-        argv = [str(out) if f == "OUT" else f for f in flags]
-        if (out / "checkpoint.pt").exists():
-            argv.append("--resume")
-        log = tmp_path / f"run{runs[0]}.log"
-        cmd = {"argv": argv, "out": str(out), "log": str(log), **kill}
-        driver.stdin.write(json.dumps(cmd) + "\n")
-        driver.stdin.flush()
-        line = driver.stdout.readline()
-        assert line, (tmp_path / "driver.err").read_text()[-3000:]
-        res = json.loads(line)
-        assert res["killed"] or res["code"] == 0, log.read_text()[-3000:]
-        return res, log
-
-    def finished_like_the_unbroken_one(out, attempt):
-        got = _run_record(out)
-        for key in want:
-            assert got[key] == want[key], (key, out, attempt)
-
-    try:
-        res, log = run(tmp_path / "unbroken")
-        assert not res["killed"]
-        seconds, written = res["seconds"], int((tmp_path / (log.name + ".bytes")).read_text())
-        want = _run_record(tmp_path / "unbroken")
-        assert [r["step"] for r in want["metrics"] if "loss" in r] == [1, 2, 3, 4, 5, 6]
-        assert written > 15000 and len(want["completions"]) == 96
-        rng = random.Random(0)
-        kills = cut_lines = debris = finished = 0
-        chain = tmp_path / "chain0"
-        for attempt in range(44):
-            kill = {"kill_after_s": rng.uniform(0, seconds)} if attempt % 2 else \
-                {"kill_after_bytes": rng.randrange(written)}
-            res, log = run(chain, **kill)
-            if res["killed"]:
-                kills += 1
-                logs = [chain / n for n in ("metrics.jsonl", "completions.jsonl")]
-                cut_lines += any(p.exists() and p.read_bytes()[-1:] not in b"\n" for p in logs)
-                debris += any(n.endswith((".tmp", ".old")) for n in os.listdir(chain))
-                continue
-            finished_like_the_unbroken_one(chain, attempt)
-            finished += 1
-            chain = tmp_path / f"chain{finished}"
-        if chain.exists():                                       # the last chain, to its end
-            assert not run(chain)[0]["killed"]
-            finished_like_the_unbroken_one(chain, "end")
-            finished += 1
-    finally:
-        driver.stdin.close()
-        driver.wait(timeout=60)
-    print(f"unbroken: {seconds:.2f} s, {written} bytes; {kills} kills (a log line cut: "
-          f"{cut_lines}, a temporary or aside copy left: {debris}), {finished} runs to the end")
-    assert kills >= 25 and cut_lines >= 5 and debris >= 3 and finished >= 3
-
-
 # ---------------------------------------------------------------------------------------------
 # metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------
@@ -4001,81 +3412,6 @@ def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
     assert check(_signal_row(6, 0.0, 0.5)) == [] and not check.silent  # the next step trains again
 
 
-@pytest.mark.slow
-def test_a_run_without_learning_signal_says_so_on_stderr(tiny_run_inputs, tmp_path, capsys):
-    # the verifier never credits the random model: every group all wrong, dynamic sampling keeps none, 3 steps
-    # (test_end_to_end_changes_weights_and_writes_metrics: a run that learns prints none of this)
-    import train
-    d = tiny_run_inputs
-    train.main(["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--prompts-per-step", "2", "--group-size", "2",
-                "--max-new-tokens", "4", "--steps", "3", "--max-rounds", "1", "--out", str(tmp_path), "--device", "cpu",
-                "--log-completions", "0"])
-    lines = [x for x in capsys.readouterr().err.splitlines() if "no learning signal" in x]
-    said = ["step 1: dynamic sampling kept no group", "step 3: no sample of the first 3 steps scored"]
-    assert len(lines) == 2 and all(s in x for s, x in zip(said, lines)), lines
-
-
-def _logged_scalars(out):
-    """{(key, step): value} of every metrics.jsonl row, eval rows too: what --report-to must send on."""
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any("eval/accuracy" in r for r in rows) and any("loss" in r for r in rows)
-    return {(k, r["step"]): v for r in rows for k, v in r.items() if k != "step"}
-
-
-def _wandb_history(run_file):
-    """{(key, step): value} of an offline run's history, read from its .wandb file: W&B's leveldb-style log
-    (a 7-byte file header, records of 4-byte crc, 2-byte length, 1-byte type in 32 KiB blocks) of protobufs."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    buf, pos, part, out, config = run_file.read_bytes(), 7, b"", {}, {"exit": False}
-    while pos + 7 <= len(buf):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
-            pos += 32768 - pos % 32768
-            continue
-        n, kind = int.from_bytes(buf[pos + 4:pos + 6], "little"), buf[pos + 6]
-        if pos + 7 + n > len(buf):  # a record still being written
-            break
-        part, pos = part + buf[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind in (1, 4):  # a full record, or the last piece of one
-            rec = pb.Record()
-            rec.ParseFromString(part)
-            part = b""
-            if rec.WhichOneof("record_type") == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                out.update({(k, rec.history.step.num): v for k, v in items.items() if not k.startswith("_")})
-            if rec.WhichOneof("record_type") == "run":
-                config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
-            config["exit"] |= rec.WhichOneof("record_type") == "exit"  # the run's last record
-    return out, config
-
-
-@pytest.mark.slow
-def test_report_to_tensorboard_holds_the_metrics_rows(tiny_run_inputs, tmp_path):
-    pytest.importorskip("tensorboard", reason="--report-to tensorboard needs the tensorboard package")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "tensorboard", "--run-name", "tb")
-    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "tb"))
-    acc.Reload()
-    got = {(k, e.step): e.value for k in acc.Tags()["scalars"] for e in acc.Scalars(k)}
-    want = _logged_scalars(tmp_path / "run")
-    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-6) for k in want)  # float32 there
-    assert '"run_name": "tb"' in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-
-
-@pytest.mark.slow
-def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inputs, tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="--report-to wandb needs the wandb package")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "wandb")
-    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    deadline = time.time() + 60
-    while not (history := _wandb_history(run_file))[1]["exit"] and time.time() < deadline:
-        time.sleep(0.2)  # wandb's service process may still be writing the file after run.finish() returns
-    got, config = history
-    assert got == _logged_scalars(tmp_path / "run")
-    assert config["run_name"] == "run" and config["reward"] == ["test_grpo:has_x"] and config["world_size"] == 1
-
-
 def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, monkeypatch):
     # a stand-in wandb module records what LiveCurves calls; one step of train.py in this process:
     # wandb gets every metrics.jsonl row (eval rows too: step 1 holds two, the update's and the
@@ -4105,6 +3441,7 @@ def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, mo
     assert [(c[2], c[1]) for c in logs] == [(r["step"], {k: v for k, v in r.items() if k != "step"})
                                             for r in rows]
     assert [c[2] for c in logs] == [0, 1, 1]
+
 
 def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     import train
@@ -4250,972 +3587,3 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
         train.main([*run, "--lora-r", "4"])
     assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
     assert flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16 and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3
-
-
-@pytest.mark.slow
-def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_inputs, tmp_path):
-    import importlib.util
-    pytest.importorskip("peft", reason="--lora-r needs peft")
-    from transformers import AutoModelForCausalLM
-    d = tiny_run_inputs
-    lora_flags = ["--lora-r", "4", "--beta", "0.04", "--algo", "grpo", "--save-every", "1", "--eval-every", "5"]
-    _run_train(d, tmp_path / "full", *lora_flags, "--steps", "2")
-    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "1")
-    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "2", "--resume")
-    a, b = _weights(tmp_path / "full" / "final"), _weights(tmp_path / "part" / "final")
-    assert all(torch.equal(a[k], b[k]) for k in a)                          # merged finals of resumed and straight runs
-    start = _weights(d / "model")
-    assert any(not torch.equal(start[k], a[k]) for k in a) and a.keys() == start.keys()
-    assert (tmp_path / "full" / "adapter" / "adapter_model.safetensors").exists()
-    # AdamW holds the adapters alone; memory/state_bytes: all weights once, the adapters' gradients and two moments
-    ckpt = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
-    n_base = sum(v.numel() for k, v in start.items() if k != "lm_head.weight")   # lm_head is tied to the embeddings
-    n_adapter = sum(v.numel() for k, v in ckpt["model"].items() if ".lora_" in k)
-    assert len(ckpt["optimizer"]["state"]) == len(ckpt["optimizer"]["param_groups"][0]["params"]) == 2 * 14
-    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    assert rows[-1]["memory/state_bytes"] == 4 * (n_base + n_adapter) + 12 * n_adapter + 4 * 28  # + AdamW's step counts
-    assert rows[-1]["memory/state_bytes"] < 0.4 * 20 * n_base              # full fine-tuning + a reference copy: 20 B each
-    assert rows[-1]["kl"] > 0
-    # 2 gloo ranks (DDP over the adapters) end where one process does; rank 0 alone reports to tensorboard
-    tb = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
-    _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, tmp_path / "w2"), *lora_flags, "--steps", "2", *tb)
-    w2 = _weights(tmp_path / "w2" / "final")
-    assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
-    assert len(list((tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*"))) == (1 if tb else 0)
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2
-
-
-# ---------------------------------------------------------------------------------------------
-# bench/ (python -m bench)
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
-    """python -m bench --only slots, shrunk: memory in fresh processes at N and all rows, continuous
-    vs static batches."""
-    from bench import rollouts
-    monkeypatch.setattr(rollouts, "SLOTS_SETUP", dict(B=6, G=2, T=24, vocab=64, ends=8))
-    rollouts.bench_slots("cpu", 1, small=4)
-    out = capsys.readouterr().out
-    assert "rollout memory, peak RSS of a fresh process" in out and "all 12 rows" in out
-    assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
-
-
-# ---------------------------------------------------------------------------------------------
-# ablate/ (python -m ablate): the rows, the experiments, the habit models, the tables from metrics
-# ---------------------------------------------------------------------------------------------
-
-def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
-    import ablate.rows
-    first = flags.parse_train_args(ablate.rows.row_flags(0))
-    assert (first.beta, first.eps_high, first.reduction, first.dynamic_sampling, first.overlong_filter,
-            first.overlong_penalty) == (0.0, 0.2, "sequence", False, False, False)
-    last = flags.parse_train_args(ablate.rows.row_flags(len(ablate.rows.ROWS) - 1))
-    assert {**vars(last), "algo": None} == {**vars(flags.parse_train_args(["--algo", "dapo"])), "algo": None}
-    parsed = [vars(flags.parse_train_args(ablate.rows.row_flags(i))) for i in range(len(ablate.rows.ROWS))]
-    changed = [sum(parsed[i][k] != parsed[i - 1][k]
-                   for k in vars(first) if k != "algo") for i in range(1, len(ablate.rows.ROWS))]
-    assert changed == [1] * (len(ablate.rows.ROWS) - 1)
-    # an --add-row row is DAPO plus its flags
-    rows = ablate.rows.ROWS + [ablate.rows.extra_row("+ CISPO=--loss cispo --tis-cap 2")]
-    v = flags.parse_train_args(ablate.rows.row_flags(len(rows) - 1, rows))
-    assert {**vars(v), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None} == \
-        {**vars(last), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None}
-    assert (v.loss, v.tis_cap, v.eps_high) == ("cispo", 2.0, 0.28)  # ROWS set --eps-high 0.28 on the command line
-    with pytest.raises(SystemExit):
-        ablate.rows.extra_row("--loss cispo")
-
-
-def test_ablation_table_and_curves_from_metrics():
-    import ablate.rows
-    # one run: eval 0.5 at step 0, two steps of 100 samples, eval 0.95 at step 2
-    run = [{"step": 0, "eval/accuracy": 0.5},
-           {"step": 1, "loss": 0.0, "samples": 100, "entropy": 0.2, "len/mean": 10.0, "len/truncated_frac": 0.5,
-            "clip/low_frac": 0.01, "clip/high_frac": 0.0},
-           {"step": 2, "loss": 0.0, "samples": 200, "entropy": 0.1, "len/mean": 8.0, "len/truncated_frac": 0.0,
-            "clip/low_frac": 0.03, "clip/high_frac": 0.001},
-           {"step": 2, "eval/accuracy": 0.95}]
-    assert curves.curve(run, "eval/accuracy") == [(0, 0.5), (200, 0.95)]
-    assert ablate.rows.samples_to_reach(run, 0.9) == 200 and ablate.rows.samples_to_reach(run, 0.99) is None
-    md = ablate.rows.table({name: [run, run] for name, _, _ in ablate.rows.ROWS}, budget=200)
-    first = md.splitlines()[2]
-    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.500 ± 0.000 | 200 (2/2 seeds) | 0.1500 ± 0.0000 | 9.0 ± 0.0 |"
-                            " 0.250 ± 0.000 | 2.00% / 0.05% | 2 |")
-
-
-def test_experiment_arms_change_only_their_fix():
-    """Each experiment's arms are the baseline plus the one fix they test (all flags parse)."""
-    from ablate import experiments
-    fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
-             "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}], "token-level-loss": [{"reduction"}],
-             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
-    assert [e.name for e in experiments.EXPERIMENTS] == list(fixes)
-    for e in experiments.EXPERIMENTS:
-        base = vars(flags.parse_train_args([*e.flags, *e.arms[0][1]]))
-        assert (base["beta"], base["eps_high"], base["reduction"], base["dynamic_sampling"], base["overlong_filter"],
-                base["overlong_penalty"]) == (0.0, 0.2, "sequence", False, False, False)   # naive GRPO
-        changed = [{k for k, v in vars(flags.parse_train_args([*e.flags, *arm])).items() if v != base[k]} for _, arm in e.arms[1:]]
-        assert changed == fixes[e.name], e.name
-        data.Reward.load(base["reward"])  # a --reward module:function the experiment names imports
-
-
-def test_experiment_measures_by_hand():
-    from ablate import experiments, measures
-    c = lambda resp, trunc=False, prompt="3x+5=x+9\n", step=1: {"prompt": prompt, "response": resp, "truncated": trunc,  # noqa: E731
-                                                               "length": len(resp), "step": step}
-    assert experiments.solution("3x+5=x+9\n") == 2 and experiments.solution("2x-4=-10") == -3
-    assert experiments.solution("4x+1=2x-5\n") == -3
-    assert experiments.right(c("3x-x=9-5\n2x=4\nx=4/2\nAnswer: 2")) and not experiments.right(c("x=9/3\nAnswer: 3"))
-    assert experiments.on_the_way(c("3x-x=9-5\n2x=4\nx=4/2\nche", True))          # the verbose solution, cut
-    assert experiments.on_the_way(c("3x-x=9-5\n2x=", True)) and not experiments.on_the_way(c("3x-x=9-5\n2x=", False))
-    assert not experiments.on_the_way(c("3x-x=9-5\n2x=5", True))                     # a wrong step
-    assert experiments.repeats(c("x=1\nx=2\nx=1")) and not experiments.repeats(c("x=1\n\nx=2"))
-    cs = [c("Answer: 1"), c("Answer: 2"), c("Answer: 1"), c("Answer: 5", prompt="2x=4\n")]
-    assert experiments.distinct_answers(cs) == 1.5                                    # 2 answers in one group, 1 in the other
-    assert experiments.share(experiments.right)(cs) == 0.25
-    assert experiments.share(experiments.right, lambda c: False)(cs) is None
-    assert experiments.mean_length(lambda c: c["prompt"] == "2x=4\n")(cs) == 9
-    run = measures.Run({"prompts_per_step": 16, "steps": 2, "group_size": 4},
-                       [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "loss": 0, "samples": 64, "reward/frac_zero_std": 0.25},
-                        {"step": 2, "loss": 0, "samples": 192, "reward/frac_zero_std": 0.5, "sampling/groups_kept": 16.0},
-                        {"step": 2, "eval/accuracy": 0.75}], cs[:2] + [{**cs[3], "step": 2}])
-    assert experiments.informative_groups(run) == [(1, 12.0), (2, 16.0)]             # 16 x (1 - 0.25), then what was kept
-    acc = lambda r: curves.curve(r.metrics, "eval/accuracy")  # noqa: E731
-    assert experiments.equal_budget(run) == 128 and measures.at_samples(acc, experiments.equal_budget)(run) == 0.5
-    assert measures.at_samples(acc, lambda r: 192)(run) == 0.75 and measures.final("eval/accuracy")(run) == 0.75
-    assert measures.by_step(experiments.mean_length(lambda c: True))(run) == [(1, 9), (2, 9)]
-    assert measures.end(measures.logged("reward/frac_zero_std"), k=1)(run) == 0.5
-    assert measures.over_run(experiments.informative_groups)(run) == 14.0
-    d, se = experiments.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
-    assert d == 1.0 and se == pytest.approx(math.sqrt(1 / 3 + 1 / 3))          # sd 1 on each side, 3 seeds
-    assert experiments.difference([1.0], [2.0, 3.0]) == (1.5, None)
-    random.seed(0)
-    coins = [experiments.random_reward("x", "1") for _ in range(2000)]
-    random.seed(0)
-    assert coins == [experiments.random_reward("y", "2") for _ in range(2000)] and 0.45 < sum(coins) / 2000 < 0.55
-
-
-def test_experiment_table_says_what_is_beyond_noise():
-    from ablate import experiments
-    from ablate.measures import Run
-    exp = experiments.Experiment("x", "claim", (), (("off", ()), ("on", ("--dynamic-sampling",))),
-                                 (("acc", lambda r: r.config["acc"]), ("len", lambda r: r.config["len"])), ())
-    runs = {"off": [Run({"acc": a, "len": n}, [], []) for a, n in ((0.5, 20), (0.6, 30), (0.7, 25))],
-            "on": [Run({"acc": a, "len": n}, [], []) for a, n in ((0.9, 21), (0.8, 31), (1.0, 26))]}
-    md = experiments.experiment_table(exp, runs).splitlines()
-    assert md[0] == "| measure | off | on | on − off (± 2 SE) |"
-    assert md[2] == "| acc | 0.600 ± 0.100 | 0.900 ± 0.100 | +0.3 ± 0.16: **beyond noise** |"  # 2 SE = 2 sqrt(.01/3 + .01/3)
-    assert md[3] == "| len | 25.0 ± 5.0 | 26.0 ± 5.0 | +1 ± 8.2: within noise |"
-    assert md[-1] == "mean ± sd over 3 seeds per arm."
-    one = {k: v[:1] for k, v in runs.items()}
-    assert "one seed: no spread" in experiments.experiment_table(exp, one)
-
-
-@pytest.mark.slow
-def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs, tmp_path, monkeypatch, capsys):
-    """python -m ablate's experiments drive train.main: each arm x seed a run, then RESULTS/NAME.md
-    from their logs."""
-    from ablate import __main__ as ablate_main
-    from ablate import experiments, measures
-    d = tiny_run_inputs
-    monkeypatch.syspath_prepend(str(d))
-    exp = experiments.Experiment(
-        "tiny", "claim", experiments.NAIVE + tuple(_tiny_flags(d, "unused")[:-4])
-        + ("--steps", "2", "--eval-every", "2", "--eval-size", "2", "--log-completions", "999"),
-        (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
-        (("groups with a gradient", measures.over_run(experiments.informative_groups)),
-         ("responses", lambda r: len(r.completions))), (("length", "step", measures.by_step(experiments.mean_length(lambda c: True))),))
-    monkeypatch.setattr(experiments, "EXPERIMENTS", (exp,))  # read when main runs
-    ablate_main.main(["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")])  # new folder
-    md = (tmp_path / "res" / "tiny.md").read_text()
-    assert "| responses | 32.0 ± 0.0 | 32.0 ± 0.0 |" in md and "mean ± sd over 2 seeds per arm." in md  # 2 steps x 4 x 4, all logged
-    assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == \
-        ["off-seed0", "off-seed1", "on-dynamic-sampling-seed0", "on-dynamic-sampling-seed1"]
-    metrics = measures.load_run(str(tmp_path / "runs" / "tiny" / "on-dynamic-sampling-seed1")).metrics
-    assert all("sampling/groups_kept" in r for r in metrics if "loss" in r)
-    assert not any("sampling/groups_kept" in r for r in measures.load_run(str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
-    assert ("tiny.png" in os.listdir(tmp_path / "res")) == ("figure:" in capsys.readouterr().out)
-    with pytest.raises(SystemExit):
-        ablate_main.main(["--train-flags", "--mu 2"])                         # a --rows flag without --rows
-
-
-def test_stuttered_demonstrations_repeat_steps_never_the_answer():
-    """habits.stuttered (the token-level experiment's habit): each step line 1 + 0-3 times, the
-    answer once."""
-    from ablate import habits
-    sol = builtin.solve_steps("3x+5=x+9", 2, verbose=True)                    # 4 step lines, then 'Answer: 2'
-    assert habits.stuttered(sol, random.Random(0), 0.0) == sol
-    for seed in range(20):
-        out = habits.stuttered(sol, random.Random(seed), 1.0).split("\n")
-        assert out[-1] == "Answer: 2" and out.count("Answer: 2") == 1 and verify("\n".join(out), "2") == 1.0
-        assert [x for i, x in enumerate(out) if i == 0 or x != out[i - 1]] == sol.split("\n")  # runs of the same lines, in order
-        assert all(2 <= out.count(x) <= 4 for x in sol.split("\n")[:-1])
-    demos = habits.habit_demos(habits.Habit(steps=4, batch_size=50), builtin.BaseModelConfig())
-    stutters = sum(len(set(r.split("\n"))) < len(r.split("\n")) for _, r in demos)
-    assert len(demos) == 200 and 0.4 < stutters / 200 < 0.9                  # 1 - 0.7^k of k-step solutions (k 1-4)
-    assert not any(builtin.is_heldout(p.strip()) for p, _ in demos)
-
-
-def test_habit_key_and_build(tmp_path, monkeypatch):
-    """A habit's key changes with its fields, its code (ablate/habits.py) and the base recipe (its
-    config and builtin.py's recipe code); the habit code lives outside builtin.py, so editing it leaves
-    the base model's key (and so the shipped weights) alone. habit_model builds once, then finds the
-    folder."""
-    from ablate import experiments, habits
-    with open(habits.__file__, encoding="utf-8") as fh:
-        src = fh.read()
-    with open(builtin.__file__, encoding="utf-8") as fh:
-        base_src = fh.read()
-    h, cfg = habits.Habit(), builtin.BaseModelConfig()
-    key = habits.habit_key(h, cfg, src)
-    assert habits.habit_key(h) == key                     # the defaults: habits.py, builtin.py
-    for f in dataclasses.fields(h):
-        x = getattr(h, f.name)
-        assert habits.habit_key(dataclasses.replace(h, **{f.name: x + 1 if isinstance(x, int) else x / 2}), cfg, src) != key
-    assert habits.habit_key(h, dataclasses.replace(cfg, seed=1), src) != key
-    for old, new in (("[line] * (1 + (rng.randint(1, 3)", "[line] * (1 + (rng.randint(1, 2)"),   # stuttered
-                     ("rng = random.Random(h.seed + 7)", "rng = random.Random(h.seed + 8)"),      # habit_demos
-                     ("lr=h.lr, weight_decay=0.0, betas=(0.9, 0.98))\n    model.train()\n    for k",
-                      "lr=h.lr, weight_decay=0.0, betas=(0.9, 0.99))\n    model.train()\n    for k")):  # fine_tune
-        assert src.count(old) == 1, old
-        assert habits.habit_key(h, cfg, src.replace(old, new)) != key, old
-    # the base recipe's code: the demonstrations a habit model's base was warm-started on
-    old = "rng = random.Random(cfg.seed + 1)"
-    assert base_src.count(old) == 1
-    edited = base_src.replace(old, "rng = random.Random(cfg.seed + 2)")
-    assert habits.habit_key(h, cfg, src, edited) != key
-    tiny = builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, sft_steps=2, sft_batch_size=8)
-    small, logs = habits.Habit(steps=2, batch_size=4), []
-    folder = habits.habit_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a))
-    assert folder == str(tmp_path / f"habit-{habits.habit_key(small, tiny)}") and len(logs) == 3  # base (2 lines), habit
-    _, _, base = checkpoint.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
-    _, tok, model = checkpoint.load_model(folder)
-    assert tok.eos_token_id == 1 and any(not torch.equal(p, q) for p, q in zip(base.parameters(), model.parameters()))
-    assert habits.habit_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a)) == folder and len(logs) == 3
-    # an experiment on a habit model runs train.py on its folder, the built-in task's learning rate
-    monkeypatch.setattr(habits, "habit_model", lambda h: folder)
-    exp = next(e for e in experiments.EXPERIMENTS if e.name == "token-level-loss")
-    args = flags.parse_train_args([*exp.model_flags(), *exp.flags])
-    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, flags.BUILTIN_DEFAULTS["lr"], 96, 16)
-    assert experiments.Experiment("x", "", ("--steps", "2"), (), (), ()).model_flags() == ()
-
-# ---------------------------------------------------------------------------------------------
-# vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own venv, see the
-# README: .venv-vllm/bin/python -m pytest -q test_grpo.py -m vllm); skipped with the reason without vllm
-# ---------------------------------------------------------------------------------------------
-
-def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
-    import train
-    assert (flags.parse_train_args([]).rollout, flags.parse_train_args([]).tis_cap) == ("hf", 0.0)
-    assert flags.parse_train_args(["--rollout", "vllm"]).tis_cap == flags.VLLM_TIS_CAP == 2.0  # TIS on with an engine
-    assert flags.parse_train_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0       # unless switched off
-    for bad in (["--vllm-gpu-memory-utilization", "0"], ["--rollout", "sglang"]):
-        with pytest.raises(SystemExit) as e:
-            flags.parse_train_args(bad)
-        assert e.value.code == 2
-    capsys.readouterr()
-    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
-    with pytest.raises(SystemExit) as e:
-        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--rollout", "vllm"])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: --rollout vllm needs vLLM: pip install")
-
-
-def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
-    # FSDP2 over a one-rank gloo group in this process: the stream yields each full tensor (equal to the
-    # unsharded model's) only when it is read, so the engine never sees a second whole copy of the model
-    from torch.distributed.tensor import DTensor
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import parallel
-    import vllm_rollout
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    plain = {k: v.clone() for k, v in model.state_dict().items()}
-    gathers, real = [], DTensor.full_tensor
-    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathers.append(self.shape) or real(self, **kw))
-    ranks = parallel.Dist("cpu", fsdp=True)
-    try:
-        parallel.wrap(model, ranks, fsdp=True)
-        stream, seen = vllm_rollout.full_weights(model, torch.bfloat16), {}
-        for i, (name, t) in enumerate(stream):
-            assert len(gathers) == i + 1                     # gathered as read, one tensor in flight
-            assert type(t) is torch.Tensor and t.dtype == torch.bfloat16 and torch.equal(t, plain[name].bfloat16())
-            seen[name] = t
-        assert set(seen) == set(plain)
-    finally:
-        ranks.close()
-
-
-class _RecordingLLM:
-    """Stands in for vllm.LLM where the real one cannot run here (sleep mode needs CUDA): records the calls."""
-
-    def __init__(self):
-        self.calls = []
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def collective_rpc(self, method, kwargs):
-        self.calls.append((method, [(n, t.dtype) for n, t in kwargs["weights_iterator"]]))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-        return True
-
-
-@pytest.mark.parametrize("cuda", [True, False])
-def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
-    import vllm_rollout
-    engine = object.__new__(vllm_rollout.Engine)
-    engine.llm, engine.cuda, engine.dtype, engine.asleep = _RecordingLLM(), cuda, torch.bfloat16, False
-    model = _tiny("qwen2", torch.float32)
-    engine.sleep()
-    engine.push(model)
-    reload = ("reload_weights", [(n, torch.bfloat16) for n in model.state_dict()])
-    want = [("sleep", 2), ("wake_up", ["weights"]), reload, ("wake_up", ["kv_cache"])] if cuda else [reload]
-    # then the prefix cache goes, on CPU too: no prompt is decoded on K/V the old weights computed
-    assert engine.llm.calls == [*want, ("reset_prefix_cache",)] and not engine.asleep
-    engine.llm.reset_prefix_cache = lambda: False     # vLLM could not drop it: an error, never stale K/V
-    with pytest.raises(RuntimeError, match="prefix cache"):
-        engine.push(model)
-
-
-@pytest.fixture(scope="session")
-def vllm_env():
-    """Skips where vllm cannot be imported; a 1 GiB KV cache per engine on CPU (the default is 30% of memory)."""
-    pytest.importorskip("vllm", reason="vllm cannot be imported (install: see the README's --rollout vllm)")
-    old = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    yield
-    if old is None:
-        del os.environ["VLLM_CPU_KVCACHE_SPACE"]
-    else:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = old
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    """A 0.53M Qwen2 with head_dim 64 (vLLM's CPU attention has no kernel for head_dim 8 or 16), random
-    weights scaled up so greedy responses vary, and the built-in tokenizer: (folder, model)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    d = tmp_path_factory.mktemp("vllm") / "model"
-    tok = builtin.make_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=True, initializer_range=0.2)).eval()
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d, model
-
-
-@pytest.fixture(scope="module")
-def vllm_engine(vllm_env, vllm_model):
-    import vllm_rollout
-    engine = vllm_rollout.Engine(str(vllm_model[0]), "cpu", bf16=False, seed=0, gpu_memory_utilization=0.05)
-    yield engine
-    engine.close()                         # and the one-rank process group the engine made in this process
-
-
-VLLM_PROMPTS = [[12, 5, 20, 9], [7, 30, 14, 3, 25, 11, 16, 8, 2], [22]]
-# prompts as real runs have them: a shared 400-token instruction (3 full KV blocks of vLLM's 128 tokens,
-# which its prefix cache reuses across requests), then each prompt's own tokens
-VLLM_INSTRUCTION = [int(t) for t in torch.randint(3, 33, (400,), generator=torch.Generator().manual_seed(5))]
-VLLM_LONG_PROMPTS = [VLLM_INSTRUCTION + p for p in VLLM_PROMPTS]
-
-
-def _same_rollout(a: Rollout, b: Rollout, atol: float) -> None:
-    assert a.response_ids.tolist() == b.response_ids.tolist()
-    assert a.lengths.tolist() == b.lengths.tolist() and a.truncated.tolist() == b.truncated.tolist()
-    assert torch.equal(a.mask, b.mask)
-    torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
-
-
-@pytest.mark.vllm
-def test_vllm_greedy_equals_sample_groups_on_the_same_weights(vllm_engine, vllm_model):
-    model, T, eos = vllm_model[1], 24, [30, 32]
-    hf = sample_groups(model, VLLM_PROMPTS, 2, T, eos, 0, 0.0)
-    engine = vllm_engine.sample_groups(model, VLLM_PROMPTS, 2, T, eos, 0, 0.0)
-    # greedily, token 30 ends prompt 0 at its 5th token and prompt 2 at its 2nd; prompt 1 runs to T
-    assert engine.lengths.tolist() == [5, 5, T, T, 2, 2] and engine.truncated.tolist() == [False] * 2 + [True] * 2 + [False] * 2
-    _same_rollout(engine, hf, atol=1e-4)                     # float32 both sides: other kernels, same tokens
-    # a budget of 5: prompt 0's end token is its last one, which ends it (not truncated); prompt 1 is cut
-    five = vllm_engine.sample_groups(model, VLLM_PROMPTS, 1, 5, eos, 0, 0.0)
-    assert five.lengths.tolist() == [5, 5, 2] and five.truncated.tolist() == [False, True, False]
-    _same_rollout(five, sample_groups(model, VLLM_PROMPTS, 1, 5, eos, 0, 0.0), atol=1e-4)
-    # prompts of 3+ KV blocks sharing a 400-token prefix (the second call reads the first's cached blocks)
-    for _ in range(2):
-        long = vllm_engine.sample_groups(model, VLLM_LONG_PROMPTS, 2, T, eos, 0, 0.0)
-        _same_rollout(long, sample_groups(model, VLLM_LONG_PROMPTS, 2, T, eos, 0, 0.0), atol=1e-4)
-
-
-@pytest.mark.vllm
-def test_vllm_samples_follow_each_prompts_seed_with_the_trainers_logprobs(vllm_engine, vllm_model):
-    model, G, T, temp = vllm_model[1], 3, 16, 0.7
-    gens = lambda idx: [data.prompt_generator(0, j) for j in idx]  # noqa: E731
-    prompts = VLLM_LONG_PROMPTS                                  # 400 shared tokens, then each prompt's own
-    batch = vllm_engine.sample_groups(model, prompts, G, T, [1], 0, temp, generator=gens([0, 1, 2]))
-    alone = vllm_engine.sample_groups(model, prompts[1:2], G, T, [1], 0, temp, generator=gens([1]))
-    t = alone.response_ids.shape[1]
-    assert batch.response_ids[G:2 * G, :t].tolist() == alone.response_ids.tolist()  # the batch does not matter
-    assert len({tuple(r) for r in batch.response_ids.tolist()}) == G * len(prompts)  # G different samples each
-    other = vllm_engine.sample_groups(model, prompts[1:2], G, T, [1], 0, temp, generator=gens([7]))
-    assert other.response_ids.tolist() != alone.response_ids.tolist()               # another seed, other samples
-    # the sampled tokens' log-probs are those of softmax(logits / temperature), as the trainer recomputes them
-    trainer, _, valid = rollout_logprobs(model, batch, slice(0, G * len(prompts)), temp)
-    torch.testing.assert_close(batch.logprobs, trainer * valid, atol=1e-4, rtol=0)
-
-
-@pytest.mark.vllm
-def test_vllm_push_after_updates_gives_hf_greedy_on_the_trained_weights(vllm_engine, vllm_model):
-    import copy
-    # prompts sharing 3 full KV blocks: the stale call below leaves them in vLLM's prefix cache, computed
-    # by the old weights, so a push that kept the cache would decode the new weights on old K/V
-    model, T, prompts = copy.deepcopy(vllm_model[1]), 24, VLLM_LONG_PROMPTS
-    before = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    for _ in range(3):  # a few large updates: push the model towards other continuations
-        model(input_ids=torch.tensor([prompts[1]]), labels=torch.tensor([prompts[1][::-1]])).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    after = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
-    assert after.response_ids.tolist() != before.response_ids.tolist()
-    stale = vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0)
-    assert stale.response_ids.tolist() == before.response_ids.tolist()  # without a push: the old weights
-    try:
-        vllm_engine.push(model)
-        _same_rollout(vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0), after, atol=1e-4)
-    finally:
-        vllm_engine.push(vllm_model[1])                    # the other tests' weights back
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_model, tiny_run_inputs, tmp_path):
-    """3 DAPO steps with --rollout vllm in one process, and on 2 gloo ranks with --fsdp (each rank's engine
-    fed full tensors gathered from the shards): the same rewards at every step (the per-prompt seeds), the
-    same evaluations (through the engines), weights within 1e-3, truncated IS on at cap 2, and the
-    sampler/trainer mismatch at the float32 level at every step (an engine left with old weights drifts
-    away from the policy step by step). The tiny runs' large learning rate makes every step move the policy.
-    Every prompt opens with the same ~400-token instruction, as real prompts share a chat header and system
-    prompt: 3 full KV blocks that vLLM's prefix cache keeps across requests (and across weight pushes,
-    unless the engine drops it), as each evaluation's prompts repeat the last one's."""
-    runs, instruction = {}, "3x+4=19\nAnswer: 5\n" * 22
-    for n in (1, 2):
-        out = tmp_path / f"w{n}"
-        flags = [*_tiny_flags(tiny_run_inputs, out), "--model", str(vllm_model[0]), "--steps", "3", "--eval-every", "1",
-                 "--algo", "dapo", "--rollout", "vllm", "--grad-clip", "0", "--prompt-template", instruction + "{prompt}",
-                 *(["--fsdp"] if n == 2 else [])]
-        _torchrun(n, os.path.join(HERE, "train.py"), *flags)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        assert json.loads((out / "config.json").read_text())["tis_cap"] == 2.0
-        runs[n] = ([r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r], _weights(out / "final"))
-    (m1, e1, w1), (m2, e2, w2) = runs[1], runs[2]
-    assert len(m1) == len(m2) == 3 and len(e1) == len(e2) == 4
-    for a, b in zip(m1, m2):
-        for k in ("reward/mean", "len/mean", "samples", "tokens/in_loss"):
-            assert a[k] == pytest.approx(b[k], abs=1e-6), k
-    assert [e["eval/accuracy"] for e in e1] == [e["eval/accuracy"] for e in e2]
-    assert max(r["mismatch/logp_abs_mean"] for r in m1 + m2) < 1e-4
-    # float32 sums in another order; AdamW makes near-zero gradients' noise steps of up to lr (1e-2)
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 5e-3
-    start = _weights(vllm_model[0])
-    assert max((start[k] - w1[k]).abs().max().item() for k in w1) > 1e-2   # the steps moved the weights
-
-
-# ---------------------------------------------------------------------------------------------
-# On GPUs (python -m pytest -q test_grpo.py -m gpu): skipped, with the reason, where CUDA is missing
-# ---------------------------------------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU machine: pytest -m gpu)")
-
-
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (on a GPU machine: pytest -m gpu)")
-
-
-def _train_rows(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
-
-
-@pytest.mark.slow
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
-    d = tiny_run_inputs
-    _run_train(d, tmp_path / "run", "--device", "cuda", "--steps", "3", "--algo", "grpo", "--reward", "tinyreward:has_x")
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"] is True   # the default on CUDA
-    rows = _train_rows(tmp_path / "run")
-    assert len(rows) == 3 and all(math.isfinite(v) for r in rows for v in r.values())
-    w, start = _weights(tmp_path / "run" / "final"), _weights(d / "model")
-    assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_sampler_greedy_equals_generate():
-    model = _tiny("qwen2", torch.float32).cuda()
-    roll = sample_groups(model, PROMPTS, 2, 16, eos_token_id=1, pad_token_id=0, temperature=0.0)
-    assert roll.response_ids.is_cuda
-    for i, p in enumerate(PROMPTS):
-        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=1,
-                             pad_token_id=0)[0, len(p):].tolist()
-        for r in (2 * i, 2 * i + 1):
-            L = int(roll.lengths[r])
-            assert roll.response_ids[r, :L].tolist() == ref[:L]
-
-
-@pytest.mark.slow
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path):
-    d, out = tiny_run_inputs, tmp_path / "run"
-    flags = [*_tiny_flags(d, out), "--device", "cuda", "--fsdp", "--beta", "0.04", "--save-every", "2"]
-    _torchrun(1, os.path.join(HERE, "train.py"), *flags, "--steps", "2")
-    _torchrun(1, os.path.join(HERE, "train.py"), *flags, "--steps", "3", "--resume")
-    rows = _train_rows(out)
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(v) for r in rows for v in r.values())
-    w, start = _weights(out / "final"), _weights(d / "model")
-    assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
-
-
-@pytest.mark.slow
-@pytest.mark.gpu
-@needs_two_gpus
-def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
-    d, state = tiny_run_inputs, {}
-    for mode, extra in (("ddp", []), ("fsdp", ["--fsdp", "--save-every", "2"])):
-        out = tmp_path / mode
-        _torchrun(2, os.path.join(HERE, "train.py"), *_tiny_flags(d, out), "--device", "cuda", "--steps", "2",
-                  "--beta", "0.04", *extra)
-        rows = _train_rows(out)
-        assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values())
-        state[mode] = rows[-1]["memory/state_bytes"]
-    print(f"per-rank state bytes on 2 GPUs: DDP {state['ddp']}, FSDP {state['fsdp']}")
-    assert state["fsdp"] <= 0.55 * state["ddp"]
-
-
-# ---------------------------------------------------------------------------------------------
-# docs: every `module.name`, --flag, test name and relative link in README.md and docs/ exists
-# ---------------------------------------------------------------------------------------------
-
-# Flags of other programs that the pages' commands pass (torchrun's launcher, python -m venv), and a
-# flag the pages name to say it is not offered.
-FOREIGN_FLAGS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--master_addr",
-                 "--master_port", "--system-site-packages", "--lora-dropout"}
-FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "txt", "pt", "toml", "lock"}  # `train.py`, not train.<name>
-FOREIGN_FILES = {"grpo_config.py"}  # other projects' files the pages name (TRL's)
-
-
-def _doc_pages() -> dict[str, str]:
-    """README.md, results/README.md and docs/*.md, relative path -> text."""
-    docs = os.path.join(HERE, "docs")
-    paths = ["README.md", "results/README.md", *(f"docs/{n}" for n in sorted(os.listdir(docs)) if n.endswith(".md"))]
-    paths = [p for p in paths if os.path.exists(os.path.join(HERE, p))]
-    return {p: _read(os.path.join(HERE, p)) for p in paths}
-
-
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as fh:
-        return fh.read()
-
-
-def _at(page: str, text: str, m, what: str | None = None) -> str:
-    """'page:line: what' for the match m in the page's text (what: the whole match by default)."""
-    return f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0) if what is None else what}"
-
-
-def _packages() -> list[str]:
-    """The folders here run as `python -m NAME` (bench, ablate): namespace packages with a
-    __main__.py."""
-    return sorted(n for n in os.listdir(HERE)
-                  if os.path.isfile(os.path.join(HERE, n, "__main__.py")))
-
-
-def _cli_actions() -> list:
-    """The argparse actions of every command here: each top-level script and each module of a
-    package (`python -m bench`, `python -m bench.vs_trl`, `python -m ablate`) that parses flags runs
-    as __main__ until its parser's parse_known_args, which hands the parser over instead of
-    parsing."""
-    import argparse
-    import re
-    import runpy
-
-    class Parsed(Exception):
-        pass
-
-    def capture(parser, *args, **kwargs):
-        raise Parsed(parser)
-
-    commands = [(os.path.join(HERE, n), None) for n in sorted(os.listdir(HERE))
-                if n != "test_grpo.py"]
-    commands += [(os.path.join(HERE, pkg, n), f"{pkg}.{n[:-3]}") for pkg in _packages()
-                 for n in sorted(os.listdir(os.path.join(HERE, pkg)))]
-    actions, saved = [], (argparse.ArgumentParser.parse_known_args, sys.argv)
-    argparse.ArgumentParser.parse_known_args = capture
-    try:
-        for path, module in commands:
-            src = _read(path) if path.endswith(".py") else ""
-            if "__main__" not in src or not re.search(r"parse_\w*args\(", src):
-                continue
-            sys.argv = [path]
-            with pytest.raises(Parsed) as got:  # a script that returns here parsed nothing: a bug in this test
-                if module is None:
-                    runpy.run_path(path, run_name="__main__")
-                else:                           # as `python -m` does, on a fresh copy of the module
-                    imported = sys.modules.pop(module, None)
-                    try:
-                        runpy.run_module(module, run_name="__main__", alter_sys=True)
-                    finally:
-                        if imported is not None:
-                            sys.modules[module] = imported
-            actions += got.value.args[0]._actions
-    finally:
-        argparse.ArgumentParser.parse_known_args, sys.argv = saved
-    return actions
-
-
-def _import_longest(names: list[str]):
-    """The module named by the longest prefix of names that imports, and the names after it: `grpo`
-    for grpo.policy_loss, `bench.vs_trl` for bench.vs_trl.main (a namespace package such as bench
-    has its submodules as attributes only once they are imported)."""
-    import importlib
-    for k in range(len(names), 1, -1):
-        dotted = ".".join(names[:k])
-        try:
-            return importlib.import_module(dotted), names[k:]
-        except ModuleNotFoundError as e:
-            if not (dotted + ".").startswith(e.name + "."):  # an import inside the module failed
-                raise
-    return importlib.import_module(names[0]), names[1:]
-
-
-def _github_anchors(text: str) -> set[str]:
-    """The anchors GitHub gives a page's headings (code blocks skipped): lower case, punctuation
-    dropped (letters of any script, digits, '_' and '-' kept), spaces to '-'."""
-    import re
-    anchors, fenced = set(), False
-    for line in text.splitlines():
-        fenced ^= line.startswith("```")
-        if not fenced and (m := re.match(r"#+ (.*)", line)):
-            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
-    return anchors
-
-
-def _docs_problems(pages: dict[str, str]) -> list[str]:
-    """What the pages name that does not exist, one line each: `module.name[.member]` (and keyword
-    arguments written as `module.fn(kw=...)`), --flag and its value where the flag has choices,
-    test_name, [text](relative link) with its #anchor, a .py file named from the repo root
-    (bench/common.py)."""
-    import inspect
-    import re
-
-    modules = sorted([n[:-3] for n in os.listdir(HERE) if n.endswith(".py")] + _packages())
-    actions = _cli_actions()
-    flags = {s for a in actions for s in a.option_strings} | FOREIGN_FLAGS
-    choices = {}
-    for a in actions:
-        for s in a.option_strings if a.choices is not None else []:
-            choices.setdefault(s, set()).update(map(str, a.choices))
-    tests = set(re.findall(r"^def (test_\w+)\(", _read(os.path.join(HERE, "test_grpo.py")), re.M))
-    # grpo.fn, grpo.fn(kw=...), sampler.Rollout.field; --flag, --flag value, --flag a/b
-    name_re = r"(?<![\w./-])(" + "|".join(modules) + r")((?:\.\w+)+)(\(([^()`]*)\))?"
-    flag_re = r"(?<![\w-])(--[a-z][\w-]*)(?:[ =]([a-z0-9][\w.-]*(?:/[\w.-]+)*))?"
-    missing, problems = object(), []
-    for page, text in pages.items():
-        for m in re.finditer(name_re, text):
-            parts = m.group(2).split(".")[1:]
-            if parts[0] in FILE_SUFFIXES:
-                continue
-            obj, parts = _import_longest([m.group(1), *parts])
-            for part in parts:
-                fields = getattr(obj, "__dataclass_fields__", {})  # a field without a default
-                obj = getattr(obj, part, fields.get(part, missing))
-                if obj is missing:
-                    problems.append(f"{_at(page, text, m)}: no {part}")
-                    break
-            else:
-                params = inspect.signature(obj).parameters if m.group(3) and callable(obj) else {}
-                kwargs = re.findall(r"(\w+)=(?!=)", m.group(4) or "")
-                if all(p.kind != p.VAR_KEYWORD for p in params.values()):
-                    problems += [f"{_at(page, text, m)}: no argument {kw}" for kw in kwargs if kw not in params]
-        for m in re.finditer(flag_re, text):
-            if m.group(1) not in flags:
-                problems.append(f"{_at(page, text, m)}: no such flag")
-            elif m.group(2) and m.group(1) in choices:
-                problems += [f"{_at(page, text, m)}: no choice {v}"
-                             for v in m.group(2).split("/") if v not in choices[m.group(1)]]
-        for m in re.finditer(r"\btest_\w+", text):
-            if m.group(0) != "test_grpo" and m.group(0) not in tests:
-                problems.append(f"{_at(page, text, m)}: no such test in test_grpo.py")
-        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
-            target, _, anchor = m.group(1).partition("#")
-            path = os.path.normpath(os.path.join(HERE, os.path.dirname(page), target))
-            if re.match(r"[a-z]+:", target):  # https:, mailto:
-                continue
-            if target and not os.path.exists(path):
-                problems.append(f"{_at(page, text, m, m.group(1))}: no such file")
-            elif anchor and anchor not in _github_anchors(_read(path) if target else text):
-                problems.append(f"{_at(page, text, m, m.group(1))}: no such heading")
-        for m in re.finditer(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b", text):
-            path = os.path.join(HERE, m.group(1))
-            if m.group(1) not in FOREIGN_FILES and not os.path.isfile(path):
-                problems.append(f"{_at(page, text, m)}: no such file")
-    return problems
-
-
-def test_docs_name_only_functions_flags_tests_and_files_that_exist():
-    pages = _doc_pages()
-    assert {"README.md", "docs/objectives.md", "docs/metrics.md"} <= set(pages)
-    assert _docs_problems(pages) == []
-
-
-def test_docs_check_finds_a_stale_name_argument_flag_choice_test_link_and_anchor():
-    # one right and one wrong of each kind; file names (train.py, curves.png) are not module names
-    page = """# Quickstart (CPU, nothing downloaded)
-`grpo.policy_loss` `grpo.no_such_fn` `sampler.Rollout.lengths` `sampler.Rollout.no_field` `train.py` `runs/curves.png`
-`grpo.token_weights(mask, "token", num_tokens=...)` `grpo.token_weights(mask, num_tokenz=...)`
---algo dapo --algo dapi --no-dynamic-sampling --no-such-flag --nproc_per_node 8 --adv-scale group/batch/nine
-`test_token_weights_by_hand` `test_no_such_test`
-[ok](docs/metrics.md) [gone](docs/gone.md) [here](#quickstart-cpu-nothing-downloaded) [there](#no-such-heading)
-[ok](docs/metrics.md#logged-metrics-outmetricsjsonl) [no](docs/metrics.md#quickstart-cpu-nothing-downloaded)
-`bench.vs_trl.main` `bench.vs_trl.no_such_fn` `bench.gone.x` --init random --init nothing
-`bench/common.py` `bench.py` `grpo_config.py` `bench/gone.py`
-`ablate.rows.extra_row` `ablate.rows.variant_row` --add-row --variant `ablate/habits.py` `ablate.py`
-"""
-    assert _docs_problems({"README.md": page}) == [
-        "README.md:2: grpo.no_such_fn: no no_such_fn", "README.md:2: sampler.Rollout.no_field: no no_field",
-        "README.md:3: grpo.token_weights(mask, num_tokenz=...): no argument num_tokenz",
-        "README.md:8: bench.vs_trl.no_such_fn: no no_such_fn", "README.md:8: bench.gone.x: no gone",
-        "README.md:10: ablate.rows.variant_row: no variant_row",
-        "README.md:4: --algo dapi: no choice dapi", "README.md:4: --no-such-flag: no such flag",
-        "README.md:4: --adv-scale group/batch/nine: no choice nine",
-        "README.md:8: --init nothing: no choice nothing", "README.md:10: --variant: no such flag",
-        "README.md:5: test_no_such_test: no such test in test_grpo.py",
-        "README.md:6: docs/gone.md: no such file", "README.md:6: #no-such-heading: no such heading",
-        "README.md:7: docs/metrics.md#quickstart-cpu-nothing-downloaded: no such heading",
-        "README.md:9: bench.py: no such file", "README.md:9: bench/gone.py: no such file",
-        "README.md:10: ablate.py: no such file"]
-
-
-# -- the figures the pages quote from the results tables --
-class _ResultsTable:
-    """The markdown tables of a results page. read((row, column[, n])) gives the first n (default 1)
-    numbers of a cell: the row is the one table line that contains `row`, the column its exact
-    header; column(c) the first number of column c in every row that has it."""
-
-    def __init__(self, text: str):
-        self.rows, header = [], None
-        for line in text.splitlines():
-            if not line.startswith("|"):
-                header = None
-                continue
-            cells = [c.strip() for c in line.strip()[1:-1].split("|")]
-            if header is None:
-                header = cells
-            elif not set(line) <= set("| -"):
-                self.rows.append((line, dict(zip(header, cells))))
-
-    @staticmethod
-    def numbers(cell: str) -> list[float]:
-        # "0.608 ± 0.019", "+1.47e+03 ± 2.6e+02: beyond", "0.11% / 0.06%", "2,496", "3-10%" (3, 10)
-        import re
-        return [float(x.replace(",", ""))
-                for x in re.findall(r"(?<![\d.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", cell)]
-
-    def read(self, spec) -> list[float]:
-        row, column, n = (*spec, 1)[:3]
-        found = [cells[column] for line, cells in self.rows if row in line and column in cells]
-        if len(found) != 1:
-            raise KeyError(f"{len(found)} rows contain {row!r} under {column!r}")
-        return self.numbers(found[0])[:n]
-
-    def column(self, column: str) -> list[float]:
-        return [self.numbers(cells[column])[0] for _, cells in self.rows if column in cells]
-
-
-def _span(values):
-    return [min(values), max(values)]
-
-
-_DS, _OS, _TL = "dynamic-sampling.md", "overlong-shaping.md", "token-level-loss.md"
-_CH, _CHR, _AB = "clip-higher.md", "clip-higher-random-reward.md", "ablation-mb4.md"
-P1, P2, _RR = "README.md", "results/README.md", "README.md"  # the pages; results/README.md's table
-ON, HARD, SOFT = "on: dynamic sampling", "hard: truncated = wrong", "filter + soft penalty"
-E2, E28, D28 = "eps_high 0.2", "eps_high 0.28", "eps_high 0.28 − eps_high 0.2 (± 2 SE)"
-DTL, TRY = "token − sequence (± 2 SE)", "beyond 2 SE?"
-DOS = "filter − hard: truncated = wrong (± 2 SE)"
-AT_END, CLIPPED = "held-out acc. at end", "tokens clipped low / high"
-HABIT = "habit model, 16"  # the tries table's row of the stuttering habit model, 16 mini-batches
-FIXES = ["overlong filtering", "+ clip-higher", "soft overlong", "+ token-level", "= DAPO"]
-
-
-def _responses_ratio(t):
-    return [t.read(("responses sampled", ON))[0] / t.read(("responses sampled", "off"))[0]]
-
-
-def _clipped_high_tries(t):  # the one-seed clip-higher tries that kept the policy working
-    return [max(t.read(("shipped, 16 mini", TRY, 2)) + t.read((HABIT, TRY, 2)))]
-
-
-# (page, what it says with each figure [in brackets], results/ file, how to read the figures: a
-# list of cells (row, column[, n]) or a function of the table). A figure must equal the value read,
-# rounded to the figure's decimals; the one-seed tries are the table of results/README.md itself.
-DOC_FIGURES = [
-    (P1, "[0.61] of the sampled groups are at the end", _DS, [("all wrong, last 5", "off")]),
-    (P1, "with it [15.9] vs [9.6] of 16 groups", _DS,
-     [("with a gradient", ON), ("with a gradient", "off")]),
-    (P1, "at [2.4]x the responses", _DS, _responses_ratio),
-    (P1, "(sampled accuracy [0.850] vs [0.839], within noise)", _DS,
-     [("last 5 updates", ON), ("last 5 updates", "off")]),
-    (P1, "[0.90] of the truncated responses are the start of a right solution", _OS,
-     [("on the way", HARD)]),
-    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951])", _OS,
-     [("held-out", HARD), ("held-out", "filter"), ("held-out", SOFT)]),
-    (P1, "wrong responses end [44.2] tokens long under `sequence` vs [35.9] under `token`, "
-     "[0.54] vs [0.30] of them repeating a line", _TL,
-     [("length of wrong", "sequence"), ("length of wrong", "token"), ("repeat a line", "sequence"),
-      ("repeat a line", "token")]),
-    (P1, "(entropy [0.056] vs [0.055];", _CH, [("entropy", E2), ("entropy", E28)]),
-    (P1, "random-reward control [0.105] vs [0.114];", _CHR, [("entropy", E2), ("entropy", E28)]),
-    (P1, "clipped at the upper bound is [0.000] to three decimals in the experiment", _CH,
-     lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
-    (P1, "at most [0.30]% in the one-seed tries, except [1.4]-[4]% in a random-reward try", _RR,
-     lambda t: _clipped_high_tries(t) + t.read(("eps_high 0.2 only", TRY, 4))[2:]),
-    (P1, "the rows end at [0.879] (naive GRPO) to [0.953] (DAPO)", _AB,
-     lambda t: _span(t.column(AT_END))),
-    # results/README.md: dynamic sampling
-    (P2, "to [0.61] ± [0.02] over the last 5 steps, as sampled accuracy goes from 0.55 "
-     "to [0.84]", _DS, [("all wrong, last 5", "off", 2), ("last 5 updates", "off")]),
-    (P2, "trains on [9.6] ± [0.2] groups", _DS, [("with a gradient", "off", 2)]),
-    (P2, "with it on [15.9] ± [0.1] (beyond noise)", _DS, [("with a gradient", ON, 2)]),
-    (P2, "the last 5 updates [0.839] ± [0.013] off vs [0.850] ± [0.022] on", _DS,
-     [("last 5 updates", "off", 2), ("last 5 updates", ON, 2)]),
-    (P2, "after 16 updates [0.948] ± [0.016] vs [0.951] ± [0.027], both within noise",
-     _DS, [("held-out", "off", 2), ("held-out", ON, 2)]),
-    (P2, "It costs [2.4]x the responses ([2,496] ± [222] vs [1,024])", _DS,
-     lambda t: _responses_ratio(t) + t.read(("responses sampled", ON, 2))
-     + t.read(("responses sampled", "off"))),
-    (P2, "(sampled accuracy [0.721] vs [0.885],", _DS,
-     [("1,024 responses", ON), ("1,024 responses", "off")]),
-    # overlong shaping
-    (P2, "and [0.897] ± [0.006] of the truncated ones", _OS, [("on the way", HARD, 2)]),
-    (P2, "[0.050] ± [0.024] hard vs [0.094] ± [0.030] with the filter ([+0.044] ± "
-     "[0.044], at the edge of 2 SE) and [0.093] ± [0.033] with the filter and the soft", _OS,
-     [("truncated responses", c, 2) for c in (HARD, "filter", DOS, SOFT)]),
-    (P2, "ends the same ([0.948] ± [0.016], [0.951] ± [0.032], [0.951] ± [0.027];", _OS,
-     [("held-out", c, 2) for c in (HARD, "filter", SOFT)]),
-    (P2, "with the filter ([0.803] ± [0.008] vs [0.839] ± [0.013], beyond noise)", _OS,
-     [("accuracy of the sampled", "filter", 2), ("accuracy of the sampled", HARD, 2)]),
-    # token-level loss
-    (P2, "wrong responses stayed [30.1] ± [4.9] vs [29.1] ± [2.5] tokens", _RR,
-     [("shipped base model, G 4", "fix off", 2), ("shipped base model, G 4", "fix on", 2)]),
-    (P2, "wrong responses are [44.2] ± [1.0] tokens under `sequence` vs [35.9] ± [2.1] "
-     "under `token` ([-8.3] ± [2.7], beyond noise), and [0.54] ± [0.10] vs [0.30] ± [0.10] of them "
-     "repeat a line ([-0.23] ± [0.16], beyond noise)", _TL,
-     [(r, c, 2) for r in ("length of wrong", "repeat a line") for c in ("sequence", "token", DTL)]),
-    (P2, "Right responses shorten too ([43.9] vs [37.2], beyond noise)", _TL,
-     [("length of right", "sequence"), ("length of right", "token")]),
-    (P2, "held-out greedy accuracy ends [0.630] ± [0.166] vs [0.591] ± [0.175]", _TL,
-     [("held-out", "sequence", 2), ("held-out", "token", 2)]),
-    (P2, "| [44.2] ± [1.0] | [35.9] ± [2.1] | **yes** ([-8.3] ± [2.7]); repeating a "
-     "line [0.54] vs [0.30],", _TL,
-     [("length of wrong", c, 2) for c in ("sequence", "token", DTL)]
-     + [("repeat a line", "sequence"), ("repeat a line", "token")]),
-    # clip-higher
-    (P2, "entropy is [0.056] ± [0.003] vs [0.055] ± [0.002] nats/token over the last 5 "
-     "steps (within noise), [2.40] distinct answers", _CH,
-     [("entropy", E2, 2), ("entropy", E28, 2), ("distinct answers", E2)]),
-    (P2, "clipped at the upper bound is [0.000] to three decimals under both", _CH,
-     lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
-    (P2, "accuracy [0.956] ± [0.005] vs [0.969] ± [0.014] (within noise)", _CH,
-     [("held-out", E2, 2), ("held-out", E28, 2)]),
-    (P2, "| [0.056] ± [0.003] | [0.055] ± [0.002] | no ([-0.001] ± [0.004]); clipped "
-     "high [0.000] |", _CH,
-     lambda t: [x for c in (E2, E28, D28) for x in t.read(("entropy", c, 2))]
-     + [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
-    (P2, "both, to [0.105] ± [0.006] vs [0.114] ± [0.006] ([+0.009] ± [0.010], within "
-     "noise)", _CHR, [("entropy", c, 2) for c in (E2, E28, D28)]),
-    (P2, "| [0.105] ± [0.006] | [0.114] ± [0.006] | no ([+0.009] ± [0.010]) |", _CHR,
-     [("entropy", c, 2) for c in (E2, E28, D28)]),
-    (P2, "(whose entropy, [0.16] nats/token, does collapse to ~[0.08]) leave the two "
-     "bounds within [0.002] nats/token", _RR,
-     lambda t: [t.read((HABIT, "measure", 2))[1], *t.read((HABIT, "fix off")),
-                max(abs(t.read((r, "fix off"))[0] - t.read((r, "fix on"))[0])
-                    for r in ("shipped, 16", HABIT))]),
-    (P2, "reached by at most [0.3]% of tokens", _RR, _clipped_high_tries),
-    (P2, "under both bounds (accuracy [0], [86]-[93]% truncated)", _RR,
-     [("lr 1e-3, T 1.5", TRY, 3)]),
-    # the article's ablation in miniature
-    (P2, "[0.09]-[0.11]% of tokens hit the lower bound ([0.22]% with dynamic sampling) "
-     "and [0.02]-[0.06]% the upper one", _AB,
-     lambda t: _span([t.read((r, CLIPPED))[0] for r in ("naive", *FIXES[:-1])])
-     + t.read(("= DAPO", CLIPPED))
-     + _span([t.read((r, CLIPPED, 2))[1] for r in ("naive", *FIXES)])),
-    (P2, "share ([0.05]% -> [0.03]% of tokens)", _AB,
-     lambda t: [t.read((r, CLIPPED, 2))[1] for r in ("overlong filtering", "+ clip-higher")]),
-    (P2, "every row is at [0.879]-[0.926] at a quarter of the budget", _AB,
-     lambda t: _span(t.column("acc. at 1/4 budget"))),
-    (P2, "the end-of-run accuracies ([0.879] to [0.953])", _AB,
-     lambda t: _span(t.column(AT_END))),
-    (P2, "([0.011]-[0.016] nats/token over the last 5 steps vs [0.010] for naive GRPO)",
-     _AB, lambda t: _span([t.read((r, "entropy (last 5 steps)"))[0] for r in FIXES])
-     + t.read(("naive", "entropy (last 5 steps)"))),
-    (P2, "([0.019]-[0.021] of the samples over the last 5 steps vs [0.001])", _AB,
-     lambda t: _span([t.read((r, "truncated (last 5)"))[0] for r in FIXES])
-     + t.read(("naive", "truncated (last 5)"))),
-    (P2, "it ends after [18] steps of the budget (the others take [40]), at the best "
-     "end accuracy of the six ([0.953]), with twice the clipped share ([0.22]% / [0.06]%)", _AB,
-     lambda t: [*t.read(("= DAPO", "steps")),
-                *{t.read((r, "steps"))[0] for r in ("naive", *FIXES[:-1])},
-                max(t.column(AT_END)), *t.read(("= DAPO", CLIPPED, 2))]),
-]
-
-
-def _figure_problems(pages: dict[str, str], results: dict[str, str]) -> list[str]:
-    """Each DOC_FIGURES quote that its page no longer says, or whose figures its results table does
-    not give; and results/README.md's copy of the ablation table if it is not ablation-mb4.md's."""
-    import itertools
-    import re
-    problems = []
-    for page, quote, name, how in DOC_FIGURES:
-        said = quote.replace("[", "").replace("]", "")
-        if said not in " ".join(pages[page].split()):
-            problems.append(f"{page} no longer says {said!r}")
-            continue
-        table = _ResultsTable(results[name])
-        values = how(table) if callable(how) else [x for spec in how for x in table.read(spec)]
-        for figure, value in itertools.zip_longest(re.findall(r"\[([^]]+)\]", quote), values):
-            places = len(figure.partition(".")[2]) if figure else 0
-            if figure is None or value is None \
-                    or abs(round(value, places) - float(figure.replace(",", ""))) > 1e-9:
-                problems.append(f"{page}: {said!r}: {figure} but results/{name} gives {value}")
-    rows = [[line for line in results[n].splitlines() if line.startswith("| naive GRPO |")]
-            for n in ("README.md", _AB)]
-    if rows[0] != rows[1]:
-        problems.append("results/README.md's ablation table is not results/ablation-mb4.md's")
-    return problems
-
-
-def test_docs_quote_the_figures_of_the_results_tables():
-    pages = _doc_pages()
-    names = {f[2] for f in DOC_FIGURES}
-    results = {name: _read(os.path.join(HERE, "results", name)) for name in names}
-    assert _figure_problems(pages, results) == []
-    # an edited page, an edited table: each is caught
-    edited = {**pages, P1: pages[P1].replace("with it 15.9 vs", "with it 15.8 vs")}
-    assert _figure_problems(edited, results) == [
-        "README.md no longer says 'with it 15.9 vs 9.6 of 16 groups'"]
-    table = results[_DS].replace("| 9.646 ± 0.157 |", "| 9.746 ± 0.157 |")
-    assert _figure_problems(pages, {**results, _DS: table}) == [
-        "README.md: 'with it 15.9 vs 9.6 of 16 groups': 9.6 but results/dynamic-sampling.md "
-        "gives 9.746",
-        "results/README.md: 'trains on 9.6 ± 0.2 groups': 9.6 but results/dynamic-sampling.md "
-        "gives 9.746"]

@@ -1,0 +1,114 @@
+"""Launchers for the end-to-end tests (not collected): train.py in a subprocess, a script under
+torchrun on CPU ranks (gloo), the gloo-thread-counting driver and the SIGKILL driver, each run with
+the repo root (ROOT) as cwd so that `--reward test_grpo:NAME` and `import train` resolve."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from test_grpo import _tiny_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+
+def _run_train(d, out, *extra):
+    flags = _tiny_flags(d, out)
+    if "--reward" in extra:  # --reward repeats to sum several rewards: the caller's replaces the default one
+        del flags[flags.index("--reward"):flags.index("--reward") + 2]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--steps", "2", "--eval-every", "1", *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(d)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def _torchrun(nproc, script, *flags):
+    """`script flags` under torchrun on nproc CPU ranks (gloo); fails the test unless every rank exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *flags]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,  # a rank that aborts prints its stack
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _thread_counting_driver(tmp_path):
+    """A script that runs train.main, then writes how many gloo threads its rank still has to threads<RANK>."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport train\ntrain.main(sys.argv[1:])\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'threads' + os.environ['RANK']), 'w').write(\n"
+        "    str(sum('gloo' in n for n in names)))\n")
+    return driver
+
+
+# A process that imports train.py (torch, transformers, what they import on first use) once, then
+# forks one child per line of stdin ({"argv", "out", "log", "kill_after_s" | "kill_after_bytes"}):
+# a train.main run that the driver kills with SIGKILL after kill_after_s seconds, or that kills
+# itself with SIGKILL once kill_after_bytes bytes went to the files it writes under OUT
+# (_CutWrites). One line back per run: how it ended.
+_KILL_DRIVER = r"""
+import builtins, json, os, random, signal, sys, time, traceback
+import torch
+import checkpoint, test_grpo, train
+checkpoint.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
+param = torch.zeros(1, requires_grad=True)
+param.grad = torch.ones(1)
+torch.optim.AdamW([param]).step()
+
+def child(cmd):
+    log = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    cut = test_grpo._CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
+                               lambda: os.kill(os.getpid(), signal.SIGKILL))
+    builtins.open = cut
+    random.seed(0)  # as ablate.py does: the Python RNG of a fresh run is seeded too
+    code = 0
+    try:
+        train.main(cmd["argv"])
+    except SystemExit as e:  # train.py's one-line errors: exit 2
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with cut.real_open(cmd["log"] + ".bytes", "w") as fh:
+        fh.write(str(cut.written))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    t0 = time.time()
+    pid = os.fork()
+    if pid == 0:
+        child(cmd)
+    deadline = t0 + min(cmd.get("kill_after_s") or 120.0, 120.0)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.time() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    print(json.dumps({"killed": killed, "code": os.waitstatus_to_exitcode(status),
+                      "seconds": time.time() - t0}), flush=True)
+"""
+
+
+def _run_record(out):
+    """What a finished run left: its logs without time/*, its final/ byte for byte, config.json
+    without the keys that name the folder or the resume, and the names in OUT."""
+    def rows(name):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+                for x in (out / name).read_text().splitlines()]
+    config = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
+              if k not in ("out", "run_name", "resume")}
+    final = {p.name: p.read_bytes() for p in sorted((out / "final").iterdir())}
+    return {"metrics": rows("metrics.jsonl"), "completions": rows("completions.jsonl"),
+            "final": final, "config": config, "files": sorted(os.listdir(out))}
