@@ -1,4 +1,4 @@
-"""Tests: the article walk-through and the unit tests (hand-sized numeric cases, equivalence checks).
+"""Tests: the article walk-through and the unit tests (hand-sized numeric cases, equivalences).
 
 The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then DAPO's
 Eq. 10-13), each case worked by hand; then the shared fixtures and helpers (tiny_model,
