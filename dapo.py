@@ -70,10 +70,11 @@ def dynamic_sampling(
     """Sample rounds of groups until `target` informative groups are kept, or `max_rounds` rounds ran.
 
     draw(round) -> (this rank's Rollout for that round, its `correct` [N] filled in; anything the caller
-    wants back with it, train.py: the round's timings). With several ranks, gather(keep [b]) returns every
-    rank's keep flags in rank order, and rank blocks are contiguous in the round's global prompt order: all
-    ranks then keep the same global groups (the first informative ones in prompt order) however many ranks
-    there are, and agree on when to stop. Returns the kept groups of this rank (Rollout.empty if it kept
+    wants back with it, train.py: the round's timings). With several ranks, gather(x [b]) returns every
+    rank's x in rank order: the ranks' keep flags, put in the round's global prompt order by the groups'
+    prompt positions (Rollout.index), so all ranks keep the same global groups (the first informative
+    ones in prompt order) however the prompts are spread over however many ranks, and agree on when
+    to stop. Returns the kept groups of this rank (Rollout.empty if it kept
     none), the step's sampling statistics, and every round draw returned, kept or not (the step's metrics
     count them).
     """
@@ -84,9 +85,12 @@ def dynamic_sampling(
         roll = rounds[-1][0]
         keep = keep_groups(roll.correct.view(-1, roll.G))                     # [b]
         parts = gather(keep)                                                  # W x [b_w]
-        keep_all = torch.cat(parts)                                           # [B_round], global prompt order
+        keep_all = torch.cat(parts)                                           # [B_round], rank order
+        order = torch.cat(gather(roll.index[::roll.G].contiguous())).argsort()  # -> prompt order
         drawn_groups += keep_all.numel()
-        take = keep_all & (keep_all.cumsum(0) <= target - have)               # the first informative groups
+        in_order = keep_all[order]
+        take = torch.zeros_like(keep_all)
+        take[order] = in_order & (in_order.cumsum(0) <= target - have)        # the first informative
         have += int(take.sum())
         start = sum(p.numel() for p in parts[:rank])
         mine = take[start:start + keep.numel()]                               # [b]

@@ -307,10 +307,12 @@ class PromptFormatter:
                                  f"{self.why_not}")
 
 
-def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tuple[int, dict]]:
-    """Items start..start+count-1 of the endless stream of epochs, each epoch a fresh seeded shuffle."""
+def prompt_rows(rows: list[dict], seed: int, start: int, count: int,
+                stride: int = 1) -> list[tuple[int, dict]]:
+    """Items start, start + stride, ... (count of them) of the endless stream of epochs, each epoch a
+    fresh seeded shuffle."""
     out, perms = [], {}
-    for j in range(start, start + count):
+    for j in range(start, start + count * stride, stride):
         epoch = j // len(rows)
         if epoch not in perms:
             perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))

@@ -326,7 +326,8 @@ def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
     return Rollout(prompts=[[start + i] for i in range(B)], G=G, pad_token_id=0,
                    response_ids=torch.ones(N, 2, dtype=torch.long), mask=torch.ones(N, 2),
                    lengths=torch.full((N,), 2), truncated=torch.zeros(N, dtype=torch.bool),
-                   logprobs=torch.zeros(N, 2), correct=torch.tensor(rewards).view(-1))
+                   logprobs=torch.zeros(N, 2), correct=torch.tensor(rewards).view(-1),
+                   index=torch.arange(start, start + B).repeat_interleave(G))  # [N] prompt positions
 
 
 @pytest.fixture(scope="module")
@@ -838,21 +839,30 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
     # round limit: trains on what it has
     roll, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
     assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0 and len(drawn) == 2
-    # two ranks, each drawing half of each round's prompts: together they keep the same groups
-    kept = []
-    halves = {(r, k): _fake_rollout(rounds[r][2 * k:2 * k + 2], start=10 * r + 2 * k) for r in range(2) for k in range(2)}
-    for k in range(2):
-        state = {"round": 0}
+    # two ranks, each drawing half of each round's prompts, in blocks (groups 0-1, 2-3) or every other
+    # one (0, 2 and 1, 3, as train.draw_round spreads them): together they keep the same groups
+    # (and with target 1, of informative groups 1 and 2 both keep group 1, the first in prompt order,
+    # though every other one puts group 2 first in rank order)
+    for share, target, want in [(lambda k: torch.arange(4) // 2 == k, 4, [0, 2, 10, 11]),
+                                (lambda k: torch.arange(4) % 2 == k, 4, [0, 2, 10, 11]),
+                                (lambda k: torch.arange(4) % 2 == k, 1, [1])]:
+        kept, rounds = [], rounds if target == 4 else [[[0, 0], [1, 0], [1, 0], [0, 0]]]
+        halves = {(r, k): _fake_rollout(rounds[r], start=10 * r).select_groups(share(k))
+                  for r in range(len(rounds)) for k in range(2)}
+        for k in range(2):
+            state = {"round": 0}
 
-        def draw_k(r, k=k, state=state):
-            state["round"] = r
-            return halves[(r, k)], {}
+            def draw_k(r, k=k, state=state, halves=halves):
+                state["round"] = r
+                return halves[(r, k)], {}
 
-        def gather_k(_mine, state=state):  # what all_gather would return: both ranks' flags, in rank order
-            return [dapo.keep_groups(halves[(state["round"], j)].correct.view(-1, 2)) for j in range(2)]
-        roll_k, _, _ = dapo.dynamic_sampling(draw_k, target=4, max_rounds=4, gather=gather_k, rank=k)
-        kept += [p[0] for p in roll_k.prompts]                   # a rank that keeps nothing: Rollout.empty
-    assert sorted(kept) == [0, 2, 10, 11]
+            def gather_k(mine, state=state, halves=halves):  # all_gather's: both ranks' x, rank order
+                of = lambda h: (dapo.keep_groups(h.correct.view(-1, 2)) if mine.dtype == torch.bool  # noqa: E731
+                                else h.index[::2])
+                return [of(halves[(state["round"], j)]) for j in range(2)]
+            roll_k, _, _ = dapo.dynamic_sampling(draw_k, target, len(rounds), gather=gather_k, rank=k)
+            kept += [p[0] for p in roll_k.prompts]               # a rank that keeps nothing: Rollout.empty
+        assert sorted(kept) == want
 
 
 class _StubRanks:
@@ -889,6 +899,30 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
     assert groups([[0], [4]], 4) == [[0], [4]]          # fewer groups than mini-batches: no empty updates
     assert groups([[], [4, 5]], 2) == [[4], [5]]        # a rank that kept nothing still takes part
     assert update.minibatch_rows(Rollout.empty(G, 0), 2, _StubRanks([[], []], 0)) == []
+
+
+def test_every_rank_has_rows_in_every_mini_batch_update():
+    # train.draw_round spreads a step's prompts over the ranks every W-th, so each mini-batch (a K-th of
+    # the step's prompt order) holds as many rows on every rank: with blocks of prompts per rank, at
+    # K >= W each update's rows would sit on one rank while the others ran zero-weight passes
+    from types import SimpleNamespace
+
+    import train
+    G, B, W = 4, 8, 2
+    args = flags.parse_train_args(["--prompts-per-step", str(B), "--group-size", str(G)])
+    sample = lambda model, prompts, *a, **k: _fake_rollout([[0.0] * G] * len(prompts))  # noqa: E731
+    task = train.Task(rows=builtin.sample_problems(16, 1, False), encode=lambda p: [3, 4],
+                      decode=lambda roll, i: "x", reward_fn=data.as_reward(lambda r, a: 1.0), eos=[1],
+                      pad=0, sample=sample)
+    idx = [train.draw_round(None, task, args, SimpleNamespace(rank=k, world=W), 40)[0].index[::G].tolist()
+           for k in range(W)]
+    assert sorted(idx[0] + idx[1]) == list(range(40, 40 + B))       # the step's prompts, each once
+    for K in (1, 2, 4):                                               # up to a group per rank each
+        rolls = [dataclasses.replace(_fake_rollout([[0.0] * G] * len(i)),
+                                     index=torch.tensor(i).repeat_interleave(G)) for i in idx]
+        rows = [[r.stop - r.start for r in update.minibatch_rows(rolls[k], K, _StubRanks(idx, k))]
+                for k in range(W)]
+        assert rows[0] == rows[1] == [B * G // K // W] * K, (K, rows)
 
 
 def test_dapo_with_fixes_off_is_grpo():

@@ -159,12 +159,15 @@ def draw_step(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_pos: i
 
 
 def draw_round(model, task: Task, args: flags.TrainArgs, ranks: parallel.Dist, first: int):
-    """Steps 1 + 2 on this rank's block of the prompts first .. first + prompts_per_step - 1 of the
-    stream. Returns the rollout with its Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1
-    and the soft overlong penalty, `index`, `reward_parts`), and its timings."""
+    """Steps 1 + 2 on this rank's share of the prompts first .. first + prompts_per_step - 1 of the
+    stream: every W-th, from first + rank (so each mini-batch, a K-th of the step's prompt order,
+    spans all W ranks, and every rank has rows in every update). Returns the rollout with its
+    Step 2 fields filled in (`correct`, `rewards`: DAPO's +-1 and the soft overlong penalty,
+    `index`, `reward_parts`), and its timings."""
     t0 = time.time()
     block = args.prompts_per_step // ranks.world
-    mine = data.prompt_rows(task.rows, args.seed, first + ranks.rank * block, block)
+    mine = data.prompt_rows(task.rows, args.seed, first + ranks.rank, block,
+                            stride=ranks.world)
     prompts = [task.encode(r["prompt"]) for _, r in mine]
     generators = [data.prompt_generator(args.seed, j) for j, _ in mine]      # one per prompt
     with parallel.unsharded(None if task.sample else model):  # an engine holds its own weights

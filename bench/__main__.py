@@ -7,6 +7,8 @@ The sections (each prints both sides of its comparison from one run):
 - bench/training.py, the log-prob passes and the update of "Step 4: PPO Loss 计算" (vocabulary-sized
   logits dominate memory): token_logprobs vs the naive form, the shared-prefix training forward, one
   training step split into its phases, gradient checkpointing;
+- bench/ranks.py, Step 4's updates over 2 gloo ranks: --mini-batches 4 against 1, with the
+  step's prompts spread every W-th (train.py) and in blocks (before);
 - bench/warm_start.py, the warm start: one supervised step of demonstrations packed into rows vs
   padded to the longest;
 - bench/vs_trl.py, its own command (`python -m bench.vs_trl`): a GRPO step of train.py vs TRL's
@@ -28,13 +30,14 @@ import time
 
 import torch
 
-from bench import rollouts, training, warm_start
+from bench import ranks, rollouts, training, warm_start
 from bench.common import header
 
 SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
             "logprobs": training.bench_logprobs, "forward": training.bench_forward,
             "step": training.bench_step, "checkpointing": training.bench_checkpointing,
-            "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines}
+            "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines,
+            "ranks": ranks.bench_ranks}
 
 
 def main(argv=None) -> None:
