@@ -1,6 +1,6 @@
 """Step 4 as it runs: the policy update of one rollout step, in mini-batches and micro-batches.
 
-Article section: "Step 4：计算损失并更新" (the clipped surrogate and the KL term, then a gradient
+Article section: "Step 4: PPO Loss 计算" (the clipped surrogate and the KL term, then a gradient
 step); the loss is grpo.policy_loss (surrogate + beta * KL, the surrogate a --loss of variants.py
 or grpo.ppo_loss), the training forward logprobs.py. This module only schedules it: which responses
 share an optimizer update (--mini-batches, the DAPO paper's 16 updates per step), how many passes

@@ -342,6 +342,7 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
 @pytest.mark.slow
 @pytest.mark.parametrize("adv_scale,extra", [
     ("group", ["--mini-batches", "2", "--mu", "2"]),
+    ("group", ["--mini-batches", "4"]),  # more mini-batches than ranks: each update a group or two
     # the objectives of variants.py: GSPO off-policy, the KL term with k2, the entropy bonus, truncated IS
     ("batch", ["--loss", "gspo", "--mu", "2", "--beta", "0.04", "--kl", "k2", "--entropy-coef", "0.01", "--tis-cap", "2"]),
 ])
