@@ -2,8 +2,8 @@
 sampled, for train.py --plot and `python -m ablate`'s figures (whose measures of a run are in
 ablate/measures.py). The rows they are drawn from are metrics.py's (metrics.read_metrics).
 
-Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length and
-truncation against the number of responses sampled).
+Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length
+and truncation against the number of responses sampled).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy ent
 
 
 def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(samples drawn so far, value) points of `key`; eval lines take the sample count of their step."""
+    """(samples drawn so far, value) points of `key`; eval lines take the
+    sample count of their step."""
     samples_at = {0: 0, **{r["step"]: r["samples"] for r in rows if "samples" in r}}
     return [(samples_at[r["step"]], r[key]) for r in rows if key in r]
 
@@ -30,7 +31,8 @@ def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
 
 
 def _pyplot():
-    """matplotlib.pyplot drawing to files, or None (with a line saying so) where matplotlib is missing."""
+    """matplotlib.pyplot drawing to files, or None (with a line saying so) where
+    matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -42,7 +44,8 @@ def _pyplot():
 
 
 def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
-    """Four panels (CURVES) against samples drawn, one line per run name; False without matplotlib."""
+    """Four panels (CURVES) against samples drawn, one line per run name;
+    False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -64,9 +67,9 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
 
 
 def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, float]]]]]], path: str, title: str) -> bool:
-    """A row of panels (title, x label, {line label: one curve per seed}): each line is the mean over
-    seeds (their points lined up by index) with a band from the lowest to the highest seed; False
-    without matplotlib."""
+    """A row of panels (title, x label, {line label: one curve per seed}): each line is the mean
+    over seeds (their points lined up by index) with a band from the lowest to the highest seed;
+    False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False

@@ -1,13 +1,13 @@
-"""A run's inputs: prompts and reference answers (the built-in task or a JSONL file, formatted for the model,
-in a seeded order), and the reward that scores the answers (`--reward`).
+"""A run's inputs: prompts and reference answers (the built-in task or a JSONL file, formatted for
+the model, in a seeded order), and the reward that scores the answers (`--reward`).
 
 Article section: the `prompts` / `batch_prompts` fed to Step 1 ("Rollout 采样"); the answers are what
 Step 2's verifier compares against.
 
-A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet and
-Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for them).
-`--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`), a dotted path
-naming a nested one (`reward_model.ground_truth`); GSM8K's rows work as they are with
+A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet
+and Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for
+them). `--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`), a dotted
+path naming a nested one (`reward_model.ground_truth`); GSM8K's rows work as they are with
 `--prompt-field question`, since its `answer` ends in `#### N` and the verifier reads the number
 after `####` in the reference too.
 
@@ -32,7 +32,8 @@ import torch
 
 
 class InputError(ValueError):
-    """Bad input to a run (a data file, model, reward or checkpoint): reported as one line, exit code 2."""
+    """Bad input to a run (a data file, model, reward or checkpoint):
+    reported as one line, exit code 2."""
 
 
 DATASETS_FILES = (".parquet", ".arrow")  # read through `datasets` (a folder or a hub id too); JSONL and .json here
@@ -40,12 +41,12 @@ DATASETS_FILES = (".parquet", ".arrow")  # read through `datasets` (a folder or 
 
 def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
               limit: int | None = None, hf_split: str = "train") -> list[dict]:
-    """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file, or a .json
-    file holding one array of objects; a Parquet or Arrow file, a folder (data files, or a save_to_disk
-    folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. The fields are names, or
-    dotted paths into nested columns; "prompt" is a text or a list of chat messages, as the row
-    holds it, "answer" a text. "columns" keeps every top-level field but the prompt's, for reward
-    functions with TRL's signature."""
+    """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file,
+    or a .json file holding one array of objects; a Parquet or Arrow file, a folder (data files, or
+    a save_to_disk folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. The
+    fields are names, or dotted paths into nested columns; "prompt" is a text or a list of chat
+    messages, as the row holds it, "answer" a text. "columns" keeps every top-level field but the
+    prompt's, for reward functions with TRL's signature."""
     if path == "builtin":
         import builtin
         if split == "train":  # a stream drawn from the task's distribution (repeats allowed), never held-out problems
@@ -132,9 +133,9 @@ def _hub_id(path: str) -> bool:
 
 
 def _dataset(path: str, split: str):
-    """A `datasets` Dataset (imported only here): a Parquet/Arrow file, a save_to_disk folder, a folder of data
-    files or a hub id ('owner/name', or 'owner/name:config'; cached by `datasets`), split `split` (a single
-    file's rows are its 'train' split)."""
+    """A `datasets` Dataset (imported only here): a Parquet/Arrow file, a save_to_disk folder, a
+    folder of data files or a hub id ('owner/name', or 'owner/name:config'; cached by `datasets`),
+    split `split` (a single file's rows are its 'train' split)."""
     try:
         import datasets
     except ImportError:
@@ -172,14 +173,16 @@ RESERVED = ("mean", "correct", "frac_zero_std")  # reward/<name> keys train.py l
 
 
 def is_batch_reward(fn) -> bool:
-    """TRL's signature f(prompts, completions, **columns) -> list[float | None] (a parameter named prompts or
-    completions, or **kwargs); otherwise f(response, answer) -> float, called once per response."""
+    """TRL's signature f(prompts, completions, **columns) -> list[float | None] (a parameter named
+    prompts or completions, or **kwargs); otherwise f(response, answer) -> float,
+    called once per response."""
     params = inspect.signature(fn).parameters.values()
     return any(p.kind is p.VAR_KEYWORD or p.name in ("prompts", "completions") for p in params)
 
 
 class Reward:
-    """The score of each response: the --reward functions, each times its --reward-weights weight, summed.
+    """The score of each response: the --reward functions,
+    each times its --reward-weights weight, summed.
 
     A function with TRL's batch signature gets, by name, `prompts` (the rows' prompts before any
     template: texts, or for a conversational row a copy of its messages), `completions` (the
@@ -205,7 +208,8 @@ class Reward:
 
     @classmethod
     def load(cls, specs: list[str], weights: list[float] | None = None) -> Reward:
-        """From --reward specs ('verifier' or module:function), named after the function (verifier: 'verifier')."""
+        """From --reward specs ('verifier' or module:function),
+        named after the function (verifier: 'verifier')."""
         return cls([(s.partition(":")[2] or s, load_reward(s)) for s in specs], weights)
 
     def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
@@ -308,7 +312,8 @@ class PromptFormatter:
 
 
 def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tuple[int, dict]]:
-    """Items start..start+count-1 of the endless stream of epochs, each epoch a fresh seeded shuffle."""
+    """Items start..start+count-1 of the endless stream of epochs,
+    each epoch a fresh seeded shuffle."""
     out, perms = [], {}
     for j in range(start, start + count):
         epoch = j // len(rows)
@@ -319,5 +324,6 @@ def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tup
 
 
 def prompt_generator(seed: int, j: int) -> torch.Generator:
-    """Sampling randomness of the j-th prompt of the run: a function of (seed, j) alone, never of the rank."""
+    """Sampling randomness of the j-th prompt of the run:
+    a function of (seed, j) alone, never of the rank."""
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{j}".encode()))

@@ -1,4 +1,5 @@
-"""Evaluation of the trained policy: greedy accuracy, or avg@n, unbiased pass@k and maj@n over n samples.
+"""Evaluation of the trained policy: greedy accuracy, or avg@n,
+unbiased pass@k and maj@n over n samples.
 
 Article context: the evaluation of the trained policy, the number the article's results are quoted
 in (DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per
@@ -11,13 +12,13 @@ command scores any saved model without training, with the same flags:
         --eval-temperature 1.0 --eval-top-p 0.7 --max-new-tokens 20480                 # DAPO's avg@32
 
 With n = --eval-samples samples of problem i, c_i of them correct (score > 0):
-    mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over problems
-    pass@k   = mean_i [1 - C(n - c_i, k) / C(n, k)]   (Chen et al. 2021, unbiased; k = 1, 2, 4, ... <= n)
-    maj@n    = mean_i [the answer most samples give is right]  (each sample votes for its canonical final
-               answer, or for the reference when the reward credits it: `votes`)
-n = 1 is greedy decoding (temperature 0), as train.py always did: eval/accuracy. Problem i's samples come
-from a generator seeded by (seed, i) alone, so 1 rank and N ranks draw the same, and every evaluation of a
-run draws with the same randomness (before/after comparisons are paired).
+    mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over
+    problems pass@k   = mean_i [1 - C(n - c_i, k) / C(n, k)]   (Chen et al. 2021, unbiased; k = 1,
+    2, 4, ... <= n) maj@n    = mean_i [the answer most samples give is right]  (each sample votes
+               for its canonical final answer, or for the reference when the reward credits it:
+`votes`) n = 1 is greedy decoding (temperature 0), as train.py always did: eval/accuracy. Problem
+i's samples come from a generator seeded by (seed, i) alone, so 1 rank and N ranks draw the same,
+and every evaluation of a run draws with the same randomness (before/after comparisons are paired).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH //
 # ---------------------------------------------------------------------------------------------
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, Eq. 1).
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021, Eq. 1).
 
     As a product, C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i), so no huge binomial is formed.
     """
@@ -60,7 +62,8 @@ def pass_ks(n: int) -> list[int]:
 
 def majority_vote(answers: list[str | None]) -> str | None:
     """The answer given most often; None (no final answer) never wins unless every answer is None.
-    Ties go to the answer that appears first in `answers` (the first-drawn sample's answer, if it is tied)."""
+    Ties go to the answer that appears first in `answers` (the first-drawn sample's
+    answer, if it is tied)."""
     counts: dict[str, int] = {}
     for a in answers:
         if a is not None:
@@ -84,7 +87,8 @@ def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
 
 def problem_record(index: int, row: dict, responses: list[str], scores: list[float], lengths: list[int],
                    truncated: list[bool]) -> dict:
-    """One problem's line of the per-problem file: its n samples, their scores and answers, and the vote."""
+    """One problem's line of the per-problem file: its n samples,
+    their scores and answers, and the vote."""
     answers = [canonical_answer(r) for r in responses]
     ballot = votes(answers, scores)
     vote = majority_vote(ballot)
@@ -96,8 +100,9 @@ def problem_record(index: int, row: dict, responses: list[str], scores: list[flo
 
 
 def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
-    """Sums over `records` that eval_metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
-    each k, sum maj, samples, truncated, tokens] (float64, so ranks' sums all-reduce exactly)."""
+    """Sums over `records` that eval_metrics() turns into means:
+    [problems, sum mean, sum mean^2, sum pass@k for each k, sum maj, samples, truncated, tokens]
+    (float64, so ranks' sums all-reduce exactly)."""
     t = torch.zeros(7 + len(ks), dtype=torch.float64)
     for r in records:
         s = r["samples"]
@@ -108,7 +113,8 @@ def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
 
 
 def eval_metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
-    """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1, sampled ones for n > 1."""
+    """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1,
+    sampled ones for n > 1."""
     P, s1, s2, *rest = t.tolist()
     passes, (maj, samples, trunc, tokens) = rest[:len(ks)], rest[len(ks):]
     common = {"eval/truncated_frac": trunc / samples, "eval/len_mean": tokens / samples}
@@ -128,7 +134,8 @@ def headline(n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def eval_generator(seed: int, index: int) -> torch.Generator:
-    """Sampling randomness of held-out problem `index`: a function of (seed, index) alone, never of the rank."""
+    """Sampling randomness of held-out problem `index`: a function of (seed, index)
+    alone, never of the rank."""
     return torch.Generator().manual_seed(zlib.crc32(f"eval:{seed}:{index}".encode()))
 
 
