@@ -53,8 +53,10 @@ import torch
 CHARS = "0123456789+-*/=()x\n :Acehknrsw"  # every character the task's prompts and solutions use
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
-SHIP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base_model")  # the shipped build
-RECIPE_ROOTS = ("make_tokenizer", "make_model", "supervised_warm_start")  # what a build runs, see recipe_key
+# the shipped build
+SHIP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base_model")
+# what a build runs, see recipe_key
+RECIPE_ROOTS = ("make_tokenizer", "make_model", "supervised_warm_start")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class BaseModelConfig:
     sft_lr: float = 3e-3             # AdamW learning rate of the warm start (cosine to 10%)
     sft_warmup: float = 0.04         # fraction of the steps that warm the learning rate up
     verbose_frac: float = 0.2        # fraction of careful solutions written in the verbose style
-    careful_one_sided: float = 0.8   # how often the demonstrations solve ax+b=c carefully (else the shortcut)
+    # how often the demonstrations solve ax+b=c carefully (else the shortcut)
+    careful_one_sided: float = 0.8
     careful_two_sided: float = 0.35  # how often they solve ax+b=cx+d carefully
     seed: int = 0                    # seeds the weights and the supervised data
 
@@ -203,7 +206,8 @@ def make_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
 
 
 def make_model(cfg: BaseModelConfig, vocab_size: int):
@@ -214,7 +218,8 @@ def make_model(cfg: BaseModelConfig, vocab_size: int):
     torch.manual_seed(cfg.seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
         max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None,
         tie_word_embeddings=True, rms_norm_eps=1e-5,
     )
@@ -238,7 +243,8 @@ def warm_start_batches(tokenizer, cfg: BaseModelConfig) -> list[tuple[torch.Tens
     # demonstrations take 0.6 s instead of 5.6 s through the tokenizer (the packed test
     # checks both give the same ids)
     vocab = tokenizer.get_vocab()
-    seqs = [([vocab[c] for c in p + r] + [eos], len(p)) for p, r in demos]  # (tokens, prompt length)
+    # (tokens, prompt length)
+    seqs = [([vocab[c] for c in p + r] + [eos], len(p)) for p, r in demos]
     longest = max(len(s) for s, _ in seqs)
     if longest > L:
         raise ValueError(f"sft_pack_len {L} is shorter than the longest demonstration ({longest} tokens)")
@@ -261,7 +267,8 @@ def warm_start_batches(tokenizer, cfg: BaseModelConfig) -> list[tuple[torch.Tens
                 pos += range(len(s))
                 labels += [-100] * p + s[p:]
             ids += [pad] * (T - f)
-            pos += range(T - f)                                 # the row's padding is one more block, never scored
+            # the row's padding is one more block, never scored
+            pos += range(T - f)
             labels += [-100] * (T - f)
         batches.append(tuple(torch.tensor(v).view(len(rows), T) for v in (ids, pos, labels)))
     return batches
@@ -276,12 +283,15 @@ def supervised_warm_start(model, tokenizer, cfg: BaseModelConfig, progress: bool
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, round(cfg.sft_warmup * cfg.sft_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / cfg.sft_steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup)
+        * (0.1 + 0.45 * (1 + math.cos(math.pi * s / cfg.sft_steps))))
     model.train()
     bar = tqdm(batches, desc="warm start (once)", disable=not progress, dynamic_ncols=True)
     for step, (ids, pos, labels) in enumerate(bar):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]  # [R, T-1, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())  # mean over scored tokens
+        logits = model(input_ids=ids, position_ids=pos,
+                       use_cache=False).logits[:, :-1]  # [R, T-1, V]
+        # mean over scored tokens
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -379,7 +389,8 @@ def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_
     return folder
 
 
-def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, ship_dir: str = SHIP_DIR,
+def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR,
+         ship_dir: str = SHIP_DIR,
          log=print) -> str:
     """Write this recipe's build (found in the cache or built there) to
     ship_dir, with recipe.json."""
@@ -405,5 +416,6 @@ def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR, s
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="Find (shipped or cached) or build the built-in base model; print its folder.")
-    p.add_argument("--ship", action="store_true", help=f"write this recipe's build to {SHIP_DIR} (git add it then)")
+    p.add_argument("--ship", action="store_true",
+                   help=f"write this recipe's build to {SHIP_DIR} (git add it then)")
     print(ship() if p.parse_args().ship else base_model())

@@ -69,7 +69,8 @@ def lock_folder(out: str, ranks):
             pid = fh.read().strip() or "?"
             fh.close()
             fh, held = None, 0.0
-    if ranks.sum(torch.tensor([held])).item() == ranks.world:  # rank 0's flag, and 1 from each other rank
+    # rank 0's flag, and 1 from each other rank
+    if ranks.sum(torch.tensor([held])).item() == ranks.world:
         return fh
     if not ranks.master:
         sys.exit(2)
@@ -229,7 +230,8 @@ def end_ids(tokenizer, model) -> list[int]:
 def save(path: str, model, opt, sched, state: dict) -> None:
     """Write everything a resume needs to `path` atomically:
     a crash mid-save keeps the last good one."""
-    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
             "rng": _rng_states(), **state}
     with atomic(path) as tmp:
         torch.save(ckpt, tmp)
@@ -287,7 +289,8 @@ def _join(tree, tensors: dict):
 
 def _sharded_dicts(model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(model, opt)  # this rank's shards (DTensors); creates AdamW's state if it has none
+    # this rank's shards (DTensors); creates AdamW's state if it has none
+    msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optimizer": osd}
 
 
@@ -317,13 +320,15 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
     torch.save({"rng": _rng_states()}, rng)
     _fsync_file(rng)                                     # each rank its own (on its host)
     if ranks.master:
-        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ranks.world, **state},
+        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(),
+                    "world_size": ranks.world, **state},
                    os.path.join(tmp, "state.pt"))
     ranks.barrier()                                        # every rank's files are written
     if ranks.master:
         _fsync_tree(tmp)
         previous = latest(folder)
-        if os.path.isdir(target):                        # a same-step save that never became `latest`
+        # a same-step save that never became `latest`
+        if os.path.isdir(target):
             shutil.rmtree(target)
         os.rename(tmp, target)
         with atomic(os.path.join(folder, "latest")) as tmp_latest, open(tmp_latest, "w") as fh:
@@ -345,12 +350,15 @@ def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
         if meta["world_size"] != ranks.world:
             raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the RNG states are per rank")
-        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
+        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu",
+                         weights_only=True)["rng"]
         tensors = {}
-        _split(_sharded_dicts(model, opt), "", tensors)   # the tensors to read into, sharded as this run shards
+        # the tensors to read into, sharded as this run shards
+        _split(_sharded_dicts(model, opt), "", tensors)
         dcp.load(tensors, checkpoint_id=path)
         saved = _join(meta["skeleton"], tensors)
-        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+        set_state_dict(model, opt, model_state_dict=saved["model"],
+                       optim_state_dict=saved["optimizer"])
         sched.load_state_dict(meta["scheduler"])
     except UNREADABLE as e:
         raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None

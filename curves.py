@@ -13,7 +13,8 @@ import statistics
 import checkpoint
 
 CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
-          ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
+          ("len/mean", "mean response length (tokens)"),
+          ("len/truncated_frac", "truncated fraction")]
 
 
 def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -66,7 +67,8 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
     return True
 
 
-def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, float]]]]]], path: str, title: str) -> bool:
+def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, float]]]]]],
+                path: str, title: str) -> bool:
     """A row of panels (title, x label, {line label: one curve per seed}): each line is the mean
     over seeds (their points lined up by index) with a band from the lowest to the highest seed;
     False without matplotlib."""

@@ -87,9 +87,10 @@ def dynamic_sampling(
         roll = rounds[-1][0]
         keep = keep_groups(roll.correct.view(-1, roll.G))                     # [b]
         parts = gather(keep)                                                  # W x [b_w]
-        keep_all = torch.cat(parts)                                           # [B_round], global prompt order
+        keep_all = torch.cat(parts)  # [B_round], global prompt order
         drawn_groups += keep_all.numel()
-        take = keep_all & (keep_all.cumsum(0) <= target - have)               # the first informative groups
+        # the first informative groups
+        take = keep_all & (keep_all.cumsum(0) <= target - have)
         have += int(take.sum())
         start = sum(p.numel() for p in parts[:rank])
         mine = take[start:start + keep.numel()]                               # [b]

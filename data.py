@@ -36,7 +36,8 @@ class InputError(ValueError):
     reported as one line, exit code 2."""
 
 
-DATASETS_FILES = (".parquet", ".arrow")  # read through `datasets` (a folder or a hub id too); JSONL and .json here
+# read through `datasets` (a folder or a hub id too); JSONL and .json here
+DATASETS_FILES = (".parquet", ".arrow")
 
 
 def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
@@ -49,7 +50,8 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
     prompt's, for reward functions with TRL's signature."""
     if path == "builtin":
         import builtin
-        if split == "train":  # a stream drawn from the task's distribution (repeats allowed), never held-out problems
+        # a stream drawn from the task's distribution (repeats allowed), never held-out problems
+        if split == "train":
             return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)
         return builtin.sample_problems(limit or 256, seed=2, heldout=True)
     if os.path.isdir(path) or path.endswith(DATASETS_FILES) or not os.path.exists(path) and _hub_id(path):
@@ -148,7 +150,8 @@ def _dataset(path: str, split: str):
         if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
             ds = datasets.load_from_disk(path)
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        name, _, config = path.partition(":")                # a hub id, 'openai/gsm8k:main' with a config name
+        # a hub id, 'openai/gsm8k:main' with a config name
+        name, _, config = path.partition(":")
         return datasets.load_dataset(name, config or None, split=split)
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as e:
         raise InputError(f"--data {path}: could not be loaded (split {split!r}: {str(e).strip().splitlines()[0]})") from None
@@ -169,7 +172,8 @@ def load_reward(spec: str):
     return fn
 
 
-RESERVED = ("mean", "correct", "frac_zero_std")  # reward/<name> keys train.py logs for the combined reward
+# reward/<name> keys train.py logs for the combined reward
+RESERVED = ("mean", "correct", "frac_zero_std")
 
 
 def is_batch_reward(fn) -> bool:
@@ -221,13 +225,14 @@ class Reward:
             else:
                 vals = [fn(c, r["answer"]) for c, r in zip(completions, rows)]
             parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals], dtype=torch.float32)  # [N]
-        total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))                    # [N]
+        total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))  # [N]
         return total, parts
 
     @staticmethod
     def _batch(name, fn, prompts, completions, rows, completion_ids) -> list:
         columns = {k: [r.get("columns", {"answer": r["answer"]}).get(k) for r in rows]
-                   for k in dict.fromkeys(k for r in rows for k in r.get("columns", {"answer": None}))}
+                   for k in dict.fromkeys(k for r in rows
+                                          for k in r.get("columns", {"answer": None}))}
         chat = [isinstance(p, list) for p in prompts]  # TRL's conversational format: a message list
         kw = {**columns,
               "prompts": [[dict(m) for m in p] if c else p for p, c in zip(prompts, chat)],
@@ -267,7 +272,8 @@ class PromptFormatter:
     is an error (`check` names the first such row).
     """
 
-    def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None, chat: bool = True):
+    def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None,
+                 chat: bool = True):
         if "{prompt}" not in template:
             raise InputError(f"--prompt-template must contain {{prompt}}, got {template!r}")
         self.tokenizer, self.template, self.system = tokenizer, template, system
@@ -298,7 +304,8 @@ class PromptFormatter:
         return messages
 
     def _render(self, messages: list[dict]) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def check(self, rows: list[dict], source: str) -> None:

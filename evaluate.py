@@ -68,11 +68,14 @@ def majority_vote(answers: list[str | None]) -> str | None:
     for a in answers:
         if a is not None:
             counts[a] = counts.get(a, 0) + 1
-    return max(counts, key=counts.get) if counts else None  # max keeps the first of equal counts: insertion order
+    # max keeps the first of equal counts: insertion order
+    return max(counts, key=counts.get) if counts else None
 
 
-canonical_answer = verifier.canonical_answer  # majority voting compares these canonical final answers
-CREDITED = "the reference"  # the vote of a sample the reward credits (a space between letters: never a canonical text)
+# majority voting compares these canonical final answers
+canonical_answer = verifier.canonical_answer
+# the vote of a sample the reward credits (a space between letters: never a canonical text)
+CREDITED = "the reference"
 
 
 def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
@@ -85,7 +88,8 @@ def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
     return [CREDITED if s > 0 else a for a, s in zip(answers, scores)]
 
 
-def problem_record(index: int, row: dict, responses: list[str], scores: list[float], lengths: list[int],
+def problem_record(index: int, row: dict, responses: list[str], scores: list[float],
+                   lengths: list[int],
                    truncated: list[bool]) -> dict:
     """One problem's line of the per-problem file: its n samples,
     their scores and answers, and the vote."""
@@ -107,8 +111,10 @@ def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
     for r in records:
         s = r["samples"]
         acc = sum(x["score"] for x in s) / len(s)
-        t += torch.tensor([1.0, acc, acc * acc, *(pass_at_k(len(s), r["correct"], k) for k in ks), r["majority_score"],
-                           len(s), sum(x["truncated"] for x in s), sum(x["length"] for x in s)], dtype=torch.float64)
+        t += torch.tensor([1.0, acc, acc * acc,
+                           *(pass_at_k(len(s), r["correct"], k) for k in ks), r["majority_score"],
+                           len(s), sum(x["truncated"] for x in s), sum(x["length"] for x in s)],
+                           dtype=torch.float64)
     return t
 
 
@@ -120,8 +126,10 @@ def eval_metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
     common = {"eval/truncated_frac": trunc / samples, "eval/len_mean": tokens / samples}
     if n == 1:
         return {"eval/accuracy": s1 / P, **common}
-    return {f"eval/mean@{n}": s1 / P, f"eval/mean@{n}_std": math.sqrt(max(s2 / P - (s1 / P) ** 2, 0.0)),
-            **{f"eval/pass@{k}": p / P for k, p in zip(ks, passes)}, f"eval/maj@{n}": maj / P, **common}
+    return {f"eval/mean@{n}": s1 / P,
+            f"eval/mean@{n}_std": math.sqrt(max(s2 / P - (s1 / P) ** 2, 0.0)),
+            **{f"eval/pass@{k}": p / P for k, p in zip(ks, passes)},
+            f"eval/maj@{n}": maj / P, **common}
 
 
 def headline(n: int) -> str:
@@ -174,7 +182,8 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
         idx = mine[start:start + per]
         prompts = [encode(rows[i]["prompt"]) for i in idx]
         generators = None if greedy else [eval_generator(args.seed, i) for i in idx]
-        roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos, pad, args, sample)
+        roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos,
+                              pad, args, sample)
         lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()  # [len(idx) * n] each
         ids = [roll.response_ids[j, : lengths[j]] for j in range(len(lengths))]  # [L_j] each
         for b, i in enumerate(idx):
@@ -194,14 +203,16 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
 def main(argv=None) -> list[tuple[str, dict]]:
     args = flags.parse_eval_args(argv, __doc__.split("\n\n")[0])
     try:
-        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.data_split)
+        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field,
+                              args.eval_size, args.data_split)
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
             _, tokenizer, model = checkpoint.load_model(spec, args.trust_remote_code)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
-            m, records = evaluate_model(model.to(args.device), tokenizer, rows, args, OneProcess(), reward_fn)
+            m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
+                                        OneProcess(), reward_fn)
             results.append((spec, m))
             lines += [json.dumps({"model": spec, **r}) for r in records]
             del model

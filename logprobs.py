@@ -51,8 +51,10 @@ from transformers import DynamicCache
 
 from sampler import Rollout, _cache_kwarg, _left_padded
 
-LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
-BUCKET_KEEP = 0.8  # split a slice's responses in two length buckets when that leaves <= 80% of the positions
+# elements (rows x V) of logits processed at once: a 16 MB float32 temporary
+LOGPROB_CHUNK = 1 << 22
+# split a slice's responses in two length buckets when that leaves <= 80% of the positions
+BUCKET_KEEP = 0.8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +101,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, s):
-        out, flat_ids = logits.new_empty(ids.numel(), 1, dtype=torch.float32), ids.reshape(-1, 1)  # [N*T, 1] each
+        out, flat_ids = (logits.new_empty(ids.numel(), 1, dtype=torch.float32),
+                         ids.reshape(-1, 1))  # [N*T, 1] each
         for rows, logp in _softmax_blocks(logits, s):
             torch.gather(logp, -1, flat_ids[rows], out=out[rows])
         ctx.save_for_backward(logits, ids)
@@ -115,11 +118,13 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
         flat, gs, flat_ids = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), ids.reshape(-1, 1)
         for rows, p in _softmax_blocks(logits, ctx.s, torch.softmax):
-            torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows], gs[rows].to(flat.dtype))
+            torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows],
+                                                                 gs[rows].to(flat.dtype))
         return grad, None, None
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32,
     without a second [N, T, V].
 
@@ -132,7 +137,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
 
 
-LOGP_FLOOR = torch.finfo(torch.float32).min  # log p of a masked (-inf) logit, so that p log p = 0 there
+# log p of a masked (-inf) logit, so that p log p = 0 there
+LOGP_FLOOR = torch.finfo(torch.float32).min
 
 
 class _TokenEntropy(torch.autograd.Function):
@@ -144,7 +150,8 @@ class _TokenEntropy(torch.autograd.Function):
         for rows, logp in _softmax_blocks(logits, s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
             e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
-            out[rows] = -e.mul_(logp.clamp_min_(LOGP_FLOOR)).sum(-1)          # a -inf logit: 0 * floor, not 0 * -inf = NaN
+            # a -inf logit: 0 * floor, not 0 * -inf = NaN
+            out[rows] = -e.mul_(logp.clamp_min_(LOGP_FLOOR)).sum(-1)
         ctx.save_for_backward(logits, out)
         ctx.s = s
         return out.view(logits.shape[:-1])
@@ -160,7 +167,8 @@ class _TokenEntropy(torch.autograd.Function):
         for rows, logp in _softmax_blocks(logits, ctx.s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
             e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
-            flat[rows] = logp.clamp_min_(LOGP_FLOOR).add_(h[rows]).mul_(e).mul_(-gs[rows])  # the block is ours to overwrite
+            # the block is ours to overwrite
+            flat[rows] = logp.clamp_min_(LOGP_FLOOR).add_(h[rows]).mul_(e).mul_(-gs[rows])
         return grad, None
 
 
@@ -274,7 +282,8 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     return logp, ent, roll.mask[a:b].to(dev)
 
 
-def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
+def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
+                          with_entropy: bool = False):
     """The reference form of `rollout_logprobs` (same arguments and results): every response with
     its own copy of the prompt, left-padded prompt + response right-padded to the rollout's longest,
     in one forward. Only the last T + 1 positions' logits are materialised (logits_to_keep), of
@@ -288,9 +297,11 @@ def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     pids, pmask = _left_padded(prompts, roll.pad_token_id)                   # [n, P] each
     dev = next(model.parameters()).device
     ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
-    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]; pads after EOS are masked by loss
+    # pads after EOS are masked by loss
+    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]
     pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-    logp = token_logprobs(logits, resp.to(dev), temperature)                  # [n, T], of softmax(logits / temperature)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                   logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
+    logp = token_logprobs(logits, resp.to(dev), temperature)  # [n, T], of softmax(logits / temperature)
     ent = token_entropy(logits, temperature) if with_entropy else None        # [n, T]
     return logp, ent, rmask.to(dev)

@@ -53,7 +53,8 @@ def add_adapters(model, r: int, alpha: float, targets: str, base_path: str):
     (saved with the adapter)."""
     peft = _peft()
     names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, bias="none",
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=names,
+                             bias="none",
                              task_type="CAUSAL_LM", base_model_name_or_path=base_path)
     try:
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
@@ -77,7 +78,8 @@ def adapters_off(model):
         yield
     finally:
         for m in layers:
-            m.enable_adapters(True)           # peft: also marks the adapters trainable again, as they were
+            # peft: also marks the adapters trainable again, as they were
+            m.enable_adapters(True)
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:

@@ -48,7 +48,8 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 try:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP2's public home since torch 2.6
+    # FSDP2's public home since torch 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # an older torch still runs DDP; `shard` says why --fsdp cannot
     FSDPModule = MixedPrecisionPolicy = fully_shard = None
 
@@ -71,7 +72,8 @@ class Dist:
                 self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend)
-        elif fsdp:  # FSDP2 needs a process group, even of one rank; an in-memory store needs no address
+        # FSDP2 needs a process group, even of one rank; an in-memory store needs no address
+        elif fsdp:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +113,8 @@ class Dist:
         """Free the process group with its gloo threads: none may run on into interpreter exit."""
         if dist.is_initialized():
             _drop_dtensor_caches()
-            gc.collect()                                 # the sharded model's reference cycles hold DTensors
+            # the sharded model's reference cycles hold DTensors
+            gc.collect()
             dist.destroy_process_group()
 
 
@@ -125,8 +128,10 @@ def _drop_dtensor_caches() -> None:
     from torch.distributed.tensor import _collective_utils, _redistribute, debug
     for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
                   getattr(_redistribute, "clear_redistribute_planner_cache", None),
-                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-                  getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None), "cache_clear", None)):
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None),
+                          "cache_clear", None),
+                  getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None),
+                                  "build_from_mesh", None), "cache_clear", None)):
         if clear is not None:
             clear()
 
@@ -203,7 +208,8 @@ def unsharded(model):
         yield
         return
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model.set_reshard_after_forward(False)              # recursive: no group frees its weights after a forward
+    # recursive: no group frees its weights after a forward
+    model.set_reshard_after_forward(False)
     for m in groups:                                    # unshard() is per group, not recursive
         m.unshard()
     try:
@@ -211,7 +217,8 @@ def unsharded(model):
     finally:
         for m in groups:
             m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)  # back to shard(): layers free, root keeps
+            # back to shard(): layers free, root keeps
+            m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def full_state_dict(model) -> dict:
@@ -221,7 +228,8 @@ def full_state_dict(model) -> dict:
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model,
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -231,7 +239,8 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
-def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.nn.Module | None = None) -> int:
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                ref: torch.nn.Module | None = None) -> int:
     """Bytes this rank holds of the policy's parameters and gradients, the optimizer's state, and
     the reference model's parameters (its shards under FSDP2, everything under DDP)."""
     n = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())

@@ -52,14 +52,16 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [N] float, the shaped reward the advantages compare (DAPO: +-1, penalty)
     correct: torch.Tensor | None = None  # [N] float, the --reward score (dynamic sampling's filter reads it)
     index: torch.Tensor | None = None    # [N] long, the position of the row's prompt in the data stream
-    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # --reward name -> [N] (NaN: no score)
+    # --reward name -> [N] (NaN: no score)
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def empty(G: int, pad_token_id: int) -> Rollout:
         """No rows (a rank that dynamic sampling left without a group):
         every per-row field [0] or [0, 0]."""
         rows, grid = torch.zeros(0), torch.zeros(0, 0)
-        return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(), mask=grid,
+        return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(),
+                       mask=grid,
                        lengths=rows.long(), truncated=rows.bool(), logprobs=grid, rewards=rows,
                        correct=rows, index=rows.long())
 
@@ -74,7 +76,8 @@ class Rollout:
         return replace(
             self, prompts=[p for p, k in zip(self.prompts, keep.tolist()) if k],
             response_ids=self.response_ids[rows], mask=self.mask[rows], lengths=self.lengths[rows],
-            truncated=self.truncated[rows], logprobs=self.logprobs[rows], rewards=take(self.rewards),
+            truncated=self.truncated[rows], logprobs=self.logprobs[rows],
+            rewards=take(self.rewards),
             correct=take(self.correct), index=take(self.index),
             reward_parts={k: v[rows] for k, v in self.reward_parts.items()})
 
@@ -91,7 +94,8 @@ class Rollout:
             return None if parts[0] is None else torch.cat(parts)
 
         return Rollout(
-            prompts=[p for r in rollouts for p in r.prompts], G=first.G, pad_token_id=first.pad_token_id,
+            prompts=[p for r in rollouts for p in r.prompts], G=first.G,
+            pad_token_id=first.pad_token_id,
             response_ids=torch.cat([pad(r.response_ids, first.pad_token_id) for r in rollouts]),
             mask=torch.cat([pad(r.mask, 0.0) for r in rollouts]),
             lengths=join("lengths"), truncated=join("truncated"),
@@ -122,7 +126,8 @@ class _BufferedLayer(DynamicLayer):
         self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
         # zeros, not empty: a column a row never wrote is masked,
         # and 0 x NaN garbage would still be NaN
-        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity, like.shape[-1]) for _ in "kv")
+        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
+                                               like.shape[-1]) for _ in "kv")
 
     def update(self, key_states, value_states, *args, **kwargs):
         n, t = key_states.shape[0], key_states.shape[-2]                      # [n, H, t, D]
@@ -134,7 +139,8 @@ class _BufferedLayer(DynamicLayer):
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                 # a decode step: row i at column at[i]
             rows = torch.arange(n, device=self.kbuf.device)
-            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))  # autocast: prefill's dtype
+            # autocast: prefill's dtype
+            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
             self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
         self.seen += t
         self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]  # [n, H, seen, D] views
@@ -147,7 +153,8 @@ class _BufferedLayer(DynamicLayer):
         k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
         if self.kbuf is None:
             self._alloc(prompt.kbuf, k * G)
-        for buf, src in ((self.kbuf, prompt.kbuf), (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
+        for buf, src in ((self.kbuf, prompt.kbuf),
+                         (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
             buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = src[:, None, :, :P]
         self.seen = max(self.seen, P)                            # keep_rows copies what was written
 
@@ -163,7 +170,8 @@ def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicC
     A sliding-window layer keeps all positions here: the model's mask applies the
     window (by column index)."""
     cache = DynamicCache(config=model.config)                 # one layer per decoder layer, by type
-    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
+    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer",
+                                                          "DynamicSlidingWindowLayer"}
     if other:
         raise ValueError(f"sample_groups handles full and sliding-window attention caches, not {sorted(other)}")
     window = min((la.sliding_window for la in cache.layers if isinstance(la, DynamicSlidingWindowLayer)), default=None)
@@ -205,7 +213,8 @@ def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
     return torch.zeros(n, -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)
 
 
-def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, work=None):
+def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
+                 top_p: float, work=None):
     """One token per row from logits [n, V] given uniforms u [n];
     returns (tokens [n], logprobs [n]).
 
@@ -246,16 +255,18 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
     # a walk never ends on a zero-mass token: clamp to the first block (then token)
     # where the mass is complete
-    b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"), torch.searchsorted(bcdf, total))  # [n, 1]
+    b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"),
+                      torch.searchsorted(bcdf, total))  # [n, 1]
     before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1] mass of the blocks before b
-    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]           # [n, BLOCK] block b's probabilities
+    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]  # [n, BLOCK] block b's probabilities
     icdf = inner.cumsum(-1)                                                   # [n, BLOCK]
     i = torch.minimum(torch.searchsorted(icdf, u * total - before, side="right"),
                       torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
     return (b * SAMPLE_BLOCK + i).squeeze(-1), inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log()
 
 
-def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int, budget_gb: float) -> int:
+def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                    budget_gb: float) -> int:
     """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in
     budget_gb: one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes
     (autocast's dtype if on)."""
@@ -269,7 +280,8 @@ def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int
 
 
 @torch.no_grad()
-def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
+def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                  eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths)
@@ -311,7 +323,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     # the rows are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or P + T <= window)
     kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    attn = torch.zeros(S, P + T, dtype=torch.long, device=device)             # [S, P + T] the columns each slot sees
+    attn = torch.zeros(S, P + T,
+                       dtype=torch.long, device=device)  # [S, P + T] the columns each slot sees
     rows = torch.zeros(0, dtype=torch.long, device=device)       # [n] the response row in each slot
     t = torch.zeros_like(rows)                                           # [n] tokens it has sampled
     born, admitted, logits, work = [], 0, None, None        # born: the step each slot's row came in
@@ -326,7 +339,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     # so what an earlier row left in the slot is never read.
     for step in itertools.count():
         n = rows.shape[0]
-        k = min(B - admitted, (S - n) // G) if continuous or n == 0 else 0   # whole groups that fit now
+        # whole groups that fit now
+        k = min(B - admitted, (S - n) // G) if continuous or n == 0 else 0
         if k:
             g = slice(admitted, admitted + k)
             new = _prefill(model, cache, ids[g], pmask[g], n, G).repeat_interleave(G, 0)  # [k*G, V]
@@ -337,7 +351,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
             admitted, n = admitted + k, n + k * G
         if n == 0:
             break
-        work = sample_workspace(S, logits.shape[-1], device) if work is None else work  # reused each step
+        # reused each step
+        work = sample_workspace(S, logits.shape[-1], device) if work is None else work
         tok, lp = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n], [n]
         response[rows, t], logprobs[rows, t] = tok, lp
         hit = torch.isin(tok, eos)                                            # [n]
@@ -357,23 +372,27 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
             continue
         at = P + t - 1                                      # [n] the column of each row's new token
         attn[torch.arange(n, device=device), at] = 1
-        L = P + step + 1 - born[0]                # columns in use: the oldest row's (rows keep their admission order)
+        # columns in use: the oldest row's (rows keep their admission order)
+        L = P + step + 1 - born[0]
         for layer in cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
         pos = plen[rows // G] + t - 1                    # [n] counted from the prompt's first token
-        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L], position_ids=pos[:, None],
+        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L],
+                       position_ids=pos[:, None],
                        **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
     return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
 
 
-def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor, start: int, G: int) -> torch.Tensor:
+def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
+             start: int, G: int) -> torch.Tensor:
     """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
     [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
     last position, [k, V]."""
     prompt_cache, _ = _make_cache(model, ids.shape[1])
     pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
-    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True, logits_to_keep=1,
+    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
+                   logits_to_keep=1,
                    **{_cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
     for layer, prompt in zip(cache.layers, prompt_cache.layers):
         layer.put(start, prompt, G)

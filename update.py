@@ -66,14 +66,15 @@ def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
     contiguous block of rows.
     """
     G = roll.G
-    idx = roll.index[::G].contiguous()                                   # [b] each group's prompt index
+    idx = roll.index[::G].contiguous()  # [b] each group's prompt index
     b_max = ranks.max(idx.numel())
-    everyone = torch.cat(ranks.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
-    everyone = everyone[everyone >= 0].sort().values                                             # [B]
+    everyone = torch.cat(ranks.gather(
+        torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    everyone = everyone[everyone >= 0].sort().values  # [B]
     B = everyone.numel()
     if B == 0:
         return []
-    mb = torch.searchsorted(everyone, idx) * K // B                                              # [b] mini-batch of each group
+    mb = torch.searchsorted(everyone, idx) * K // B  # [b] mini-batch of each group
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 

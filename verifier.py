@@ -69,11 +69,13 @@ _REMARK = re.compile(r"(?:,\s+|\s+\()(?!and\b|or\b)[a-z]{2,}\s")
 _WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|boldsymbol|mbox)\s*\{([^{}]*)\}")
 _NOISE = [(re.compile(p), r) for p, r in [
     (r"\\\$|\$", " "), (r"\\(?:left|right|displaystyle|big|Big)(?![a-zA-Z])", ""), (r"\{,\}", ","),
-    (r"\\[dt]frac", r"\\frac"), (r"\^\s*\{?\\circ\}?|\\circ|\\degree|°|\bdegrees?\b", " "), (r"\\?%|\bpercent\b", " "),
+    (r"\\[dt]frac", r"\\frac"), (r"\^\s*\{?\\circ\}?|\\circ|\\degree|°|\bdegrees?\b", " "),
+    (r"\\?%|\bpercent\b", " "),
     (r"(?<!\\)\\[,;:! ]|\\q?quad|~", " "), (r"\\(frac|sqrt)\s*([0-9a-zA-Z])", r"\\\1{\2}"),
     (r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z])", r"\\frac{\1}{\2}"),
     (r"(?<![\d.])(\d{1,3})((?:,\d{3})+)(?!\d)", lambda m: m.group(1) + m.group(2).replace(",", "")),
-    (r"(?<![\d.])(\d{1,3})((?: \d{3})+)(?![\d/])", lambda m: m.group(1) + m.group(2).replace(" ", "")),
+    (r"(?<![\d.])(\d{1,3})((?: \d{3})+)(?![\d/])",
+     lambda m: m.group(1) + m.group(2).replace(" ", "")),
 ]]
 _LHS = re.compile(r"[^=\d<>]{1,20}=(?!=)")
 _CHOICE = re.compile(r"\(([A-J])\)(?:\s.*)?|([A-J])\)?")
@@ -95,7 +97,8 @@ def extract_answer(response: str) -> str | None:
     box = response.rfind("\\boxed")  # 6 characters
     if box >= 0:
         got = _boxed(response[box + 6:box + 6 + MAX_ANSWER])
-        if got is None or got[0] == "":  # unclosed, or an empty "\boxed{}" ("I will put the answer in \boxed{}")
+        # unclosed, or an empty "\boxed{}" ("I will put the answer in \boxed{}")
+        if got is None or got[0] == "":
             return None if got is None else _unboxed(response)
         answers = [got[0]]
         for _ in range(MAX_ITEMS):  # "$\boxed{2}$ and $\boxed{3}$": boxes apart only by and / , / $
@@ -117,7 +120,8 @@ def _bare(response: str) -> str | None:
     text = response.strip()
     if len(text) > 2 * MAX_DIGITS or "\n" in text:
         return None
-    text = re.sub(r"^[a-zA-Z]\s*=\s*", "", _clean(text))  # _clean drops `$`, spaces at the ends, a trailing period
+    # _clean drops `$`, spaces at the ends, a trailing period
+    text = re.sub(r"^[a-zA-Z]\s*=\s*", "", _clean(text))
     return text if _number(text) is not None else None
 
 
@@ -159,7 +163,8 @@ def _markers(text: str):
         word, pos = max(found.items(), key=lambda kv: kv[1])
         if pos < 1:
             return
-        found[word] = text.rfind(word, 0, pos)  # each search starts where the last stopped: linear in all
+        # each search starts where the last stopped: linear in all
+        found[word] = text.rfind(word, 0, pos)
         m = _MARK.match(text, pos + 5, pos + 45) if text[pos - 1] in "aA" else None
         if m:
             yield m.end()
@@ -267,7 +272,8 @@ def _atom(s: str) -> tuple[str, str | None]:
 
 def _plain(s: str) -> str:
     """The text compared when an answer is not a number."""
-    s = re.sub(r"\s+", "", re.sub(r"(?<=\d)\s+(?=\d)", "\x00", s)).replace("\x00", " ").lower()  # "3 4" stays apart
+    # "3 4" stays apart
+    s = re.sub(r"\s+", "", re.sub(r"(?<=\d)\s+(?=\d)", "\x00", s)).replace("\x00", " ").lower()
     s = re.sub(r"\^\{(\w)\}", r"^\1", s)
     m = re.fullmatch(r"([^/+\-=,]+)/([^/+\-=,]+)", s)
     return f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}" if m else s
@@ -360,7 +366,8 @@ def verify(response: str, answer: str) -> float:
     """1.0 if the final answer of `response` equals `answer`, else 0.0."""
     if not isinstance(response, str) or not isinstance(answer, str):
         return 0.0
-    got, want = extract_answer(response), extract_answer(answer)  # GSM8K's "...#### 72" carries its own marker
+    # GSM8K's "...#### 72" carries its own marker
+    got, want = extract_answer(response), extract_answer(answer)
     a, b = _parse(got or ""), _parse(answer if want is None else want)
     if a is None or b is None or a[0] != b[0]:
         return 0.0
@@ -370,7 +377,8 @@ def verify(response: str, answer: str) -> float:
 def agreement(cases: list[dict], fn=verify) -> dict:
     """How often fn agrees with hand labels {response, reference, correct};
     its errors and slowest call."""
-    report = {"n": len(cases), "agree": 0, "false_positives": [], "false_negatives": [], "max_ms": 0.0}
+    report = {"n": len(cases), "agree": 0, "false_positives": [],
+              "false_negatives": [], "max_ms": 0.0}
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
         got = fn(case["response"], case["reference"]) == 1.0

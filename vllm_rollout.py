@@ -66,7 +66,8 @@ class Engine:
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
                  max_num_seqs: int | None = None):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # the engine core in this process (weight sync)
+        # the engine core in this process (weight sync)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             import vllm
         except ImportError as e:
@@ -75,16 +76,20 @@ class Engine:
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.llm = vllm.LLM(
-            model=path, tokenizer=path, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
+            model=path, tokenizer=path, skip_tokenizer_init=True,
+            dtype=str(self.dtype).removeprefix("torch."),
             seed=seed, tensor_parallel_size=1, gpu_memory_utilization=gpu_memory_utilization,
             distributed_executor_backend="external_launcher" if world > 1 else None,
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda, enforce_eager=not self.cuda,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
+            enforce_eager=not self.cuda,
             **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}))
         self.asleep = False
 
     @torch.no_grad()
-    def sample_groups(self, model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
-                      pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None) -> Rollout:
+    def sample_groups(self, model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                      eos_token_id: int | list[int],
+                      pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                      generator=None) -> Rollout:
         """sampler.sample_groups' arguments and Rollout, drawn by the engine (`model` is not read:
         the engine holds the weights last pushed). Temperature 0 is greedy."""
         if G < 1 or max_new_tokens < 1:
@@ -98,7 +103,8 @@ class Engine:
         # children; only `eos` ends one
         params = [self.vllm.SamplingParams(
             n=1, temperature=temperature, top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
-            seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0, detokenize=False)
+            seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0,
+            detokenize=False)
             for s in seeds for i in range(G)]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
@@ -112,11 +118,13 @@ class Engine:
             L = lengths[r] = len(ids)
             response[r, :L] = torch.tensor(ids)
             logprobs[r, :L] = torch.tensor([lp[t].logprob for lp, t in zip(lps, ids)])
-            truncated[r] = ids[-1] not in eos                                 # no end id within max_new_tokens
+            # no end id within max_new_tokens
+            truncated[r] = ids[-1] not in eos
         T = int(lengths.max()) if N else 0
         mask = (torch.arange(T)[None, :] < lengths[:, None]).float()           # [N, T] from lengths
         return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id, response_ids=response[:, :T],
-                       mask=mask, lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
+                       mask=mask, lengths=lengths, truncated=truncated,
+                       logprobs=logprobs[:, :T] * mask)
 
     def sleep(self) -> None:
         """Release the engine's GPU memory (KV cache and weights: push restores them) for
@@ -130,7 +138,8 @@ class Engine:
         in place (every rank calls it under FSDP2)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model, self.dtype)})
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": full_weights(model, self.dtype)})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
