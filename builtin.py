@@ -188,7 +188,8 @@ def sample_problems(n: int, seed: int, heldout: bool, distinct: bool = True) -> 
             seen.add(eq)
             rows.append({"prompt": prompt_text(eq), "answer": str(x)})
     if len(rows) < n:
-        raise ValueError(f"the {'held-out' if heldout else 'training'} split has fewer than {n} distinct problems")
+        raise ValueError(f"the {'held-out' if heldout else 'training'} split has fewer than {n} "
+                         f"distinct problems")
     return rows
 
 
@@ -247,7 +248,8 @@ def warm_start_batches(tokenizer, cfg: BaseModelConfig) -> list[tuple[torch.Tens
     seqs = [([vocab[c] for c in p + r] + [eos], len(p)) for p, r in demos]
     longest = max(len(s) for s, _ in seqs)
     if longest > L:
-        raise ValueError(f"sft_pack_len {L} is shorter than the longest demonstration ({longest} tokens)")
+        raise ValueError(f"sft_pack_len {L} is shorter than the longest demonstration ({longest} "
+                         f"tokens)")
     batches = []
     for k in range(0, len(seqs), cfg.sft_batch_size):
         rows: list[list[tuple[list[int], int]]] = []
@@ -376,7 +378,8 @@ def base_model(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     t0 = time.time()
-    log(f"building the built-in base model in {folder} (once, a few minutes: no shipped build of this recipe)", flush=True)
+    log(f"building the built-in base model in {folder} (once, a few minutes: no shipped build of "
+        f"this recipe)", flush=True)
     tokenizer = make_tokenizer()
     model = make_model(cfg, len(tokenizer))
     supervised_warm_start(model, tokenizer, cfg)
@@ -415,7 +418,8 @@ def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR,
 
 if __name__ == "__main__":
     import argparse
-    p = argparse.ArgumentParser(description="Find (shipped or cached) or build the built-in base model; print its folder.")
+    p = argparse.ArgumentParser(description="Find (shipped or cached) or build the built-in base "
+                                            "model; print its folder.")
     p.add_argument("--ship", action="store_true",
                    help=f"write this recipe's build to {SHIP_DIR} (git add it then)")
     print(ship() if p.parse_args().ship else base_model())

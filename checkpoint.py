@@ -74,8 +74,9 @@ def lock_folder(out: str, ranks):
         return fh
     if not ranks.master:
         sys.exit(2)
-    raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds {os.path.join(out, '.lock')}): "
-                          "let it finish or stop it, or pass another --out")
+    raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds "
+                      f"{os.path.join(out, '.lock')}): let it finish or stop it, or pass another "
+                      f"--out")
 
 
 # what torch.load(weights_only=True) and load_state_dict raise on a corrupt,
@@ -349,7 +350,8 @@ def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
     try:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
         if meta["world_size"] != ranks.world:
-            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the RNG states are per rank")
+            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the "
+                             f"RNG states are per rank")
         rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu",
                          weights_only=True)["rng"]
         tensors = {}

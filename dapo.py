@@ -40,7 +40,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> tor
     for max_len - cache_len < L <= max_len; -1 for L > max_len.
     """
     if not 0 < cache_len <= max_len:
-        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, "
+                         f"max_len={max_len}")
     L = lengths.float()                                                       # [N]
     soft = ((max_len - cache_len) - L) / cache_len                            # [N]
     pen = torch.where(L <= max_len - cache_len, torch.zeros_like(L), soft)    # [N]

@@ -141,8 +141,9 @@ def _dataset(path: str, split: str):
     try:
         import datasets
     except ImportError:
-        raise InputError(f"--data {path}: Parquet, Arrow, folders and hub data sets are read through the datasets "
-                         "package, which is not installed (pip install datasets)") from None
+        raise InputError(f"--data {path}: Parquet, Arrow, folders and hub data sets are read "
+                         "through the datasets package, which is not installed (pip install "
+                         "datasets)") from None
     datasets.disable_progress_bars()
     try:
         if os.path.isfile(path):
@@ -154,7 +155,8 @@ def _dataset(path: str, split: str):
         name, _, config = path.partition(":")
         return datasets.load_dataset(name, config or None, split=split)
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as e:
-        raise InputError(f"--data {path}: could not be loaded (split {split!r}: {str(e).strip().splitlines()[0]})") from None
+        raise InputError(f"--data {path}: could not be loaded (split {split!r}: "
+                         f"{str(e).strip().splitlines()[0]})") from None
 
 
 def load_reward(spec: str):
@@ -205,10 +207,12 @@ class Reward:
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
         self.batch = [is_batch_reward(f) for f in self.fns]
         if len(self.weights) != len(fns):
-            raise InputError(f"--reward-weights: {len(self.weights)} weights for {len(fns)} --reward functions")
+            raise InputError(f"--reward-weights: {len(self.weights)} weights for {len(fns)} "
+                             f"--reward functions")
         for n in self.names:
             if n in RESERVED or self.names.count(n) > 1:
-                raise InputError(f"--reward: two rewards, or a reserved metric, named reward/{n}: rename the function")
+                raise InputError(f"--reward: two rewards, or a reserved metric, named reward/{n}: "
+                                 f"rename the function")
 
     @classmethod
     def load(cls, specs: list[str], weights: list[float] | None = None) -> Reward:
@@ -244,13 +248,14 @@ class Reward:
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             missing = [p for p, v in params.items() if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
             if missing:
-                raise InputError(f"--reward {name}: needs {missing}, the rows have {sorted(columns)}")
+                raise InputError(f"--reward {name}: needs {missing}, the rows have "
+                                 f"{sorted(columns)}")
             kw = {k: v for k, v in kw.items() if k in params}
         vals = fn(**kw)
         if not isinstance(vals, (list, tuple)) or len(vals) != len(completions) or \
                 any(v is not None and not isinstance(v, numbers.Real) for v in vals):
-            raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or None, "
-                             f"got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
+            raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or "
+                             f"None, got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
         return vals
 
 

@@ -221,7 +221,8 @@ def main(argv=None) -> list[tuple[str, dict]]:
         sys.exit(2)
     keys = list(results[0][1])
     print(f"{len(rows)} problems of {args.data}, " + ("greedy" if args.eval_samples == 1 else
-          f"{args.eval_samples} samples each at temperature {args.eval_temperature}, top-p {args.eval_top_p}") +
+          f"{args.eval_samples} samples each at temperature {args.eval_temperature}, top-p "
+          f"{args.eval_top_p}") +
           f", at most {args.max_new_tokens} new tokens")
     print("| model | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |")
     print("| --- " * (len(keys) + 1) + "|")

@@ -190,7 +190,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 def _rows(roll: Rollout, rows: slice) -> tuple[int, int]:
     a, b, step = rows.indices(roll.response_ids.shape[0])
     if step != 1 or b <= a:
-        raise ValueError(f"rows must be a non-empty contiguous slice of the {roll.response_ids.shape[0]} responses, got {rows}")
+        raise ValueError(f"rows must be a non-empty contiguous slice of the "
+                         f"{roll.response_ids.shape[0]} responses, got {rows}")
     return a, b
 
 
@@ -302,6 +303,7 @@ def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
                    logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-    logp = token_logprobs(logits, resp.to(dev), temperature)  # [n, T], of softmax(logits / temperature)
+    # of softmax(logits / temperature)
+    logp = token_logprobs(logits, resp.to(dev), temperature)  # [n, T]
     ent = token_entropy(logits, temperature) if with_entropy else None        # [n, T]
     return logp, ent, rmask.to(dev)

@@ -60,8 +60,8 @@ def add_adapters(model, r: int, alpha: float, targets: str, base_path: str):
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # peft: none of the target modules is in the model
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise InputError(f"--lora-target-modules {targets}: {str(e).splitlines()[0][:120]} (linear layers: "
-                         f"{', '.join(linear)})") from None
+        raise InputError(f"--lora-target-modules {targets}: {str(e).splitlines()[0][:120]} (linear "
+                         f"layers: {', '.join(linear)})") from None
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_" in n)
     return config

@@ -145,7 +145,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ShardingError(f"--fsdp: no decoder layers found in {type(model).__name__} (its _no_split_modules: {sorted(names)})")
+        raise ShardingError(f"--fsdp: no decoder layers found in {type(model).__name__} (its "
+                            f"_no_split_modules: {sorted(names)})")
     return layers
 
 
@@ -167,7 +168,8 @@ def shard(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """
     from torch.distributed.device_mesh import init_device_mesh
     if fully_shard is None:
-        raise ShardingError(f"--fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}")
+        raise ShardingError(f"--fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this "
+                            f"is torch {torch.__version__}")
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     policy = mixed_precision(device)
     for layer in decoder_layers(model):

@@ -134,7 +134,8 @@ class _BufferedLayer(DynamicLayer):
         if self.kbuf is None:
             self._alloc(key_states, n)
         if self.seen + t > self.capacity:
-            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} were written")
+            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} "
+                               f"were written")
         if self.at is None:                                              # a prefill: columns [0, t)
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                 # a decode step: row i at column at[i]
@@ -173,7 +174,8 @@ def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicC
     other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer",
                                                           "DynamicSlidingWindowLayer"}
     if other:
-        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not {sorted(other)}")
+        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not "
+                         f"{sorted(other)}")
     window = min((la.sliding_window for la in cache.layers if isinstance(la, DynamicSlidingWindowLayer)), default=None)
     cache.layers = [_BufferedLayer(capacity, rows) for _ in cache.layers]
     return cache, window
@@ -258,7 +260,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"),
                       torch.searchsorted(bcdf, total))  # [n, 1]
     before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1] mass of the blocks before b
-    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]  # [n, BLOCK] block b's probabilities
+    # block b's probabilities
+    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]  # [n, BLOCK]
     icdf = inner.cumsum(-1)                                                   # [n, BLOCK]
     i = torch.minimum(torch.searchsorted(icdf, u * total - before, side="right"),
                       torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
@@ -297,7 +300,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     max_num_seqs and either mode: each row's uniforms are drawn up front.
     """
     if G < 1 or max_new_tokens < 1:
-        raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
+        raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
+                         f"max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_num_seqs is not None and max_num_seqs < G:

@@ -395,7 +395,8 @@ if __name__ == "__main__":
     with open(sys.argv[1], encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     r = agreement(rows)
-    print(f"{r['n']} cases: agreement {r['agree'] / r['n']:.1%}, false positives {len(r['false_positives'])}, "
+    print(f"{r['n']} cases: agreement {r['agree'] / r['n']:.1%}, false positives "
+          f"{len(r['false_positives'])}, "
           f"false negatives {len(r['false_negatives'])}, slowest call {r['max_ms']:.2f} ms")
     for kind in ("false_positives", "false_negatives"):
         for i in r[kind]:

