@@ -32,8 +32,10 @@ Habit models for the experiments of `python -m ablate` (ablate/habits.py: `Habit
 a short fine-tune of the base model, built into the cache on first use and keyed by `habit_key`;
 their code is outside the base recipe, so its key and the shipped weights stay as they are.
 
-    python builtin.py           # find (shipped or cached) or build the base model and print its folder
-    python builtin.py --ship    # build if needed and write it to base_model/ (after changing the recipe)
+    # find (shipped or cached) or build the base model and print its folder
+    python builtin.py
+    # build if needed and write it to base_model/ (after changing the recipe)
+    python builtin.py --ship
 """
 from __future__ import annotations
 
@@ -227,7 +229,8 @@ def make_model(cfg: BaseModelConfig, vocab_size: int):
     return LlamaForCausalLM(config)
 
 
-def warm_start_batches(tokenizer, cfg: BaseModelConfig) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def warm_start_batches(tokenizer, cfg: BaseModelConfig
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every supervised batch, drawn once: (input_ids, position_ids, labels), each [R, L], packed.
 
     A batch is cfg.sft_batch_size demonstrations (prompt + worked solution + <eos>) of training
@@ -318,7 +321,8 @@ def _canonical(node) -> str:
         return repr(node)
     fields = []
     for name, value in ast.iter_fields(node):
-        documented = isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node, clean=False) is not None
+        documented = (isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                      and ast.get_docstring(node, clean=False) is not None)
         if name == "body" and documented:
             value = value[1:]
         if value is not None and value != []:

@@ -247,7 +247,8 @@ def load(path: str, model, opt, sched) -> dict:
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
     except UNREADABLE as e:
-        raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(ckpt["rng"])
     return ckpt
 
@@ -363,7 +364,8 @@ def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
                        optim_state_dict=saved["optimizer"])
         sched.load_state_dict(meta["scheduler"])
     except UNREADABLE as e:
-        raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(rng)
     return meta
 

@@ -28,7 +28,8 @@ def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
     """Seeds averaged point by point (runs of one row log at the same steps, so points line up)."""
     curves = [curve(r, key) for r in runs]
     n = min(len(c) for c in curves)
-    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
+    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves))
+            for i in range(n)]
 
 
 def _pyplot():
@@ -54,7 +55,8 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
     for ax, (key, title) in zip(axes.flat, CURVES):
         for name, seeds in runs.items():
             pts = mean_curve(seeds, key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="o" if key.startswith("eval") else None,
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name,
+                    marker="o" if key.startswith("eval") else None,
                     markersize=3)
         ax.set_title(title)
         ax.set_xlabel("responses sampled")
@@ -81,9 +83,11 @@ def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, fl
             n = min(len(c) for c in seeds)
             xs = [statistics.mean(c[i][0] for c in seeds) for i in range(n)]
             ys = [[c[i][1] for c in seeds] for i in range(n)]
-            (line,) = ax.plot(xs, [statistics.mean(y) for y in ys], label=label, marker="o", markersize=2)
+            (line,) = ax.plot(xs, [statistics.mean(y) for y in ys], label=label, marker="o",
+                              markersize=2)
             if len(seeds) > 1:
-                ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
+                ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys],
+                                color=line.get_color(), alpha=0.2)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)

@@ -54,7 +54,8 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
         if split == "train":
             return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)
         return builtin.sample_problems(limit or 256, seed=2, heldout=True)
-    if os.path.isdir(path) or path.endswith(DATASETS_FILES) or not os.path.exists(path) and _hub_id(path):
+    if (os.path.isdir(path) or path.endswith(DATASETS_FILES)
+            or not os.path.exists(path) and _hub_id(path)):
         records = enumerate(_dataset(path, hf_split), 1)
     elif not os.path.isfile(path):
         raise InputError(f"{path}: no such data file")
@@ -131,7 +132,8 @@ def _json_records(path: str):
 
 def _hub_id(path: str) -> bool:
     """'name' or 'owner/name': not a path that was meant to be a local file."""
-    return not path.startswith((".", "/", "~")) and path.count("/") <= 1 and not path.endswith((".jsonl", ".json"))
+    return (not path.startswith((".", "/", "~")) and path.count("/") <= 1
+            and not path.endswith((".jsonl", ".json")))
 
 
 def _dataset(path: str, split: str):
@@ -148,7 +150,8 @@ def _dataset(path: str, split: str):
     try:
         if os.path.isfile(path):
             return datasets.load_dataset(path.rsplit(".", 1)[1], data_files=path, split="train")
-        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+                                       for f in ("dataset_dict.json", "state.json")):
             ds = datasets.load_from_disk(path)
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         # a hub id, 'openai/gsm8k:main' with a config name
@@ -228,7 +231,8 @@ class Reward:
                 vals = self._batch(name, fn, prompts, completions, rows, completion_ids)
             else:
                 vals = [fn(c, r["answer"]) for c, r in zip(completions, rows)]
-            parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals], dtype=torch.float32)  # [N]
+            parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals],
+                                       dtype=torch.float32)  # [N]
         total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))  # [N]
         return total, parts
 
@@ -246,7 +250,8 @@ class Reward:
         if "completion_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
             kw["completion_ids"] = completion_ids() if completion_ids else None
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            missing = [p for p, v in params.items() if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
+            missing = [p for p, v in params.items()
+                       if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
             if missing:
                 raise InputError(f"--reward {name}: needs {missing}, the rows have "
                                  f"{sorted(columns)}")
@@ -330,7 +335,8 @@ def prompt_rows(rows: list[dict], seed: int, start: int, count: int) -> list[tup
     for j in range(start, start + count):
         epoch = j // len(rows)
         if epoch not in perms:
-            perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+            perms[epoch] = torch.randperm(
+                len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
         out.append((j, rows[int(perms[epoch][j % len(rows)])]))
     return out
 
