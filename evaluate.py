@@ -6,10 +6,11 @@ in (DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy
 problem at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's
 command scores any saved model without training, with the same flags:
 
-    python evaluate.py --model builtin --data builtin                                 # greedy accuracy
-    python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 --out per-problem.jsonl
+    python evaluate.py --model builtin --data builtin                         # greedy accuracy
+    python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 \\
+        --out per-problem.jsonl
     python evaluate.py --model Qwen/Qwen2.5-Math-7B --data aime24.jsonl --eval-samples 32 \\
-        --eval-temperature 1.0 --eval-top-p 0.7 --max-new-tokens 20480                 # DAPO's avg@32
+        --eval-temperature 1.0 --eval-top-p 0.7 --max-new-tokens 20480         # DAPO's avg@32
 
 With n = --eval-samples samples of problem i, c_i of them correct (score > 0):
     mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over
@@ -100,7 +101,8 @@ def problem_record(index: int, row: dict, responses: list[str], scores: list[flo
             "samples": [{"response": r, "answer": a, "score": s, "length": n, "truncated": t}
                         for r, a, s, n, t in zip(responses, answers, scores, lengths, truncated)],
             "correct": sum(s > 0 for s in scores), "majority": vote,
-            "majority_score": next((s for v, s in zip(ballot, scores) if v == vote), 0.0) if vote is not None else 0.0}
+            "majority_score": (next((s for v, s in zip(ballot, scores) if v == vote), 0.0)
+                               if vote is not None else 0.0)}
 
 
 def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
@@ -227,7 +229,8 @@ def main(argv=None) -> list[tuple[str, dict]]:
     print("| model | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |")
     print("| --- " * (len(keys) + 1) + "|")
     for spec, m in results:
-        print(f"| {spec} | " + " | ".join(f"{m[k]:.3f}" if k != "eval/len_mean" else f"{m[k]:.1f}" for k in keys) + " |")
+        print(f"| {spec} | " + " | ".join(f"{m[k]:.3f}" if k != "eval/len_mean" else f"{m[k]:.1f}"
+                                          for k in keys) + " |")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write("".join(line + "\n" for line in lines))

@@ -208,7 +208,8 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
     else one part."""
     L, order = lengths.sort(stable=True)                                      # [n] ascending
     n = L.shape[0]
-    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1] positions if split after k
+    # positions if split after k
+    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1]
     if n < 2 or float(cost.min()) > BUCKET_KEEP * n * float(L[-1]):
         return [torch.arange(n)]
     k = int(cost.argmin()) + 1

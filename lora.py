@@ -5,9 +5,9 @@ with the adapter alone beside it.
 Not an article section: a way to train the article's policy (Step 4's update)
 with a fraction of the state.
 
-    python train.py --lora-r 16                                                           # built-in task
-    torchrun --standalone --nproc_per_node 8 train.py --lora-r 64 --model
-    Qwen/Qwen2.5-7B-Instruct --data train.jsonl
+    python train.py --lora-r 16                                   # built-in task
+    torchrun --standalone --nproc_per_node 8 train.py --lora-r 64 \\
+        --model Qwen/Qwen2.5-7B-Instruct --data train.jsonl
 
 The adapters are injected in place (peft.inject_adapter_in_model), so the model stays the
 transformers class the sampler, the training forward, DDP and save_pretrained already handle. Each
@@ -89,7 +89,8 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     out = {k.replace(".base_layer.", "."): v for k, v in sd.items() if ".lora_" not in k}
     with torch.no_grad():
         for name, m in _layers(model).items():
-            out[f"{name}.weight"] = sd[f"{name}.base_layer.weight"] + m.get_delta_weight(ADAPTER).to(sd[f"{name}.base_layer.weight"].dtype)
+            out[f"{name}.weight"] = (sd[f"{name}.base_layer.weight"]
+                                     + m.get_delta_weight(ADAPTER).to(sd[f"{name}.base_layer.weight"].dtype))
     return out
 
 

@@ -3,8 +3,10 @@
 
 Not an article section: the machinery that lets the loop of train.py run unchanged on N GPUs.
 
-    torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl           # DDP
-    torchrun --standalone --nproc_per_node 8 train.py --fsdp --model Qwen/Qwen2.5-7B-Instruct --data train.jsonl      # FSDP2
+    torchrun --standalone --nproc_per_node 8 train.py \\
+        --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl                     # DDP
+    torchrun --standalone --nproc_per_node 8 train.py --fsdp \\
+        --model Qwen/Qwen2.5-7B-Instruct --data train.jsonl                       # FSDP2
 
 - `Dist`: rank, world size, device and the three collectives the loop needs (sum, max, gather).
   Without torchrun's environment nothing distributed happens (except `--fsdp`, which

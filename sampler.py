@@ -144,7 +144,8 @@ class _BufferedLayer(DynamicLayer):
             k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
             self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
         self.seen += t
-        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]  # [n, H, seen, D] views
+        # [n, H, seen, D] views
+        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]
         return self.keys, self.values
 
     def put(self, start: int, prompt: _BufferedLayer, G: int) -> None:
@@ -156,12 +157,14 @@ class _BufferedLayer(DynamicLayer):
             self._alloc(prompt.kbuf, k * G)
         for buf, src in ((self.kbuf, prompt.kbuf),
                          (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
-            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = src[:, None, :, :P]
+            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = (
+                src[:, None, :, :P])
         self.seen = max(self.seen, P)                            # keep_rows copies what was written
 
     def keep_rows(self, indices: torch.Tensor) -> None:
         n, L = indices.shape[0], self.seen                      # kept rows move to [0, n), in place
-        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = self.kbuf[indices, :, :L], self.vbuf[indices, :, :L]
+        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = (self.kbuf[indices, :, :L],
+                                                      self.vbuf[indices, :, :L])
 
 
 def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
@@ -186,8 +189,10 @@ def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
     lengths. sample_groups and the training forward (logprobs.py) both use it, so sampling and
     training see the same positions."""
     P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # [n, P]
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)       # [n, P]
+    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts],
+                       device=device)  # [n, P]
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts],
+                        device=device)  # [n, P]
     return ids, mask
 
 
@@ -259,7 +264,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     # where the mass is complete
     b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"),
                       torch.searchsorted(bcdf, total))  # [n, 1]
-    before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1] mass of the blocks before b
+    # mass of the blocks before b
+    before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1]
     # block b's probabilities
     inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]  # [n, BLOCK]
     icdf = inner.cumsum(-1)                                                   # [n, BLOCK]

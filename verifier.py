@@ -2,7 +2,8 @@
 
 Article section: "Step 2: Reward 计算" (verifier 判分: 1 for a correct answer, 0 otherwise).
 
-    python verifier.py results/verifier_cases.jsonl   # agreement with hand labels, the errors, the slowest call
+    # agreement with hand labels, the errors, the slowest call
+    python verifier.py results/verifier_cases.jsonl
 
 `verify(response, answer)` is total and deterministic: it never raises and never evaluates model
 text. Its time is linear and small whatever the inputs: each text is searched whole by at most four
