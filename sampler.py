@@ -414,7 +414,8 @@ def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) ->
     T = int(lengths.max()) if lengths.numel() else 0
     mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # [N, T]
     return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
-                   response_ids=response[:, :T], mask=mask, lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
+                   response_ids=response[:, :T], mask=mask, lengths=lengths, truncated=truncated,
+                   logprobs=logprobs[:, :T] * mask)
 
 
 def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,

@@ -125,8 +125,8 @@ class Engine:
         T = int(lengths.max()) if N else 0
         mask = (torch.arange(T)[None, :] < lengths[:, None]).float()           # [N, T] from lengths
         return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
-                       response_ids=response[:, :T], mask=mask, lengths=lengths, truncated=truncated,
-                       logprobs=logprobs[:, :T] * mask)
+                       response_ids=response[:, :T], mask=mask, lengths=lengths,
+                       truncated=truncated, logprobs=logprobs[:, :T] * mask)
 
     def sleep(self) -> None:
         """Release the engine's GPU memory (KV cache and weights: push restores them) for
