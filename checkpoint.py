@@ -14,17 +14,17 @@ The logs (metrics.jsonl, completions.jsonl) are metrics.py's: appended to line b
 without a last line a kill cut (metrics.read_metrics), rewritten by --resume through `write_text`.
 
 With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
-torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after a
-barrier rank 0 renames it to step-N and then atomically replaces the pointer file OUT/checkpoint/latest, so
-a crash at any point leaves `latest` naming a complete checkpoint. Only tensors go through DCP (its loader
-unpickles anything else with weights_only=False); the rest (optimizer hyperparameters, scheduler, step,
-data position) is one small torch.save file, and each rank's RNG states another, both read back with
-weights_only=True. `load_sharded` reads the shards into the model's and optimizer's own sharded tensors,
-so a checkpoint is never gathered on one rank.
+torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after
+a barrier rank 0 renames it to step-N and then atomically replaces the pointer file
+OUT/checkpoint/latest, so a crash at any point leaves `latest` naming a complete checkpoint. Only
+tensors go through DCP (its loader unpickles anything else with weights_only=False); the rest
+(optimizer hyperparameters, scheduler, step, data position) is one small torch.save file, and each
+rank's RNG states another, both read back with weights_only=True. `load_sharded` reads the shards
+into the model's and optimizer's own sharded tensors, so a checkpoint is never gathered on one rank.
 
-One run per output folder: `lock_folder` holds an flock on OUT/.lock for the whole run, so a second run (a
-double launch, a --resume while the first still runs) stops at once instead of writing into a live run's
-metrics and checkpoints.
+One run per output folder: `lock_folder` holds an flock on OUT/.lock for the whole run, so a second
+run (a double launch, a --resume while the first still runs) stops at once instead of writing into a
+live run's metrics and checkpoints.
 """
 from __future__ import annotations
 
@@ -50,10 +50,11 @@ class FolderInUse(ValueError):
 
 
 def lock_folder(out: str, ranks):
-    """An exclusive lock on the output folder for the whole run: rank 0 takes `fcntl.flock` on OUT/.lock and
-    keeps the returned file open; the kernel drops the lock when the process ends, however it ends (a
-    SIGKILL leaves no stale lock). Every rank learns rank 0's verdict (an all-reduced flag); when another run
-    holds the folder, rank 0 raises FolderInUse (one line) and the other ranks exit 2 without a word."""
+    """An exclusive lock on the output folder for the whole run: rank 0 takes `fcntl.flock` on
+    OUT/.lock and keeps the returned file open; the kernel drops the lock when the process ends,
+    however it ends (a SIGKILL leaves no stale lock). Every rank learns rank 0's verdict (an
+    all-reduced flag); when another run holds the folder,
+    rank 0 raises FolderInUse (one line) and the other ranks exit 2 without a word."""
     fh, held = None, 1.0
     if ranks.master:
         os.makedirs(out, exist_ok=True)
@@ -68,22 +69,25 @@ def lock_folder(out: str, ranks):
             pid = fh.read().strip() or "?"
             fh.close()
             fh, held = None, 0.0
-    if ranks.sum(torch.tensor([held])).item() == ranks.world:  # rank 0's flag, and 1 from each other rank
+    # rank 0's flag, and 1 from each other rank
+    if ranks.sum(torch.tensor([held])).item() == ranks.world:
         return fh
     if not ranks.master:
         sys.exit(2)
-    raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds {os.path.join(out, '.lock')}): "
-                          "let it finish or stop it, or pass another --out")
+    raise FolderInUse(f"--out {out} is in use by another run (pid {pid} holds "
+                      f"{os.path.join(out, '.lock')}): let it finish or stop it, or pass another "
+                      f"--out")
 
 
-# what torch.load(weights_only=True) and load_state_dict raise on a corrupt, truncated or foreign file
+# what torch.load(weights_only=True) and load_state_dict raise on a corrupt,
+# truncated or foreign file
 UNREADABLE = (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError)
 
 
 @contextlib.contextmanager
 def atomic(path: str):
-    """Yields a temporary name beside `path`, PATH.tmp, to write a file or a folder to; once the body
-    is done, it is fsynced (a folder: each file in it, then the folder) and takes the place of
+    """Yields a temporary name beside `path`, PATH.tmp, to write a file or a folder to; once the
+    body is done, it is fsynced (a folder: each file in it, then the folder) and takes the place of
     `path`, so that a crash or a kill at any moment leaves the old `path` or the new one, whole.
 
     A file: one os.replace. A folder, which os.replace cannot put over another: the old one is
@@ -173,9 +177,9 @@ def write_text(path: str, text: str) -> None:
 
 
 def save_final(out: str, model, tokenizer, weights: dict, adapter=None) -> str:
-    """OUT/final: the trained model (with `weights`: LoRA's merged, FSDP2's gathered) and its tokenizer,
-    written atomically; with `adapter` (a function writing LoRA's adapter alone into a folder), OUT/adapter
-    beside it. Returns OUT/final."""
+    """OUT/final: the trained model (with `weights`: LoRA's merged, FSDP2's gathered) and its
+    tokenizer, written atomically; with `adapter` (a function writing LoRA's adapter alone into a
+    folder), OUT/adapter beside it. Returns OUT/final."""
     final = os.path.join(out, "final")
     with atomic(final) as tmp:
         model.save_pretrained(tmp, state_dict=weights)
@@ -225,22 +229,26 @@ def end_ids(tokenizer, model) -> list[int]:
 
 
 def save(path: str, model, opt, sched, state: dict) -> None:
-    """Write everything a resume needs to `path` atomically: a crash mid-save keeps the last good one."""
-    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+    """Write everything a resume needs to `path` atomically:
+    a crash mid-save keeps the last good one."""
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
             "rng": _rng_states(), **state}
     with atomic(path) as tmp:
         torch.save(ckpt, tmp)
 
 
 def load(path: str, model, opt, sched) -> dict:
-    """Restore model, optimizer, scheduler and RNG states from `path`; returns the checkpoint's dict."""
+    """Restore model, optimizer, scheduler and RNG states from `path`;
+    returns the checkpoint's dict."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
     except UNREADABLE as e:
-        raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(ckpt["rng"])
     return ckpt
 
@@ -258,7 +266,8 @@ def _set_rng_states(rng: dict) -> None:
 
 
 def _split(tree, prefix: str, tensors: dict):
-    """A copy of nested dicts / lists / tuples with every tensor leaf moved to tensors[path], left as its path."""
+    """A copy of nested dicts / lists / tuples with every tensor leaf moved to
+    tensors[path], left as its path."""
     if isinstance(tree, torch.Tensor):
         tensors[prefix] = tree
         return {"__tensor__": prefix}
@@ -282,7 +291,8 @@ def _join(tree, tensors: dict):
 
 def _sharded_dicts(model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(model, opt)  # this rank's shards (DTensors); creates AdamW's state if it has none
+    # this rank's shards (DTensors); creates AdamW's state if it has none
+    msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optimizer": osd}
 
 
@@ -296,7 +306,8 @@ def latest(folder: str) -> str | None:
 
 
 def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
-    """Every rank writes its shards of model and optimizer to folder/step-N; atomic as a whole (see above)."""
+    """Every rank writes its shards of model and optimizer to folder/step-N;
+    atomic as a whole (see above)."""
     import torch.distributed.checkpoint as dcp
     name = f"step-{state['step']:06d}"
     target, tmp = os.path.join(folder, name), os.path.join(folder, name + ".tmp")
@@ -311,13 +322,15 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
     torch.save({"rng": _rng_states()}, rng)
     _fsync_file(rng)                                     # each rank its own (on its host)
     if ranks.master:
-        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(), "world_size": ranks.world, **state},
+        torch.save({"skeleton": skeleton, "scheduler": sched.state_dict(),
+                    "world_size": ranks.world, **state},
                    os.path.join(tmp, "state.pt"))
     ranks.barrier()                                        # every rank's files are written
     if ranks.master:
         _fsync_tree(tmp)
         previous = latest(folder)
-        if os.path.isdir(target):                        # a same-step save that never became `latest`
+        # a same-step save that never became `latest`
+        if os.path.isdir(target):
             shutil.rmtree(target)
         os.rename(tmp, target)
         with atomic(os.path.join(folder, "latest")) as tmp_latest, open(tmp_latest, "w") as fh:
@@ -328,8 +341,8 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
 
 
 def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
-    """Restore this rank's shards, the optimizer, the scheduler and this rank's RNG from `folder`'s latest
-    checkpoint; returns the saved train state (step, data position, ...)."""
+    """Restore this rank's shards, the optimizer, the scheduler and this rank's RNG from `folder`'s
+    latest checkpoint; returns the saved train state (step, data position, ...)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     path = latest(folder)
@@ -338,16 +351,21 @@ def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
     try:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
         if meta["world_size"] != ranks.world:
-            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the RNG states are per rank")
-        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu", weights_only=True)["rng"]
+            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the "
+                             f"RNG states are per rank")
+        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu",
+                         weights_only=True)["rng"]
         tensors = {}
-        _split(_sharded_dicts(model, opt), "", tensors)   # the tensors to read into, sharded as this run shards
+        # the tensors to read into, sharded as this run shards
+        _split(_sharded_dicts(model, opt), "", tensors)
         dcp.load(tensors, checkpoint_id=path)
         saved = _join(meta["skeleton"], tensors)
-        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+        set_state_dict(model, opt, model_state_dict=saved["model"],
+                       optim_state_dict=saved["optimizer"])
         sched.load_state_dict(meta["scheduler"])
     except UNREADABLE as e:
-        raise CheckpointError(f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{path}: not a usable checkpoint ({str(e).splitlines()[0]})") from None
     _set_rng_states(rng)
     return meta
 

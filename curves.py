@@ -2,8 +2,8 @@
 sampled, for train.py --plot and `python -m ablate`'s figures (whose measures of a run are in
 ablate/measures.py). The rows they are drawn from are metrics.py's (metrics.read_metrics).
 
-Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length and
-truncation against the number of responses sampled).
+Not an article section: the figures that show what the article's fixes do (accuracy, entropy, length
+and truncation against the number of responses sampled).
 """
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import statistics
 import checkpoint
 
 CURVES = [("eval/accuracy", "held-out greedy accuracy"), ("entropy", "policy entropy (nats/token)"),
-          ("len/mean", "mean response length (tokens)"), ("len/truncated_frac", "truncated fraction")]
+          ("len/mean", "mean response length (tokens)"),
+          ("len/truncated_frac", "truncated fraction")]
 
 
 def curve(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(samples drawn so far, value) points of `key`; eval lines take the sample count of their step."""
+    """(samples drawn so far, value) points of `key`; eval lines take the
+    sample count of their step."""
     samples_at = {0: 0, **{r["step"]: r["samples"] for r in rows if "samples" in r}}
     return [(samples_at[r["step"]], r[key]) for r in rows if key in r]
 
@@ -26,11 +28,13 @@ def mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
     """Seeds averaged point by point (runs of one row log at the same steps, so points line up)."""
     curves = [curve(r, key) for r in runs]
     n = min(len(c) for c in curves)
-    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
+    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves))
+            for i in range(n)]
 
 
 def _pyplot():
-    """matplotlib.pyplot drawing to files, or None (with a line saying so) where matplotlib is missing."""
+    """matplotlib.pyplot drawing to files, or None (with a line saying so) where
+    matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -42,7 +46,8 @@ def _pyplot():
 
 
 def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
-    """Four panels (CURVES) against samples drawn, one line per run name; False without matplotlib."""
+    """Four panels (CURVES) against samples drawn, one line per run name;
+    False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -50,7 +55,8 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
     for ax, (key, title) in zip(axes.flat, CURVES):
         for name, seeds in runs.items():
             pts = mean_curve(seeds, key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="o" if key.startswith("eval") else None,
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name,
+                    marker="o" if key.startswith("eval") else None,
                     markersize=3)
         ax.set_title(title)
         ax.set_xlabel("responses sampled")
@@ -63,10 +69,11 @@ def plot_runs(runs: dict[str, list[list[dict]]], path: str) -> bool:
     return True
 
 
-def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, float]]]]]], path: str, title: str) -> bool:
-    """A row of panels (title, x label, {line label: one curve per seed}): each line is the mean over
-    seeds (their points lined up by index) with a band from the lowest to the highest seed; False
-    without matplotlib."""
+def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, float]]]]]],
+                path: str, title: str) -> bool:
+    """A row of panels (title, x label, {line label: one curve per seed}): each line is the mean
+    over seeds (their points lined up by index) with a band from the lowest to the highest seed;
+    False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -76,9 +83,11 @@ def plot_panels(panels: list[tuple[str, str, dict[str, list[list[tuple[float, fl
             n = min(len(c) for c in seeds)
             xs = [statistics.mean(c[i][0] for c in seeds) for i in range(n)]
             ys = [[c[i][1] for c in seeds] for i in range(n)]
-            (line,) = ax.plot(xs, [statistics.mean(y) for y in ys], label=label, marker="o", markersize=2)
+            (line,) = ax.plot(xs, [statistics.mean(y) for y in ys], label=label, marker="o",
+                              markersize=2)
             if len(seeds) > 1:
-                ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
+                ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys],
+                                color=line.get_color(), alpha=0.2)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)

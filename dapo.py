@@ -2,22 +2,24 @@
 
 Article section: "DAPO：四项修正". Each fix is switched on or off alone by train.py (ablations):
 
-1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new code:
-   it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value.
-2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G rewards are all equal (their advantages are
-   zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has enough;
-   the filter reads correctness, as Eq. 11 counts correct answers:
+1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new
+   code: it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value.
+2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G rewards are all equal (their advantages
+   are zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has
+   enough; the filter reads correctness, as Eq. 11 counts correct answers:
    `keep_groups`, `dynamic_sampling`.
-3. Token-Level Policy Gradient Loss (Sec. 3.3, Eq. 12): divide the summed token losses by the number of
-   tokens of the whole batch, not per response: `grpo.token_weights(mask, "token", num_tokens=...)`.
-4. Overlong Reward Shaping (Sec. 3.4): overlong filtering (truncated responses masked out of the loss:
-   `overlong_filter`) and soft overlong punishment (Eq. 13: `overlong_penalty`, added to the reward).
+3. Token-Level Policy Gradient Loss (Sec. 3.3, Eq. 12): divide the summed token losses by the number
+   of tokens of the whole batch, not per response:
+   `grpo.token_weights(mask, "token", num_tokens=...)`.
+4. Overlong Reward Shaping (Sec. 3.4): overlong filtering (truncated responses masked out of the
+   loss: `overlong_filter`) and soft overlong punishment (Eq. 13:
+   `overlong_penalty`, added to the reward).
 
 DAPO also drops the KL term (beta = 0): for long reasoning the policy is meant to move far from the
-initial model; scores a right answer +1 and a wrong one -1 (Sec. 2; train.py --wrong-reward -1), so the
-soft overlong penalty in [-1, 0] weighs against a reward gap of 2; and takes 16 optimizer steps per
-rollout step, on mini-batches of 512 of its 512 x 16 responses (train.py --mini-batches 16), so that
-from the second mini-batch on the policy is off-policy and the clip bounds act.
+initial model; scores a right answer +1 and a wrong one -1 (Sec. 2; train.py --wrong-reward -1), so
+the soft overlong penalty in [-1, 0] weighs against a reward gap of 2; and takes 16 optimizer steps
+per rollout step, on mini-batches of 512 of its 512 x 16 responses (train.py --mini-batches 16), so
+that from the second mini-batch on the policy is off-policy and the clip bounds act.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> tor
     for max_len - cache_len < L <= max_len; -1 for L > max_len.
     """
     if not 0 < cache_len <= max_len:
-        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, "
+                         f"max_len={max_len}")
     L = lengths.float()                                                       # [N]
     soft = ((max_len - cache_len) - L) / cache_len                            # [N]
     pen = torch.where(L <= max_len - cache_len, torch.zeros_like(L), soft)    # [N]
@@ -54,8 +57,8 @@ def keep_groups(correct: torch.Tensor) -> torch.Tensor:
     """Dynamic sampling's filter, DAPO Eq. 11 (0 < #correct < G): correctness [B, G] -> bool [B].
 
     False where a group's G answers are all right or all wrong. It reads correctness (the verifier's
-    score), not the shaped reward: an all-correct group whose lengths differ has unequal rewards once the
-    soft overlong penalty is added, and keeping it would push a correct answer down.
+    score), not the shaped reward: an all-correct group whose lengths differ has unequal rewards
+    once the soft overlong penalty is added, and keeping it would push a correct answer down.
     """
     return ~grpo.constant_groups(correct)                                     # [B]
 
@@ -67,16 +70,17 @@ def dynamic_sampling(
     gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     rank: int = 0,
 ) -> tuple[Rollout, dict[str, float], list[tuple[Rollout, dict]]]:
-    """Sample rounds of groups until `target` informative groups are kept, or `max_rounds` rounds ran.
+    """Sample rounds of groups until `target` informative groups are kept,
+    or `max_rounds` rounds ran.
 
-    draw(round) -> (this rank's Rollout for that round, its `correct` [N] filled in; anything the caller
-    wants back with it, train.py: the round's timings). With several ranks, gather(x [b]) returns every
-    rank's x in rank order: the ranks' keep flags, put in the round's global prompt order by the groups'
-    prompt positions (Rollout.index), so all ranks keep the same global groups (the first informative
-    ones in prompt order) however the prompts are spread over however many ranks, and agree on when
-    to stop. Returns the kept groups of this rank (Rollout.empty if it kept
-    none), the step's sampling statistics, and every round draw returned, kept or not (the step's metrics
-    count them).
+    draw(round) -> (this rank's Rollout for that round, its `correct` [N] filled in; anything the
+    caller wants back with it, train.py: the round's timings). With several ranks, gather(x [b])
+    returns every rank's x in rank order: the ranks' keep flags, put in the round's global prompt
+    order by the groups' prompt positions (Rollout.index), so all ranks keep the same global groups
+    (the first informative ones in prompt order) however the prompts are spread over however many
+    ranks, and agree on when to stop. Returns the kept groups of this rank (Rollout.empty if it kept
+    none), the step's sampling statistics, and every round draw returned, kept or not (the step's
+    metrics count them).
     """
     gather = gather or (lambda keep: [keep])
     kept, have, drawn_groups, rounds = [], 0, 0, []
@@ -90,7 +94,8 @@ def dynamic_sampling(
         drawn_groups += keep_all.numel()
         in_order = keep_all[order]
         take = torch.zeros_like(keep_all)
-        take[order] = in_order & (in_order.cumsum(0) <= target - have)        # the first informative
+        # the first informative groups, in prompt order
+        take[order] = in_order & (in_order.cumsum(0) <= target - have)
         have += int(take.sum())
         start = sum(p.numel() for p in parts[:rank])
         mine = take[start:start + keep.numel()]                               # [b]

@@ -1,13 +1,13 @@
-"""A run's inputs: prompts and reference answers (the built-in task or a JSONL file, formatted for the model,
-in a seeded order), and the reward that scores the answers (`--reward`).
+"""A run's inputs: prompts and reference answers (the built-in task or a JSONL file, formatted for
+the model, in a seeded order), and the reward that scores the answers (`--reward`).
 
 Article section: the `prompts` / `batch_prompts` fed to Step 1 ("Rollout 采样"); the answers are what
 Step 2's verifier compares against.
 
-A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet and
-Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for them).
-`--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`), a dotted path
-naming a nested one (`reward_model.ground_truth`); GSM8K's rows work as they are with
+A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet
+and Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for
+them). `--prompt-field` / `--answer-field` name the columns (defaults `prompt`, `answer`), a dotted
+path naming a nested one (`reward_model.ground_truth`); GSM8K's rows work as they are with
 `--prompt-field question`, since its `answer` ends in `#### N` and the verifier reads the number
 after `####` in the reference too.
 
@@ -32,26 +32,30 @@ import torch
 
 
 class InputError(ValueError):
-    """Bad input to a run (a data file, model, reward or checkpoint): reported as one line, exit code 2."""
+    """Bad input to a run (a data file, model, reward or checkpoint):
+    reported as one line, exit code 2."""
 
 
-DATASETS_FILES = (".parquet", ".arrow")  # read through `datasets` (a folder or a hub id too); JSONL and .json here
+# read through `datasets` (a folder or a hub id too); JSONL and .json here
+DATASETS_FILES = (".parquet", ".arrow")
 
 
 def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
               limit: int | None = None, hf_split: str = "train") -> list[dict]:
-    """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file, or a .json
-    file holding one array of objects; a Parquet or Arrow file, a folder (data files, or a save_to_disk
-    folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. The fields are names, or
-    dotted paths into nested columns; "prompt" is a text or a list of chat messages, as the row
-    holds it, "answer" a text. "columns" keeps every top-level field but the prompt's, for reward
-    functions with TRL's signature."""
+    """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file,
+    or a .json file holding one array of objects; a Parquet or Arrow file, a folder (data files, or
+    a save_to_disk folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. The
+    fields are names, or dotted paths into nested columns; "prompt" is a text or a list of chat
+    messages, as the row holds it, "answer" a text. "columns" keeps every top-level field but the
+    prompt's, for reward functions with TRL's signature."""
     if path == "builtin":
         import builtin
-        if split == "train":  # a stream drawn from the task's distribution (repeats allowed), never held-out problems
+        # a stream drawn from the task's distribution (repeats allowed), never held-out problems
+        if split == "train":
             return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)
         return builtin.sample_problems(limit or 256, seed=2, heldout=True)
-    if os.path.isdir(path) or path.endswith(DATASETS_FILES) or not os.path.exists(path) and _hub_id(path):
+    if (os.path.isdir(path) or path.endswith(DATASETS_FILES)
+            or not os.path.exists(path) and _hub_id(path)):
         records = enumerate(_dataset(path, hf_split), 1)
     elif not os.path.isfile(path):
         raise InputError(f"{path}: no such data file")
@@ -128,29 +132,34 @@ def _json_records(path: str):
 
 def _hub_id(path: str) -> bool:
     """'name' or 'owner/name': not a path that was meant to be a local file."""
-    return not path.startswith((".", "/", "~")) and path.count("/") <= 1 and not path.endswith((".jsonl", ".json"))
+    return (not path.startswith((".", "/", "~")) and path.count("/") <= 1
+            and not path.endswith((".jsonl", ".json")))
 
 
 def _dataset(path: str, split: str):
-    """A `datasets` Dataset (imported only here): a Parquet/Arrow file, a save_to_disk folder, a folder of data
-    files or a hub id ('owner/name', or 'owner/name:config'; cached by `datasets`), split `split` (a single
-    file's rows are its 'train' split)."""
+    """A `datasets` Dataset (imported only here): a Parquet/Arrow file, a save_to_disk folder, a
+    folder of data files or a hub id ('owner/name', or 'owner/name:config'; cached by `datasets`),
+    split `split` (a single file's rows are its 'train' split)."""
     try:
         import datasets
     except ImportError:
-        raise InputError(f"--data {path}: Parquet, Arrow, folders and hub data sets are read through the datasets "
-                         "package, which is not installed (pip install datasets)") from None
+        raise InputError(f"--data {path}: Parquet, Arrow, folders and hub data sets are read "
+                         "through the datasets package, which is not installed (pip install "
+                         "datasets)") from None
     datasets.disable_progress_bars()
     try:
         if os.path.isfile(path):
             return datasets.load_dataset(path.rsplit(".", 1)[1], data_files=path, split="train")
-        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+                                       for f in ("dataset_dict.json", "state.json")):
             ds = datasets.load_from_disk(path)
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        name, _, config = path.partition(":")                # a hub id, 'openai/gsm8k:main' with a config name
+        # a hub id, 'openai/gsm8k:main' with a config name
+        name, _, config = path.partition(":")
         return datasets.load_dataset(name, config or None, split=split)
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as e:
-        raise InputError(f"--data {path}: could not be loaded (split {split!r}: {str(e).strip().splitlines()[0]})") from None
+        raise InputError(f"--data {path}: could not be loaded (split {split!r}: "
+                         f"{str(e).strip().splitlines()[0]})") from None
 
 
 def load_reward(spec: str):
@@ -168,18 +177,21 @@ def load_reward(spec: str):
     return fn
 
 
-RESERVED = ("mean", "correct", "frac_zero_std")  # reward/<name> keys train.py logs for the combined reward
+# reward/<name> keys train.py logs for the combined reward
+RESERVED = ("mean", "correct", "frac_zero_std")
 
 
 def is_batch_reward(fn) -> bool:
-    """TRL's signature f(prompts, completions, **columns) -> list[float | None] (a parameter named prompts or
-    completions, or **kwargs); otherwise f(response, answer) -> float, called once per response."""
+    """TRL's signature f(prompts, completions, **columns) -> list[float | None] (a parameter named
+    prompts or completions, or **kwargs); otherwise f(response, answer) -> float,
+    called once per response."""
     params = inspect.signature(fn).parameters.values()
     return any(p.kind is p.VAR_KEYWORD or p.name in ("prompts", "completions") for p in params)
 
 
 class Reward:
-    """The score of each response: the --reward functions, each times its --reward-weights weight, summed.
+    """The score of each response: the --reward functions,
+    each times its --reward-weights weight, summed.
 
     A function with TRL's batch signature gets, by name, `prompts` (the rows' prompts before any
     template: texts, or for a conversational row a copy of its messages), `completions` (the
@@ -198,14 +210,17 @@ class Reward:
         self.weights = list(weights) if weights is not None else [1.0] * len(fns)
         self.batch = [is_batch_reward(f) for f in self.fns]
         if len(self.weights) != len(fns):
-            raise InputError(f"--reward-weights: {len(self.weights)} weights for {len(fns)} --reward functions")
+            raise InputError(f"--reward-weights: {len(self.weights)} weights for {len(fns)} "
+                             f"--reward functions")
         for n in self.names:
             if n in RESERVED or self.names.count(n) > 1:
-                raise InputError(f"--reward: two rewards, or a reserved metric, named reward/{n}: rename the function")
+                raise InputError(f"--reward: two rewards, or a reserved metric, named reward/{n}: "
+                                 f"rename the function")
 
     @classmethod
     def load(cls, specs: list[str], weights: list[float] | None = None) -> Reward:
-        """From --reward specs ('verifier' or module:function), named after the function (verifier: 'verifier')."""
+        """From --reward specs ('verifier' or module:function),
+        named after the function (verifier: 'verifier')."""
         return cls([(s.partition(":")[2] or s, load_reward(s)) for s in specs], weights)
 
     def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
@@ -216,14 +231,16 @@ class Reward:
                 vals = self._batch(name, fn, prompts, completions, rows, completion_ids)
             else:
                 vals = [fn(c, r["answer"]) for c, r in zip(completions, rows)]
-            parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals], dtype=torch.float32)  # [N]
-        total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))                    # [N]
+            parts[name] = torch.tensor([math.nan if v is None else float(v) for v in vals],
+                                       dtype=torch.float32)  # [N]
+        total = sum(w * p.nan_to_num(0.0) for w, p in zip(self.weights, parts.values()))  # [N]
         return total, parts
 
     @staticmethod
     def _batch(name, fn, prompts, completions, rows, completion_ids) -> list:
         columns = {k: [r.get("columns", {"answer": r["answer"]}).get(k) for r in rows]
-                   for k in dict.fromkeys(k for r in rows for k in r.get("columns", {"answer": None}))}
+                   for k in dict.fromkeys(k for r in rows
+                                          for k in r.get("columns", {"answer": None}))}
         chat = [isinstance(p, list) for p in prompts]  # TRL's conversational format: a message list
         kw = {**columns,
               "prompts": [[dict(m) for m in p] if c else p for p, c in zip(prompts, chat)],
@@ -233,15 +250,17 @@ class Reward:
         if "completion_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
             kw["completion_ids"] = completion_ids() if completion_ids else None
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            missing = [p for p, v in params.items() if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
+            missing = [p for p, v in params.items()
+                       if p not in kw and v.default is v.empty and v.kind is not v.VAR_POSITIONAL]
             if missing:
-                raise InputError(f"--reward {name}: needs {missing}, the rows have {sorted(columns)}")
+                raise InputError(f"--reward {name}: needs {missing}, the rows have "
+                                 f"{sorted(columns)}")
             kw = {k: v for k, v in kw.items() if k in params}
         vals = fn(**kw)
         if not isinstance(vals, (list, tuple)) or len(vals) != len(completions) or \
                 any(v is not None and not isinstance(v, numbers.Real) for v in vals):
-            raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or None, "
-                             f"got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
+            raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or "
+                             f"None, got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
         return vals
 
 
@@ -263,7 +282,8 @@ class PromptFormatter:
     is an error (`check` names the first such row).
     """
 
-    def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None, chat: bool = True):
+    def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None,
+                 chat: bool = True):
         if "{prompt}" not in template:
             raise InputError(f"--prompt-template must contain {{prompt}}, got {template!r}")
         self.tokenizer, self.template, self.system = tokenizer, template, system
@@ -294,7 +314,8 @@ class PromptFormatter:
         return messages
 
     def _render(self, messages: list[dict]) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def check(self, rows: list[dict], source: str) -> None:
@@ -309,17 +330,19 @@ class PromptFormatter:
 
 def prompt_rows(rows: list[dict], seed: int, start: int, count: int,
                 stride: int = 1) -> list[tuple[int, dict]]:
-    """Items start, start + stride, ... (count of them) of the endless stream of epochs, each epoch a
-    fresh seeded shuffle."""
+    """Items start, start + stride, ... (count of them) of the endless stream of epochs, each epoch
+    a fresh seeded shuffle."""
     out, perms = [], {}
     for j in range(start, start + count * stride, stride):
         epoch = j // len(rows)
         if epoch not in perms:
-            perms[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+            perms[epoch] = torch.randperm(
+                len(rows), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
         out.append((j, rows[int(perms[epoch][j % len(rows)])]))
     return out
 
 
 def prompt_generator(seed: int, j: int) -> torch.Generator:
-    """Sampling randomness of the j-th prompt of the run: a function of (seed, j) alone, never of the rank."""
+    """Sampling randomness of the j-th prompt of the run:
+    a function of (seed, j) alone, never of the rank."""
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{j}".encode()))

@@ -1,23 +1,25 @@
-"""Evaluation of the trained policy: greedy accuracy, or avg@n, unbiased pass@k and maj@n over n samples.
+"""Evaluation of the trained policy: greedy accuracy, or avg@n,
+unbiased pass@k and maj@n over n samples.
 
 Article context: the evaluation of the trained policy, the number the article's results are quoted
 in (DAPO lifts Qwen2.5-32B on AIME 2024 from 30 to 50, avg@32: the mean accuracy of 32 samples per
 problem at temperature 1.0, top-p 0.7). train.py calls `evaluate_model` during training; this file's
 command scores any saved model without training, with the same flags:
 
-    python evaluate.py --model builtin --data builtin                                 # greedy accuracy
-    python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 --out per-problem.jsonl
+    python evaluate.py --model builtin --data builtin                         # greedy accuracy
+    python evaluate.py --model builtin runs/latest/final --data builtin --eval-samples 16 \\
+        --out per-problem.jsonl
     python evaluate.py --model Qwen/Qwen2.5-Math-7B --data aime24.jsonl --eval-samples 32 \\
-        --eval-temperature 1.0 --eval-top-p 0.7 --max-new-tokens 20480                 # DAPO's avg@32
+        --eval-temperature 1.0 --eval-top-p 0.7 --max-new-tokens 20480         # DAPO's avg@32
 
 With n = --eval-samples samples of problem i, c_i of them correct (score > 0):
-    mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over problems
-    pass@k   = mean_i [1 - C(n - c_i, k) / C(n, k)]   (Chen et al. 2021, unbiased; k = 1, 2, 4, ... <= n)
-    maj@n    = mean_i [the answer most samples give is right]  (each sample votes for its canonical final
-               answer, or for the reference when the reward credits it: `votes`)
-n = 1 is greedy decoding (temperature 0), as train.py always did: eval/accuracy. Problem i's samples come
-from a generator seeded by (seed, i) alone, so 1 rank and N ranks draw the same, and every evaluation of a
-run draws with the same randomness (before/after comparisons are paired).
+    mean@n   = mean_i c_i / n (avg@n; with 0/1 scores it equals pass@1), mean@n_std its std over
+    problems pass@k   = mean_i [1 - C(n - c_i, k) / C(n, k)]   (Chen et al. 2021, unbiased; k = 1,
+    2, 4, ... <= n) maj@n    = mean_i [the answer most samples give is right]  (each sample votes
+               for its canonical final answer, or for the reference when the reward credits it:
+`votes`) n = 1 is greedy decoding (temperature 0), as train.py always did: eval/accuracy. Problem
+i's samples come from a generator seeded by (seed, i) alone, so 1 rank and N ranks draw the same,
+and every evaluation of a run draws with the same randomness (before/after comparisons are paired).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH //
 # ---------------------------------------------------------------------------------------------
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, Eq. 1).
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021, Eq. 1).
 
     As a product, C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i), so no huge binomial is formed.
     """
@@ -60,16 +63,20 @@ def pass_ks(n: int) -> list[int]:
 
 def majority_vote(answers: list[str | None]) -> str | None:
     """The answer given most often; None (no final answer) never wins unless every answer is None.
-    Ties go to the answer that appears first in `answers` (the first-drawn sample's answer, if it is tied)."""
+    Ties go to the answer that appears first in `answers` (the first-drawn sample's
+    answer, if it is tied)."""
     counts: dict[str, int] = {}
     for a in answers:
         if a is not None:
             counts[a] = counts.get(a, 0) + 1
-    return max(counts, key=counts.get) if counts else None  # max keeps the first of equal counts: insertion order
+    # max keeps the first of equal counts: insertion order
+    return max(counts, key=counts.get) if counts else None
 
 
-canonical_answer = verifier.canonical_answer  # majority voting compares these canonical final answers
-CREDITED = "the reference"  # the vote of a sample the reward credits (a space between letters: never a canonical text)
+# majority voting compares these canonical final answers
+canonical_answer = verifier.canonical_answer
+# the vote of a sample the reward credits (a space between letters: never a canonical text)
+CREDITED = "the reference"
 
 
 def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
@@ -82,9 +89,11 @@ def votes(answers: list[str | None], scores: list[float]) -> list[str | None]:
     return [CREDITED if s > 0 else a for a, s in zip(answers, scores)]
 
 
-def problem_record(index: int, row: dict, responses: list[str], scores: list[float], lengths: list[int],
+def problem_record(index: int, row: dict, responses: list[str], scores: list[float],
+                   lengths: list[int],
                    truncated: list[bool]) -> dict:
-    """One problem's line of the per-problem file: its n samples, their scores and answers, and the vote."""
+    """One problem's line of the per-problem file: its n samples,
+    their scores and answers, and the vote."""
     answers = [canonical_answer(r) for r in responses]
     ballot = votes(answers, scores)
     vote = majority_vote(ballot)
@@ -92,30 +101,37 @@ def problem_record(index: int, row: dict, responses: list[str], scores: list[flo
             "samples": [{"response": r, "answer": a, "score": s, "length": n, "truncated": t}
                         for r, a, s, n, t in zip(responses, answers, scores, lengths, truncated)],
             "correct": sum(s > 0 for s in scores), "majority": vote,
-            "majority_score": next((s for v, s in zip(ballot, scores) if v == vote), 0.0) if vote is not None else 0.0}
+            "majority_score": (next((s for v, s in zip(ballot, scores) if v == vote), 0.0)
+                               if vote is not None else 0.0)}
 
 
 def totals(records: list[dict], ks: list[int]) -> torch.Tensor:
-    """Sums over `records` that eval_metrics() turns into means: [problems, sum mean, sum mean^2, sum pass@k for
-    each k, sum maj, samples, truncated, tokens] (float64, so ranks' sums all-reduce exactly)."""
+    """Sums over `records` that eval_metrics() turns into means:
+    [problems, sum mean, sum mean^2, sum pass@k for each k, sum maj, samples, truncated, tokens]
+    (float64, so ranks' sums all-reduce exactly)."""
     t = torch.zeros(7 + len(ks), dtype=torch.float64)
     for r in records:
         s = r["samples"]
         acc = sum(x["score"] for x in s) / len(s)
-        t += torch.tensor([1.0, acc, acc * acc, *(pass_at_k(len(s), r["correct"], k) for k in ks), r["majority_score"],
-                           len(s), sum(x["truncated"] for x in s), sum(x["length"] for x in s)], dtype=torch.float64)
+        t += torch.tensor([1.0, acc, acc * acc,
+                           *(pass_at_k(len(s), r["correct"], k) for k in ks), r["majority_score"],
+                           len(s), sum(x["truncated"] for x in s), sum(x["length"] for x in s)],
+                           dtype=torch.float64)
     return t
 
 
 def eval_metrics(t: torch.Tensor, n: int, ks: list[int]) -> dict:
-    """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1, sampled ones for n > 1."""
+    """The eval/* metrics from totals() summed over all ranks: greedy keys for n = 1,
+    sampled ones for n > 1."""
     P, s1, s2, *rest = t.tolist()
     passes, (maj, samples, trunc, tokens) = rest[:len(ks)], rest[len(ks):]
     common = {"eval/truncated_frac": trunc / samples, "eval/len_mean": tokens / samples}
     if n == 1:
         return {"eval/accuracy": s1 / P, **common}
-    return {f"eval/mean@{n}": s1 / P, f"eval/mean@{n}_std": math.sqrt(max(s2 / P - (s1 / P) ** 2, 0.0)),
-            **{f"eval/pass@{k}": p / P for k, p in zip(ks, passes)}, f"eval/maj@{n}": maj / P, **common}
+    return {f"eval/mean@{n}": s1 / P,
+            f"eval/mean@{n}_std": math.sqrt(max(s2 / P - (s1 / P) ** 2, 0.0)),
+            **{f"eval/pass@{k}": p / P for k, p in zip(ks, passes)},
+            f"eval/maj@{n}": maj / P, **common}
 
 
 def headline(n: int) -> str:
@@ -128,7 +144,8 @@ def headline(n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def eval_generator(seed: int, index: int) -> torch.Generator:
-    """Sampling randomness of held-out problem `index`: a function of (seed, index) alone, never of the rank."""
+    """Sampling randomness of held-out problem `index`: a function of (seed, index)
+    alone, never of the rank."""
     return torch.Generator().manual_seed(zlib.crc32(f"eval:{seed}:{index}".encode()))
 
 
@@ -167,7 +184,8 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
         idx = mine[start:start + per]
         prompts = [encode(rows[i]["prompt"]) for i in idx]
         generators = None if greedy else [eval_generator(args.seed, i) for i in idx]
-        roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos, pad, args, sample)
+        roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos,
+                              pad, args, sample)
         lengths, truncated = roll.lengths.tolist(), roll.truncated.tolist()  # [len(idx) * n] each
         ids = [roll.response_ids[j, : lengths[j]] for j in range(len(lengths))]  # [L_j] each
         for b, i in enumerate(idx):
@@ -187,14 +205,16 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
 def main(argv=None) -> list[tuple[str, dict]]:
     args = flags.parse_eval_args(argv, __doc__.split("\n\n")[0])
     try:
-        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field, args.eval_size, args.data_split)
+        rows = data.load_rows(args.data, "eval", args.prompt_field, args.answer_field,
+                              args.eval_size, args.data_split)
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
             _, tokenizer, model = checkpoint.load_model(spec, args.trust_remote_code)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
-            m, records = evaluate_model(model.to(args.device), tokenizer, rows, args, OneProcess(), reward_fn)
+            m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
+                                        OneProcess(), reward_fn)
             results.append((spec, m))
             lines += [json.dumps({"model": spec, **r}) for r in records]
             del model
@@ -203,12 +223,14 @@ def main(argv=None) -> list[tuple[str, dict]]:
         sys.exit(2)
     keys = list(results[0][1])
     print(f"{len(rows)} problems of {args.data}, " + ("greedy" if args.eval_samples == 1 else
-          f"{args.eval_samples} samples each at temperature {args.eval_temperature}, top-p {args.eval_top_p}") +
+          f"{args.eval_samples} samples each at temperature {args.eval_temperature}, top-p "
+          f"{args.eval_top_p}") +
           f", at most {args.max_new_tokens} new tokens")
     print("| model | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |")
     print("| --- " * (len(keys) + 1) + "|")
     for spec, m in results:
-        print(f"| {spec} | " + " | ".join(f"{m[k]:.3f}" if k != "eval/len_mean" else f"{m[k]:.1f}" for k in keys) + " |")
+        print(f"| {spec} | " + " | ".join(f"{m[k]:.3f}" if k != "eval/len_mean" else f"{m[k]:.1f}"
+                                          for k in keys) + " |")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write("".join(line + "\n" for line in lines))

@@ -260,7 +260,8 @@ def article_example() -> list[str]:
     import verifier  # here, not at the top: grpo.py itself needs only torch
 
     f64 = torch.float64
-    vals = lambda t: " ".join(f"{float(x):.4f}" for x in torch.as_tensor(t).detach().flatten())  # noqa: E731
+    vals = lambda t: " ".join(  # noqa: E731
+        f"{float(x):.4f}" for x in torch.as_tensor(t).detach().flatten())
     s1, s2, s3, s4 = ("Step 1: Rollout 采样", "Step 2: Reward 计算", "Step 3: Advantage 估计",
                       "Step 4: PPO Loss 计算")
     ch, tl, ds = "Clip-Higher", "Token-Level Loss", "Dynamic Sampling"
@@ -278,7 +279,8 @@ def article_example() -> list[str]:
     logp = (rho.log()[:, None] * mask).requires_grad_()                     # [G, T], old = 0
     old, ref = torch.zeros_like(mask), (logp + r_ref.log()[:, None] * mask).detach()  # [G, T]
     w = {k: token_weights(mask, k, max_len=T) for k in REDUCTIONS}          # [G, T] each
-    surr = lambda k, eps_high=0.2: ppo_loss(logp, old, adv, mask, w[k], 0.2, eps_high)[0]  # noqa: E731
+    surr = lambda k, eps_high=0.2: ppo_loss(  # noqa: E731
+        logp, old, adv, mask, w[k], 0.2, eps_high)[0]
     per_resp, _, high = clipped_surrogate(rho, adv, 0.2, 0.2)               # [G] each
     surr("sequence").backward()                                             # logp.grad [G, T]
     kl = kl_k3(logp, ref)[:, 0]                                             # [G]

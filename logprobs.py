@@ -5,35 +5,41 @@ Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), l
 of every response token; update.update_policy gets all three from `rollout_logprobs`.
 
 Two layers:
-- `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of LOGPROB_CHUNK
-  elements, with their own backward. The reference they equal, in one line each, is
+- `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of
+  LOGPROB_CHUNK elements, with their own backward. The reference they equal, in one line each, is
       logp = torch.log_softmax(logits / t, -1).gather(-1, ids[..., None]).squeeze(-1)
       entropy = -(logp_all.exp() * logp_all).sum(-1),  logp_all = torch.log_softmax(logits / t, -1)
-  which autograd would run through three vocabulary-sized tensors; here the extra memory is one block.
-- `rollout_logprobs`: the forward itself, a shared-prefix forward ("Prefix Grouper", arXiv 2506.05433). All G
-  responses of a group continue the same prompt, so the prompt's keys and values are computed once per group
-  and attended by its G responses. `per_response_logprobs` is the plain form it replaces (every response with
-  its own copy of the prompt), kept as the reference for tests and bench/.
+  which autograd would run through three vocabulary-sized tensors;
+  here the extra memory is one block.
+- `rollout_logprobs`: the forward itself, a shared-prefix forward ("Prefix Grouper", arXiv
+  2506.05433). All G responses of a group continue the same prompt, so the prompt's keys and values
+  are computed once per group and attended by its G responses. `per_response_logprobs` is the plain
+  form it replaces (every response with its own copy of the prompt),
+  kept as the reference for tests and bench/.
 
-How the shared-prefix forward is laid out (a cache, not packing: it runs on every attention kernel and every
-transformers release this code supports, where a packed sequence needs a block mask the kernels may not take):
-  1. every prompt of the slice but its last token, left-padded to the slice's longest and run once per group
-     into a DynamicCache (left padding keeps the prompt next to its response, as in sampling, so a sliding
-     window counts the same distance, and position ids count from each prompt's first real token);
-  2. the cache rows gathered to one per response, `cache.batch_select_indices(group of each row)`: an index,
-     so it is differentiable and the prompt's activations get the gradient of all its responses;
-  3. the responses, each fed as [last prompt token, its tokens but the last], run against that cache: T
-     positions whose logits predict exactly the T response tokens (the last prompt token costs G times one
-     token; this keeps the logits one contiguous [n, T, V] tensor).
-A slice may cut a group (`--micro-batch-size` counts responses): its partial group's prompt is still run
-once. Responses are trimmed to the slice's own longest response, not the rollout's. The gradient equals the
-per-response one: the prompt's activations are the same function of the parameters, reached by G paths.
-Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with long prompts and short
-answers, and little with long reasoning traces (T >> P). With one process, a slice whose response lengths
-are spread runs as two length buckets (`_length_buckets`). Under DDP the prompt runs on the wrapped module
-and the responses in one DDP forward (DDP syncs in each forward, so every rank runs one per micro-batch);
-under FSDP2, or when gradient checkpointing would drop the cache, the per-response forward runs instead
-(the caller says which: `rollout_logprobs`' shared_prefix and buckets).
+How the shared-prefix forward is laid out (a cache, not packing: it runs on every attention kernel
+and every transformers release this code supports, where a packed sequence needs a block mask
+the kernels may not take):
+  1. every prompt of the slice but its last token, left-padded to the slice's longest and run once
+     per group into a DynamicCache (left padding keeps the prompt next to its response, as in
+     sampling, so a sliding window counts the same distance,
+     and position ids count from each prompt's first real token);
+  2. the cache rows gathered to one per response, `cache.batch_select_indices(group of each row)`:
+     an index, so it is differentiable and the prompt's activations get the
+     gradient of all its responses;
+  3. the responses, each fed as [last prompt token, its tokens but the last], run against that
+     cache: T positions whose logits predict exactly the T response tokens (the last prompt token
+     costs G times one token; this keeps the logits one contiguous [n, T, V] tensor).
+A slice may cut a group (`--micro-batch-size` counts responses): its partial group's prompt is still
+run once. Responses are trimmed to the slice's own longest response, not the rollout's. The gradient
+equals the per-response one: the prompt's activations are the same function of the parameters,
+reached by G paths. Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with
+long prompts and short answers, and little with long reasoning traces (T >> P). With one process, a
+slice whose response lengths are spread runs as two length buckets (`_length_buckets`). Under DDP
+the prompt runs on the wrapped module and the responses in one DDP forward (DDP syncs in each
+forward, so every rank runs one per micro-batch); under FSDP2, or when gradient checkpointing would
+drop the cache, the per-response forward runs instead (the caller says which: `rollout_logprobs`'
+shared_prefix and buckets).
 """
 from __future__ import annotations
 
@@ -45,8 +51,10 @@ from transformers import DynamicCache
 
 from sampler import Rollout, _cache_kwarg, _left_padded
 
-LOGPROB_CHUNK = 1 << 22  # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
-BUCKET_KEEP = 0.8  # split a slice's responses in two length buckets when that leaves <= 80% of the positions
+# elements (rows x V) of logits processed at once: a 16 MB float32 temporary
+LOGPROB_CHUNK = 1 << 22
+# split a slice's responses in two length buckets when that leaves <= 80% of the positions
+BUCKET_KEEP = 0.8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,11 +96,13 @@ def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(x * s)[id], block by block; autograd's own backward would build [N, T, V] three times."""
+    """log softmax(x * s)[id], block by block; autograd's own backward would build
+    [N, T, V] three times."""
 
     @staticmethod
     def forward(ctx, logits, ids, s):
-        out, flat_ids = logits.new_empty(ids.numel(), 1, dtype=torch.float32), ids.reshape(-1, 1)  # [N*T, 1] each
+        out, flat_ids = (logits.new_empty(ids.numel(), 1, dtype=torch.float32),
+                         ids.reshape(-1, 1))  # [N*T, 1] each
         for rows, logp in _softmax_blocks(logits, s):
             torch.gather(logp, -1, flat_ids[rows], out=out[rows])
         ctx.save_for_backward(logits, ids)
@@ -102,18 +112,21 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        # d/dx_v log softmax(s x)_id = s (1[v = id] - softmax(s x)_v), written block by block into the one
-        # gradient tensor: the only [N, T, V] this pass allocates.
+        # d/dx_v log softmax(s x)_id = s (1[v = id] - softmax(s x)_v), written block by block into
+        # the one gradient tensor: the only [N, T, V] this pass allocates.
         logits, ids = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
         flat, gs, flat_ids = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), ids.reshape(-1, 1)
         for rows, p in _softmax_blocks(logits, ctx.s, torch.softmax):
-            torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows], gs[rows].to(flat.dtype))
+            torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows],
+                                                                 gs[rows].to(flat.dtype))
         return grad, None, None
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32, without a second [N, T, V].
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32,
+    without a second [N, T, V].
 
     log_softmax then gather, over row blocks of LOGPROB_CHUNK elements in a float32 workspace (also
     for bf16 logits), so the extra memory is one block whatever N and T are; the logits may be a
@@ -124,7 +137,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
 
 
-LOGP_FLOOR = torch.finfo(torch.float32).min  # log p of a masked (-inf) logit, so that p log p = 0 there
+# log p of a masked (-inf) logit, so that p log p = 0 there
+LOGP_FLOOR = torch.finfo(torch.float32).min
 
 
 class _TokenEntropy(torch.autograd.Function):
@@ -136,7 +150,8 @@ class _TokenEntropy(torch.autograd.Function):
         for rows, logp in _softmax_blocks(logits, s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
             e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
-            out[rows] = -e.mul_(logp.clamp_min_(LOGP_FLOOR)).sum(-1)          # a -inf logit: 0 * floor, not 0 * -inf = NaN
+            # a -inf logit: 0 * floor, not 0 * -inf = NaN
+            out[rows] = -e.mul_(logp.clamp_min_(LOGP_FLOOR)).sum(-1)
         ctx.save_for_backward(logits, out)
         ctx.s = s
         return out.view(logits.shape[:-1])
@@ -152,15 +167,18 @@ class _TokenEntropy(torch.autograd.Function):
         for rows, logp in _softmax_blocks(logits, ctx.s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
             e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
-            flat[rows] = logp.clamp_min_(LOGP_FLOOR).add_(h[rows]).mul_(e).mul_(-gs[rows])  # the block is ours to overwrite
+            # the block is ours to overwrite
+            flat[rows] = logp.clamp_min_(LOGP_FLOOR).add_(h[rows]).mul_(e).mul_(-gs[rows])
         return grad, None
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the full next-token distribution softmax(logits / t), -sum_v p_v log p_v: [N, T, V] -> [N, T].
+    """Entropy of the full next-token distribution softmax(logits / t),
+    -sum_v p_v log p_v: [N, T, V] -> [N, T].
 
     The policy's real entropy, not the NLL of the sampled tokens (whose mean only estimates it).
-    Differentiable (an entropy bonus in the loss gets its gradient) with one [N, T, V] tensor in the backward.
+    Differentiable (an entropy bonus in the loss gets its gradient) with one
+    [N, T, V] tensor in the backward.
     """
     return _TokenEntropy.apply(logits, 1.0 / temperature)
 
@@ -172,12 +190,14 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 def _rows(roll: Rollout, rows: slice) -> tuple[int, int]:
     a, b, step = rows.indices(roll.response_ids.shape[0])
     if step != 1 or b <= a:
-        raise ValueError(f"rows must be a non-empty contiguous slice of the {roll.response_ids.shape[0]} responses, got {rows}")
+        raise ValueError(f"rows must be a non-empty contiguous slice of the "
+                         f"{roll.response_ids.shape[0]} responses, got {rows}")
     return a, b
 
 
 def _new_cache(model) -> DynamicCache:
-    """An empty DynamicCache with the model's layer types (sliding-window layers too, transformers >= 4.56)."""
+    """An empty DynamicCache with the model's layer types (sliding-window layers too,
+    transformers >= 4.56)."""
     cfg = model.config
     return DynamicCache(config=cfg) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
 
@@ -188,7 +208,8 @@ def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
     else one part."""
     L, order = lengths.sort(stable=True)                                      # [n] ascending
     n = L.shape[0]
-    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1] positions if split after k
+    # positions if split after k
+    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1]
     if n < 2 or float(cost.min()) > BUCKET_KEEP * n * float(L[-1]):
         return [torch.arange(n)]
     k = int(cost.argmin()) + 1
@@ -263,7 +284,8 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     return logp, ent, roll.mask[a:b].to(dev)
 
 
-def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float, with_entropy: bool = False):
+def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
+                          with_entropy: bool = False):
     """The reference form of `rollout_logprobs` (same arguments and results): every response with
     its own copy of the prompt, left-padded prompt + response right-padded to the rollout's longest,
     in one forward. Only the last T + 1 positions' logits are materialised (logits_to_keep), of
@@ -277,9 +299,12 @@ def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     pids, pmask = _left_padded(prompts, roll.pad_token_id)                   # [n, P] each
     dev = next(model.parameters()).device
     ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
-    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]; pads after EOS are masked by loss
+    # pads after EOS are masked by loss
+    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]
     pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-    logp = token_logprobs(logits, resp.to(dev), temperature)                  # [n, T], of softmax(logits / temperature)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                   logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
+    # of softmax(logits / temperature)
+    logp = token_logprobs(logits, resp.to(dev), temperature)  # [n, T]
     ent = token_entropy(logits, temperature) if with_entropy else None        # [n, T]
     return logp, ent, rmask.to(dev)

@@ -1,29 +1,36 @@
-"""Data parallel training over torchrun's ranks: DDP (every rank holds the whole model) or FSDP2 (`--fsdp`,
-parameters, gradients and AdamW state sharded over the ranks).
+"""Data parallel training over torchrun's ranks: DDP (every rank holds the whole model) or FSDP2
+(`--fsdp`, parameters, gradients and AdamW state sharded over the ranks).
 
 Not an article section: the machinery that lets the loop of train.py run unchanged on N GPUs.
 
-    torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl           # DDP
-    torchrun --standalone --nproc_per_node 8 train.py --fsdp --model Qwen/Qwen2.5-7B-Instruct --data train.jsonl      # FSDP2
+    torchrun --standalone --nproc_per_node 8 train.py \\
+        --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl                     # DDP
+    torchrun --standalone --nproc_per_node 8 train.py --fsdp \\
+        --model Qwen/Qwen2.5-7B-Instruct --data train.jsonl                       # FSDP2
 
-- `Dist`: rank, world size, device and the three collectives the loop needs (sum, max, gather). Without
-  torchrun's environment nothing distributed happens (except `--fsdp`, which shards over a 1-rank group).
-- `wrap` / `shard`: DDP, or `torch.distributed.fsdp.fully_shard` on each decoder layer, then the root; on
-  CUDA with bf16 parameters for compute and float32 gradient reductions (the sharded master weights and
-  AdamW stay float32), on CPU plain float32.
+- `Dist`: rank, world size, device and the three collectives the loop needs (sum, max, gather).
+  Without torchrun's environment nothing distributed happens (except `--fsdp`, which
+  shards over a 1-rank group).
+- `wrap` / `shard`: DDP, or `torch.distributed.fsdp.fully_shard` on each decoder layer, then the
+  root; on CUDA with bf16 parameters for compute and float32 gradient reductions (the sharded master
+  weights and AdamW stay float32), on CPU plain float32.
 - `grad_sync`: DDP skips the gradient all-reduce on all but the last micro-batch of an update. FSDP2
-  reduce-scatters after every micro-batch instead: its no-sync mode (`set_requires_gradient_sync(False)`)
-  would keep an unsharded float32 gradient of the whole model on every rank (4 bytes per parameter, the
-  memory sharding exists to save), so it trades one reduce-scatter per micro-batch for that memory.
-- `unsharded`: FSDP2 all-gathers a layer's weights before each forward and frees them after. Decoding
-  token by token would then all-gather every layer once per token, and since ranks decode different numbers
-  of tokens (responses end early, evaluation rows differ) their collectives would not even match up. The
-  rollout and evaluation (and the no-grad log-prob passes) run inside `unsharded`: one all-gather of the
-  whole model before, none during, a reshard after. The full weights (bf16 on CUDA) then sit on every rank
-  for that while: 2 bytes per parameter on top of the sharded state.
-- `full_state_dict`: the whole model's weights gathered on rank 0 (in CPU memory), for `save_pretrained`.
-- `checkpoint_activations` (`--gradient-checkpointing`): transformers' non-reentrant activation checkpointing,
-  each decoder layer's activations recomputed in backward instead of kept from the forward.
+  reduce-scatters after every micro-batch instead: its no-sync mode
+  (`set_requires_gradient_sync(False)`) would keep an unsharded float32 gradient of the whole model
+  on every rank (4 bytes per parameter, the memory sharding exists to save),
+  so it trades one reduce-scatter per micro-batch for that memory.
+- `unsharded`: FSDP2 all-gathers a layer's weights before each forward and frees them after.
+  Decoding token by token would then all-gather every layer once per token, and since ranks decode
+  different numbers of tokens (responses end early, evaluation rows differ) their collectives would
+  not even match up. The rollout and evaluation (and the no-grad log-prob passes) run inside
+  `unsharded`: one all-gather of the whole model before, none during, a reshard after. The full
+  weights (bf16 on CUDA) then sit on every rank for that while:
+  2 bytes per parameter on top of the sharded state.
+- `full_state_dict`: the whole model's weights gathered on rank 0 (in CPU
+memory), for `save_pretrained`.
+- `checkpoint_activations` (`--gradient-checkpointing`): transformers' non-reentrant activation
+  checkpointing, each decoder layer's activations recomputed in backward instead
+  of kept from the forward.
 """
 from __future__ import annotations
 
@@ -34,15 +41,17 @@ import os
 import torch
 import torch.distributed as dist
 
-# DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default argument.
-# Imported after init_process_group, those defaults pin the process group, so destroy_process_group cannot
-# free it and its gloo threads run on into interpreter exit (where a rank aborted in CI). Imported here,
-# before any process group exists, the defaults are None. (Inside a function, `import torch.distributed.nn`
-# would also make `torch` a local name there: pyflakes F823.)
+# DDP's constructor imports torch.distributed.nn, whose functions take group.WORLD as a default
+# argument. Imported after init_process_group, those defaults pin the process group, so
+# destroy_process_group cannot free it and its gloo threads run on into interpreter exit (where a
+# rank aborted in CI). Imported here, before any process group exists, the defaults are None.
+# (Inside a function, `import torch.distributed.nn` would also make `torch` a local
+# name there: pyflakes F823.)
 import torch.distributed.nn  # noqa: F401
 
 try:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP2's public home since torch 2.6
+    # FSDP2's public home since torch 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # an older torch still runs DDP; `shard` says why --fsdp cannot
     FSDPModule = MixedPrecisionPolicy = fully_shard = None
 
@@ -65,7 +74,8 @@ class Dist:
                 self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend)
-        elif fsdp:  # FSDP2 needs a process group, even of one rank; an in-memory store needs no address
+        # FSDP2 needs a process group, even of one rank; an in-memory store needs no address
+        elif fsdp:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +98,8 @@ class Dist:
         return int(x.item())
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's equal-sized x, in rank order (bool travels as uint8: not every backend has bool)."""
+        """Every rank's equal-sized x, in rank order (bool travels as uint8: not
+        every backend has bool)."""
         if self.world == 1:
             return [x]
         y = x.to(self.device, torch.uint8 if x.dtype == torch.bool else x.dtype)
@@ -104,21 +115,25 @@ class Dist:
         """Free the process group with its gloo threads: none may run on into interpreter exit."""
         if dist.is_initialized():
             _drop_dtensor_caches()
-            gc.collect()                                 # the sharded model's reference cycles hold DTensors
+            # the sharded model's reference cycles hold DTensors
+            gc.collect()
             dist.destroy_process_group()
 
 
 def _drop_dtensor_caches() -> None:
-    """Empty DTensor's process-wide caches (sharding propagation, redistribution plans, mesh topology). They keep
-    every DeviceMesh FSDP2 used, a mesh keeps its process group (`_pg_registry`), and a group still referenced
-    survives destroy_process_group: its gloo threads then ran on into interpreter exit, where a rank aborted at
-    teardown ("terminate called without an active exception") in 2 of 16 finished 2-rank --fsdp runs here.
+    """Empty DTensor's process-wide caches (sharding propagation, redistribution plans, mesh
+    topology). They keep every DeviceMesh FSDP2 used, a mesh keeps its process group
+    (`_pg_registry`), and a group still referenced survives destroy_process_group: its gloo threads
+    then ran on into interpreter exit, where a rank aborted at teardown ("terminate called without
+    an active exception") in 2 of 16 finished 2-rank --fsdp runs here.
     These are private names of torch 2.13; one that a torch release lacks is skipped."""
     from torch.distributed.tensor import _collective_utils, _redistribute, debug
     for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
                   getattr(_redistribute, "clear_redistribute_planner_cache", None),
-                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-                  getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None), "cache_clear", None)):
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None),
+                          "cache_clear", None),
+                  getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None),
+                                  "build_from_mesh", None), "cache_clear", None)):
         if clear is not None:
             clear()
 
@@ -132,26 +147,31 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ShardingError(f"--fsdp: no decoder layers found in {type(model).__name__} (its _no_split_modules: {sorted(names)})")
+        raise ShardingError(f"--fsdp: no decoder layers found in {type(model).__name__} (its "
+                            f"_no_split_modules: {sorted(names)})")
     return layers
 
 
 def mixed_precision(device: str) -> MixedPrecisionPolicy:
-    """bf16 weights for the forward and backward, float32 gradient reduce-scatter, on CUDA; float32 on CPU."""
+    """bf16 weights for the forward and backward, float32 gradient reduce-scatter,
+    on CUDA; float32 on CPU."""
     if device.startswith("cuda"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
 def shard(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """FSDP2 in place: one communication group per decoder layer, then the root (embeddings, norm, head).
+    """FSDP2 in place: one communication group per decoder layer,
+    then the root (embeddings, norm, head).
 
-    The root keeps its weights gathered after forward (backward needs them first); layers free theirs.
-    Parameters move to `device` one group at a time, so the whole model never sits on one GPU.
+    The root keeps its weights gathered after forward (backward needs them first); layers free
+    theirs. Parameters move to `device` one group at a time,
+    so the whole model never sits on one GPU.
     """
     from torch.distributed.device_mesh import init_device_mesh
     if fully_shard is None:
-        raise ShardingError(f"--fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}")
+        raise ShardingError(f"--fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this "
+                            f"is torch {torch.__version__}")
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     policy = mixed_precision(device)
     for layer in decoder_layers(model):
@@ -161,7 +181,8 @@ def shard(model: torch.nn.Module, device: str) -> torch.nn.Module:
 
 
 def wrap(model: torch.nn.Module, ranks: Dist, fsdp: bool) -> torch.nn.Module:
-    """The module to run forward/backward through: FSDP2 (model sharded in place), DDP, or the model itself."""
+    """The module to run forward/backward through: FSDP2 (model sharded in place),
+    DDP, or the model itself."""
     if fsdp:
         return shard(model, ranks.device)
     if ranks.world > 1:
@@ -174,8 +195,9 @@ def is_sharded(model) -> bool:
 
 
 def grad_sync(policy: torch.nn.Module, last: bool):
-    """Context for one micro-batch's backward: DDP all-reduces only on the last micro-batch of an update.
-    FSDP2 reduce-scatters on every one (see the module docstring: its no-sync keeps full-size gradients)."""
+    """Context for one micro-batch's backward: DDP all-reduces only on the last micro-batch of an
+    update. FSDP2 reduce-scatters on every one (see the module docstring: its no-sync
+    keeps full-size gradients)."""
     if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not last:
         return policy.no_sync()
     return contextlib.nullcontext()
@@ -183,13 +205,15 @@ def grad_sync(policy: torch.nn.Module, last: bool):
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Run many forwards (a rollout, an evaluation) on FSDP2's gathered weights: one all-gather of the whole
-    model on entry, none inside, reshard on exit. A no-op for a model that is not sharded (or None)."""
+    """Run many forwards (a rollout, an evaluation) on FSDP2's gathered weights: one all-gather of
+    the whole model on entry, none inside, reshard on exit.
+    A no-op for a model that is not sharded (or None)."""
     if not is_sharded(model):
         yield
         return
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model.set_reshard_after_forward(False)              # recursive: no group frees its weights after a forward
+    # recursive: no group frees its weights after a forward
+    model.set_reshard_after_forward(False)
     for m in groups:                                    # unshard() is per group, not recursive
         m.unshard()
     try:
@@ -197,16 +221,19 @@ def unsharded(model):
     finally:
         for m in groups:
             m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)  # back to shard(): layers free, root keeps
+            # back to shard(): layers free, root keeps
+            m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def full_state_dict(model) -> dict:
-    """The whole model's weights as plain CPU tensors on rank 0 (an empty dict on the other ranks when
-    sharded); every rank must call it. A model that is not sharded returns its own state_dict."""
+    """The whole model's weights as plain CPU tensors on rank 0 (an empty dict on the other ranks
+    when sharded); every rank must call it. A model that is not sharded
+    returns its own state_dict."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model,
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -216,9 +243,10 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
-def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.nn.Module | None = None) -> int:
-    """Bytes this rank holds of the policy's parameters and gradients, the optimizer's state, and the
-    reference model's parameters (its shards under FSDP2, everything under DDP)."""
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                ref: torch.nn.Module | None = None) -> int:
+    """Bytes this rank holds of the policy's parameters and gradients, the optimizer's state, and
+    the reference model's parameters (its shards under FSDP2, everything under DDP)."""
     n = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
     n += sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     if ref is not None:
@@ -248,8 +276,9 @@ def recompute(policy: torch.nn.Module, on: bool):
 
 
 def checkpoint_activations(model) -> None:
-    """Keep only each decoder layer's input in the forward and recompute the layer in backward (non-reentrant
-    torch.utils.checkpoint, through transformers: `activation_checkpointing_enable` since transformers 5)."""
+    """Keep only each decoder layer's input in the forward and recompute the layer in backward
+    (non-reentrant torch.utils.checkpoint, through transformers: `activation_checkpointing_enable`
+    since transformers 5)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

