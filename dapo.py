@@ -1,6 +1,7 @@
 """DAPO's four fixes, as a diff on grpo.py (Yu et al. 2025, arXiv 2503.14476).
 
-Article section: "DAPO：四项修正". Each fix is switched on or off alone by train.py (ablations):
+Article section: "DAPO：四项修正". Each fix is switched on or off alone by train.py
+(ablations):
 
 1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new
    code: it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value.
@@ -89,7 +90,7 @@ def dynamic_sampling(
         roll = rounds[-1][0]
         keep = keep_groups(roll.correct.view(-1, roll.G))                     # [b]
         parts = gather(keep)                                                  # W x [b_w]
-        keep_all = torch.cat(parts)                                           # [B_round], rank order
+        keep_all = torch.cat(parts)                                    # [B_round], rank order
         order = torch.cat(gather(roll.index[::roll.G].contiguous())).argsort()  # -> prompt order
         drawn_groups += keep_all.numel()
         in_order = keep_all[order]

@@ -1,8 +1,8 @@
 """A run's inputs: prompts and reference answers (the built-in task or a JSONL file, formatted for
 the model, in a seeded order), and the reward that scores the answers (`--reward`).
 
-Article section: the `prompts` / `batch_prompts` fed to Step 1 ("Rollout 采样"); the answers are what
-Step 2's verifier compares against.
+Article section: the `prompts` / `batch_prompts` fed to Step 1 ("Rollout 采样"); the answers
+are what Step 2's verifier compares against.
 
 A JSONL file has one JSON object per line (a .json file may hold one array of them instead); Parquet
 and Arrow files, folders and Hugging Face hub ids are read through `datasets` (imported only for
@@ -260,7 +260,8 @@ class Reward:
         if not isinstance(vals, (list, tuple)) or len(vals) != len(completions) or \
                 any(v is not None and not isinstance(v, numbers.Real) for v in vals):
             raise InputError(f"--reward {name}: expected a list of {len(completions)} floats or "
-                             f"None, got {type(vals).__name__}{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
+                             f"None, got {type(vals).__name__}"
+                             f"{f' of {len(vals)}' if hasattr(vals, '__len__') else ''}")
         return vals
 
 

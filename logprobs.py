@@ -1,8 +1,8 @@
 """The training forward: log-probs and entropies of rollout responses under a model, each group's
 prompt run once.
 
-Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), log pi_old and log pi_ref
-of every response token; update.update_policy gets all three from `rollout_logprobs`.
+Article section: "Step 4: PPO Loss 计算" needs log pi_theta (with gradient), log pi_old and
+log pi_ref of every response token; update.update_policy gets all three from `rollout_logprobs`.
 
 Two layers:
 - `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of
@@ -85,7 +85,8 @@ def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
     V = logits.shape[-1]
     n = min(max(1, LOGPROB_CHUNK // max(V, 1)), logits.numel() // max(V, 1))
     work = logits.new_empty(n, V, dtype=torch.float32)                        # [n, V]
-    x = logits.new_empty(n, V, dtype=torch.float32) if s != 1.0 or logits.dtype != torch.float32 else None
+    x = (logits.new_empty(n, V, dtype=torch.float32)
+         if s != 1.0 or logits.dtype != torch.float32 else None)
     i = 0
     for b in _row_blocks(logits, max(n, 1)):                                  # b [c, V]
         c = b.shape[0]
@@ -116,7 +117,8 @@ class _TokenLogprobs(torch.autograd.Function):
         # the one gradient tensor: the only [N, T, V] this pass allocates.
         logits, ids = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
-        flat, gs, flat_ids = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), ids.reshape(-1, 1)
+        flat, gs, flat_ids = (grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1),
+                              ids.reshape(-1, 1))
         for rows, p in _softmax_blocks(logits, ctx.s, torch.softmax):
             torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows],
                                                                  gs[rows].to(flat.dtype))
@@ -163,7 +165,8 @@ class _TokenEntropy(torch.autograd.Function):
         # dH/dx_v = -s p_v (log p_v + H); one [N, T, V] gradient, the rest in the block workspace.
         logits, H = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
-        flat, gs, h, p = grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1), H.reshape(-1, 1), None
+        flat, gs, h, p = (grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1),
+                          H.reshape(-1, 1), None)
         for rows, logp in _softmax_blocks(logits, ctx.s):
             p = torch.empty_like(logp) if p is None else p                    # [c, V] workspace
             e = torch.exp(logp, out=p[: logp.shape[0]])                       # [c, V] p_v
@@ -199,7 +202,8 @@ def _new_cache(model) -> DynamicCache:
     """An empty DynamicCache with the model's layer types (sliding-window layers too,
     transformers >= 4.56)."""
     cfg = model.config
-    return DynamicCache(config=cfg) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+    return (DynamicCache(config=cfg) if "config" in inspect.signature(DynamicCache).parameters
+            else DynamicCache())
 
 
 def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:

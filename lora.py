@@ -52,14 +52,16 @@ def add_adapters(model, r: int, alpha: float, targets: str, base_path: str):
     'all-linear') in place and freeze everything else; returns the peft LoraConfig
     (saved with the adapter)."""
     peft = _peft()
-    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    names = (targets if targets == "all-linear"
+             else [t.strip() for t in targets.split(",") if t.strip()])
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=names,
                              bias="none",
                              task_type="CAUSAL_LM", base_model_name_or_path=base_path)
     try:
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # peft: none of the target modules is in the model
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
         raise InputError(f"--lora-target-modules {targets}: {str(e).splitlines()[0][:120]} (linear "
                          f"layers: {', '.join(linear)})") from None
     for n, p in model.named_parameters():
@@ -90,7 +92,8 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, m in _layers(model).items():
             out[f"{name}.weight"] = (sd[f"{name}.base_layer.weight"]
-                                     + m.get_delta_weight(ADAPTER).to(sd[f"{name}.base_layer.weight"].dtype))
+                                     + m.get_delta_weight(ADAPTER).to(
+                                         sd[f"{name}.base_layer.weight"].dtype))
     return out
 
 

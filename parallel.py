@@ -248,7 +248,8 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer,
     """Bytes this rank holds of the policy's parameters and gradients, the optimizer's state, and
     the reference model's parameters (its shards under FSDP2, everything under DDP)."""
     n = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
-    n += sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    n += sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor))
     if ref is not None:
         n += sum(_local_bytes(p) for p in ref.parameters())
     return n

@@ -49,9 +49,12 @@ class Rollout:
     truncated: torch.Tensor             # [N] bool, no EOS within max_new_tokens
     logprobs: torch.Tensor  # [N, T] float, log-prob of each sampled token under the sampling policy
     # Step 2: the rewards (train.draw_round)
-    rewards: torch.Tensor | None = None  # [N] float, the shaped reward the advantages compare (DAPO: +-1, penalty)
-    correct: torch.Tensor | None = None  # [N] float, the --reward score (dynamic sampling's filter reads it)
-    index: torch.Tensor | None = None    # [N] long, the position of the row's prompt in the data stream
+    # the shaped reward the advantages compare (DAPO: +-1, penalty)
+    rewards: torch.Tensor | None = None  # [N] float
+    # the --reward score (dynamic sampling's filter reads it)
+    correct: torch.Tensor | None = None  # [N] float
+    # the position of the row's prompt in the data stream
+    index: torch.Tensor | None = None    # [N] long
     # --reward name -> [N] (NaN: no score)
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -101,7 +104,8 @@ class Rollout:
             lengths=join("lengths"), truncated=join("truncated"),
             logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
             rewards=join("rewards"), correct=join("correct"), index=join("index"),
-            reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts]) for k in first.reward_parts})
+            reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts])
+                          for k in first.reward_parts})
 
 
 class _BufferedLayer(DynamicLayer):
@@ -179,7 +183,8 @@ def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicC
     if other:
         raise ValueError(f"sample_groups handles full and sliding-window attention caches, not "
                          f"{sorted(other)}")
-    window = min((la.sliding_window for la in cache.layers if isinstance(la, DynamicSlidingWindowLayer)), default=None)
+    window = min((la.sliding_window for la in cache.layers
+                  if isinstance(la, DynamicSlidingWindowLayer)), default=None)
     cache.layers = [_BufferedLayer(capacity, rows) for _ in cache.layers]
     return cache, window
 
@@ -207,7 +212,8 @@ def _uniforms(B: int, G: int, T: int, generator) -> torch.Tensor:
     if isinstance(generator, (list, tuple)):
         if len(generator) != B:
             raise ValueError(f"got {len(generator)} generators for {B} prompts")
-        return torch.cat([torch.rand(G, T, generator=g) for g in generator]) if B else torch.zeros(0, T)
+        return (torch.cat([torch.rand(G, T, generator=g) for g in generator]) if B
+                else torch.zeros(0, T))
     return torch.rand(B * G, T, generator=generator)
 
 
@@ -256,7 +262,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
         # reaches top_p of the total
         last = torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(V - 1)  # [n, 1]
         idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
-        return order.gather(-1, idx).squeeze(-1), p.gather(-1, idx).squeeze(-1).log() - cdf[:, -1].log()
+        return (order.gather(-1, idx).squeeze(-1),
+                p.gather(-1, idx).squeeze(-1).log() - cdf[:, -1].log())
     blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
     bcdf = blocks.sum(-1).cumsum(-1)                      # [n, nb] running mass at each block's end
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
@@ -271,7 +278,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     icdf = inner.cumsum(-1)                                                   # [n, BLOCK]
     i = torch.minimum(torch.searchsorted(icdf, u * total - before, side="right"),
                       torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
-    return (b * SAMPLE_BLOCK + i).squeeze(-1), inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log()
+    return ((b * SAMPLE_BLOCK + i).squeeze(-1),
+            inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log())
 
 
 def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,
@@ -283,8 +291,10 @@ def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     amp = torch.is_autocast_enabled(device.type)
-    nbytes = (torch.get_autocast_dtype(device.type) if amp else next(model.parameters()).dtype).itemsize
-    per_row = c.num_hidden_layers * heads * head_dim * 2 * nbytes * (max(map(len, prompts), default=0) + max_new_tokens)
+    nbytes = (torch.get_autocast_dtype(device.type) if amp
+              else next(model.parameters()).dtype).itemsize
+    per_row = (c.num_hidden_layers * heads * head_dim * 2 * nbytes
+               * (max(map(len, prompts), default=0) + max_new_tokens))
     return max(G, int(budget_gb * 2**30 // per_row) // G * G)
 
 

@@ -75,7 +75,8 @@ def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
     if B == 0:
         return []
     mb = torch.searchsorted(everyone, idx) * K // B  # [b] mini-batch of each group
-    return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G) for k in sorted({p * K // B for p in range(B)})]
+    return [slice(int((mb < k).sum()) * G, int((mb <= k).sum()) * G)
+            for k in sorted({p * K // B for p in range(B)})]
 
 
 def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,

@@ -67,7 +67,8 @@ _MARK = re.compile(r"(?:\*\*|__|\*)?[ \t]{0,3}(?::|=|is\b[ \t]*:?)[ \t*_:]*")
 _PROSE = re.compile(r"(?!(?:yes|no|none|true|false)\b)[a-z]{2,}\b(?!\s*[=(])")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 _REMARK = re.compile(r"(?:,\s+|\s+\()(?!and\b|or\b)[a-z]{2,}\s")
-_WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|boldsymbol|mbox)\s*\{([^{}]*)\}")
+_WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|"
+                      r"boldsymbol|mbox)\s*\{([^{}]*)\}")
 _NOISE = [(re.compile(p), r) for p, r in [
     (r"\\\$|\$", " "), (r"\\(?:left|right|displaystyle|big|Big)(?![a-zA-Z])", ""), (r"\{,\}", ","),
     (r"\\[dt]frac", r"\\frac"), (r"\^\s*\{?\\circ\}?|\\circ|\\degree|°|\bdegrees?\b", " "),
@@ -84,7 +85,8 @@ _UNIT = re.compile(r"(.*?[\d}.)])\s+([a-zA-Z]+)(?:\s+[a-zA-Z]+)*\s*(?:\^\{?\d\}?
 _ONE_LETTER_UNITS = ("m", "g", "s", "l", "h")
 _MIXED = re.compile(r"([+-]?)(\d+)(?:\s+(\d+)/(\d+)|\s*\\frac\{(\d+)\}\{(\d+)\})")
 _POWER = re.compile(r"(\d+(?:\.\d+)?)\^\{?([+-]?\d+)\}?")
-_DECIMAL = re.compile(r"(\d*)(?:\.(\d*))?(?:\\overline\{(\d+)\})?(?:e([+-]?\d+)|(?:\\times|\\cdot|\*)10\^\{?([+-]?\d+)\}?)?")
+_DECIMAL = re.compile(r"(\d*)(?:\.(\d*))?(?:\\overline\{(\d+)\})?"
+                      r"(?:e([+-]?\d+)|(?:\\times|\\cdot|\*)10\^\{?([+-]?\d+)\}?)?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +180,8 @@ def _after_marker(rest: str) -> str | None:
         return None
     # one math span: `\$` is a dollar sign; \( \) and \[ \] delimit like $ (one
     # linear regex, no backtracking)
-    dollars = line.replace("\\$", "\x01").replace("\\(", "$").replace("\\)", "$").replace("\\[", "$").replace("\\]", "$")
+    dollars = (line.replace("\\$", "\x01").replace("\\(", "$").replace("\\)", "$")
+               .replace("\\[", "$").replace("\\]", "$"))
     span = re.search(r"(?<!\$)\$+([^$]+)\$", dollars)
     if span and re.fullmatch(r"[A-Za-z ,:]*", dollars[:span.start()]):
         return span.group(1).replace("\x01", "\\$").strip()
@@ -242,12 +245,14 @@ def _parse(answer: str) -> tuple[str, str | None] | None:
         return None
     if s.startswith("\\{") and s.endswith("\\}") and _closes_at(s, 1) == len(s) - 1:
         return "{" + ",".join(sorted({_atom(p)[0] for p in _split_top(s[2:-2]) if p})) + "}", None
-    if s[:1] in "([" and s[-1:] in ")]" and _closes_at(s, 0) == len(s) - 1 and len(_split_top(s[1:-1])) > 1:
+    if (s[:1] in "([" and s[-1:] in ")]" and _closes_at(s, 0) == len(s) - 1
+            and len(_split_top(s[1:-1])) > 1):
         return s[0] + ",".join(_atom(p)[0] for p in _split_top(s[1:-1])) + s[-1], None
     parts = _split_top(re.sub(r"\s+(?:and|or)\s+", ",", s))
     if len(parts) == 1 and s.count("\\pm") == 1:
         before, after = s.split("\\pm")
-        parts = [before + "+" + after, before + "-" + after] if before.strip() else [after, "-" + after]
+        parts = ([before + "+" + after, before + "-" + after] if before.strip()
+                 else [after, "-" + after])
     if len(parts) > 1:
         return "{" + ",".join(sorted({_atom(p)[0] for p in parts if p})) + "}", None
     return _atom(s)
@@ -266,7 +271,8 @@ def _atom(s: str) -> tuple[str, str | None]:
     if unit is None or (len(unit.group(2)) == 1 and unit.group(2) not in _ONE_LETTER_UNITS):
         return _plain(s), None
     word = unit.group(2).lower()  # one spelling: inches -> inch, dollars -> dollar
-    word = word[:-2] if word.endswith(("ches", "shes", "xes")) else word[:-1] if word.endswith("s") and len(word) > 3 else word
+    word = (word[:-2] if word.endswith(("ches", "shes", "xes"))
+            else word[:-1] if word.endswith("s") and len(word) > 3 else word)
     value = _number(unit.group(1))
     return (_plain(unit.group(1)) if value is None else str(value)), word
 
@@ -326,7 +332,8 @@ def _literal(s: str) -> Fraction | None:
     m = _DECIMAL.fullmatch(s)
     if not m or not (m.group(1) or m.group(2)) or len(s) > MAX_DIGITS:
         return None
-    whole, frac, repeat, exp = m.group(1) or "0", m.group(2) or "", m.group(3), m.group(4) or m.group(5)
+    whole, frac, repeat, exp = (m.group(1) or "0", m.group(2) or "", m.group(3),
+                                m.group(4) or m.group(5))
     value = Fraction(int(whole + frac), 10 ** len(frac))
     if repeat:  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
         value += Fraction(int(repeat), 10 ** len(frac) * (10 ** len(repeat) - 1))

@@ -172,8 +172,8 @@ EXPERIMENTS = (
     Experiment(
         "dynamic-sampling",
         "问题: a group whose answers are all right (or all wrong) has zero advantages and gives no "
-        "gradient, and such groups grow as accuracy rises. DAPO 修正: resample until every group in "
-        "the batch is mixed (Eq. 11).",
+        "gradient, and such groups grow as accuracy rises. DAPO 修正: resample until every group "
+        "in the batch is mixed (Eq. 11).",
         NAIVE + SMALL + G4, (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
         (("sampled groups all right or all wrong, last 5 steps",
           end(logged("reward/frac_zero_std"))),
@@ -206,9 +206,9 @@ EXPERIMENTS = (
          *SAMPLED)),
     Experiment(
         "token-level-loss",
-        "问题: the per-response mean gives each token of a long response less weight, so long wrong "
-        "responses (rambling, repetition) are pushed down less. DAPO 修正: average over all tokens "
-        "of the batch (Eq. 12).",
+        "问题: the per-response mean gives each token of a long response less weight, so long "
+        "wrong responses (rambling, repetition) are pushed down less. DAPO 修正: average over all "
+        "tokens of the batch (Eq. 12).",
         NAIVE + SMALL + G4 + ("--max-new-tokens", "96"),
         (("sequence", ()), ("token", ("--reduction", "token"))),
         (("length of wrong responses, last 5 steps", end(by_step(mean_length(WRONG)))),
@@ -223,8 +223,8 @@ EXPERIMENTS = (
     Experiment(
         "clip-higher",
         "问题: with symmetric clipping a low-probability token's ratio is capped at 1 + eps early, "
-        "so exploration dies: entropy collapses. DAPO 修正: decouple the bounds and raise the upper "
-        "one (eps_high 0.28, Eq. 10).",
+        "so exploration dies: entropy collapses. DAPO 修正: decouple the bounds and raise the "
+        "upper one (eps_high 0.28, Eq. 10).",
         NAIVE + SMALL + CLIP_REGIME, CLIP_ARMS, ENTROPY + HELD_OUT, ENTROPY_PANELS + SAMPLED),
     Experiment(
         "clip-higher-random-reward",

@@ -2,8 +2,9 @@
 each a short supervised fine-tune of builtin.py's base model on its own kind of demonstrations with
 one habit added (`Habit`; so far a stutter: lines written again).
 
-Article section: "DAPO：四项修正", token-level loss (问题: long wrong responses, rambling and repetition,
-are diluted by the per-response mean): the shipped model's wrong answers are all short shortcuts.
+Article section: "DAPO：四项修正", token-level loss (问题: long wrong responses, rambling and
+repetition, are diluted by the per-response mean): the shipped model's wrong answers are all short
+shortcuts.
 
 A habit model is built into builtin.py's cache on first use (`habit_model`, seconds) and keyed by
 `habit_key`: the base recipe's key, the Habit's fields and the code a build runs here (HABIT_ROOTS,
