@@ -1342,7 +1342,7 @@ def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     # but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is 0.105 or
     # 2.303.
     logits = torch.log(torch.tensor([[[0.9, 0.1]]]))
-    assert abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5
+    assert (abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5)
 
 
 def test_entropy_is_finite_with_masked_logits():
@@ -1553,7 +1553,8 @@ def test_length_buckets_split_only_when_it_pays():
     # one batch.
     short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
     assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
-    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))] == [[0, 1, 2, 3]]
+    assert ([b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))]
+            == [[0, 1, 2, 3]])
     assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
 
 
@@ -1678,8 +1679,8 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
     # train.py stops on the tokenizer's EOS and on the end ids the generation config adds
     # (checkpoint.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
-    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+    assert (checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7])
+    assert (checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5])
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
@@ -2078,7 +2079,8 @@ def test_verifier_canonical_answer_groups_equal_answers():
     same = ["\\boxed{\\frac{1}{2}}", "Answer: 0.5", "The answer is $\\dfrac12$.", "#### 1/2",
             "\\boxed{\\tfrac{2}{4}}"]
     assert len({canonical_answer(r) for r in same}) == 1
-    assert canonical_answer("\\boxed{2, -3}") == canonical_answer("\\boxed{\\{-3, 2\\}}") == "{-3,2}"
+    assert (canonical_answer("\\boxed{2, -3}") == canonical_answer("\\boxed{\\{-3, 2\\}}")
+            == "{-3,2}")
     assert canonical_answer("\\boxed{(1, 2)}") != canonical_answer("\\boxed{(2, 1)}")
     assert canonical_answer("\\boxed{\\$1,800}") == canonical("1800") == "1800"
     assert canonical_answer("no answer here") is None and canonical_answer("\\boxed{7") is None
@@ -2339,7 +2341,8 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
                      "columns": {"answer": "4/2 = 2\n#### 2"}}]
     assert verify("so \\boxed{2}", rows[0]["answer"]) == 1.0
     tok = builtin.make_tokenizer()
-    assert data.PromptFormatter(tok, "{prompt}\nAnswer:")("2x=4") == tok("2x=4\nAnswer:")["input_ids"]
+    assert (data.PromptFormatter(tok, "{prompt}\nAnswer:")("2x=4")
+            == tok("2x=4\nAnswer:")["input_ids"])
     # a chat template written in the built-in vocabulary's characters: system 's', user 'r',
     # assistant 'A'
     tok.chat_template = ("{% for m in messages %}{{ {'system': 's', 'user': 'r'}[m['role']] }}: {{ "
@@ -4080,6 +4083,7 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(SystemExit) as e:
         train.main([*run, "--lora-r", "4"])
-    assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
+    assert (capsys.readouterr().err.strip()
+            == "error: --lora-r: the peft package is not installed (pip install peft)")
     assert (flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16
             and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3)

@@ -121,7 +121,8 @@ def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs
                          "--eval-samples", "2",
                          "--max-new-tokens", "6", "--device", "cpu", "--out", str(out)])
     table = capsys.readouterr().out
-    assert "| model | mean@2 | mean@2_std | pass@1 | pass@2 | maj@2 | truncated_frac | len_mean |" in table
+    assert ("| model | mean@2 | mean@2_std | pass@1 | pass@2 | maj@2 | truncated_frac | len_mean |"
+            in table)
     assert (table.count(f"| {model} |") == 2 and [r[0] for r in res] == [model, model]
             and res[0][1] == res[1][1])
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -409,7 +410,8 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
               "--steps", "6")
     a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
-    assert [r["loss"] for r in step_rows(tmp_path / "two")] == [r["loss"] for r in step_rows(tmp_path / "six")]
+    assert ([r["loss"] for r in step_rows(tmp_path / "two")]
+            == [r["loss"] for r in step_rows(tmp_path / "six")])
     assert sorted(os.listdir(tmp_path / "six" / "checkpoint")) == ["latest", "step-000006"]
 
 
@@ -784,7 +786,8 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
     # lm_head is tied to the embeddings
     n_base = sum(v.numel() for k, v in start.items() if k != "lm_head.weight")
     n_adapter = sum(v.numel() for k, v in ckpt["model"].items() if ".lora_" in k)
-    assert len(ckpt["optimizer"]["state"]) == len(ckpt["optimizer"]["param_groups"][0]["params"]) == 2 * 14
+    assert (len(ckpt["optimizer"]["state"]) == len(ckpt["optimizer"]["param_groups"][0]["params"])
+            == 2 * 14)
     rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in x]
     # + AdamW's step counts
@@ -800,4 +803,4 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
     w2 = _weights(tmp_path / "w2" / "final")
     assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
     assert len(list((tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*"))) == (1 if tb else 0)
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2
+    assert (AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2)

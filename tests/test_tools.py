@@ -240,7 +240,7 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
     assert habits.habit_key(h) == key                     # the defaults: habits.py, builtin.py
     for f in dataclasses.fields(h):
         x = getattr(h, f.name)
-        assert habits.habit_key(dataclasses.replace(h, **{f.name: x + 1 if isinstance(x, int) else x / 2}), cfg, src) != key
+        assert (habits.habit_key(dataclasses.replace(h, **{f.name: x + 1 if isinstance(x, int) else x / 2}), cfg, src) != key)
     assert habits.habit_key(h, dataclasses.replace(cfg, seed=1), src) != key
     # stuttered
     for old, new in (("[line] * (1 + (rng.randint(1, 3)", "[line] * (1 + (rng.randint(1, 2)"),
