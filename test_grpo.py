@@ -1342,7 +1342,8 @@ def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     # but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is 0.105 or
     # 2.303.
     logits = torch.log(torch.tensor([[[0.9, 0.1]]]))
-    assert (abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5)
+    assert (abs(logprobs.token_entropy(logits).item()
+                - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5)
 
 
 def test_entropy_is_finite_with_masked_logits():
@@ -1354,7 +1355,8 @@ def test_entropy_is_finite_with_masked_logits():
 
 
 def _naive_logprobs(logits, ids, temperature=1.0):
-    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+    return (torch.log_softmax(logits.float() / temperature, -1)
+            .gather(-1, ids[..., None]).squeeze(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
