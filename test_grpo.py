@@ -1,7 +1,7 @@
 """Tests: the article walk-through and the unit tests (hand-sized numeric cases, equivalences).
 
-The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then DAPO's
-Eq. 10-13), each case worked by hand; then the shared fixtures and helpers (tiny_model,
+The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then
+DAPO's Eq. 10-13), each case worked by hand; then the shared fixtures and helpers (tiny_model,
 tiny_run_inputs, PROMPTS, _tiny_flags, and the rewards `--reward test_grpo:NAME` names: has_x,
 flip_x, trl_length, ...), then one section per module in the order grpo, variants, dapo, update,
 logprobs, sampler, verifier, builtin, data, evaluate, train and flags, checkpoint and parallel,
@@ -46,17 +46,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---------------------------------------------------------------------------------------------
-# The article, step by step: its GRPO walk-through (Steps 1-4 on one prompt, G = 4: rewards [1, 1, 1, 0],
-# advantages [0.5, 0.5, 0.5, -1.5]) carried into the loss update.py runs, then DAPO's four fixes (Eq. 10-13),
+# The article, step by step: its GRPO walk-through (Steps 1-4 on one prompt, G = 4: rewards [1, 1,
+# 1, 0],
+# advantages [0.5, 0.5, 0.5, -1.5]) carried into the loss update.py runs, then DAPO's four fixes
+# (Eq. 10-13),
 # each worked by hand. The module sections below test the same functions in depth.
 # ---------------------------------------------------------------------------------------------
 
-# -- Step 1: Rollout (sampler.sample_groups): G responses per prompt, masks from lengths, old log-probs --
+# -- Step 1: Rollout (sampler.sample_groups): G responses per prompt, masks from lengths, old
+# log-probs --
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampler_masks_lengths_truncation_and_logprobs(tiny_model, temperature):
     G, T = 4, 20
-    roll = sample_groups(tiny_model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
-                         generator=torch.Generator().manual_seed(3))
+    roll = sample_groups(tiny_model, PROMPTS, G, T, eos_token_id=1, pad_token_id=0,
+                         temperature=temperature, generator=torch.Generator().manual_seed(3))
     N = len(PROMPTS) * G
     assert roll.response_ids.shape[0] == N and roll.mask.shape == roll.response_ids.shape
     assert roll.truncated.any() and (~roll.truncated).any()  # this seed gives both kinds
@@ -75,11 +78,14 @@ def test_sampler_masks_lengths_truncation_and_logprobs(tiny_model, temperature):
 
 # -- Step 2: Reward (verifier.verify) --
 def test_article_step2_the_verifier_scores_the_four_responses_1_1_1_0():
-    # Step 2 on the article's prompt "2x + 5 = 13" (answer 4): o_1..o_3 reach x = 4 (boxed, bare, in words),
-    # o_4 adds 5 instead of subtracting it (x = 9). verify gives 1 or 0 per response: rewards [1, 1, 1, 0],
+    # Step 2 on the article's prompt "2x + 5 = 13" (answer 4): o_1..o_3 reach x = 4 (boxed, bare, in
+    # words),
+    # o_4 adds 5 instead of subtracting it (x = 9). verify gives 1 or 0 per response: rewards [1, 1,
+    # 1, 0],
     # the [B, G] = [1, 4] tensor Step 3 normalises (test_article_example_advantages)
     responses = ["2x = 13 - 5 = 8, so x = 8 / 2 = \\boxed{4}", "x = 4",
-                 "Subtract 5: 2x = 8. Divide by 2: x = 4. The answer is 4.", "2x = 13 + 5 = 18, x = \\boxed{9}"]
+                 "Subtract 5: 2x = 8. Divide by 2: x = 4. The answer is 4.",
+                 "2x = 13 + 5 = 18, x = \\boxed{9}"]
     rewards = torch.tensor([[verify(o, "4") for o in responses]])              # [1, 4]
     assert rewards.tolist() == [[1.0, 1.0, 1.0, 0.0]]
 
@@ -92,7 +98,8 @@ def test_article_example_advantages():
     assert torch.allclose(adv, torch.tensor([[0.5, 0.5, 0.5, -1.5]]), atol=1e-5)
 
 
-# -- Step 4: PPO loss (grpo.policy_loss): the clipped surrogate + beta * KL, as update.update_policy runs it --
+# -- Step 4: PPO loss (grpo.policy_loss): the clipped surrogate + beta * KL, as update.update_policy
+# runs it --
 def _two_token_case(adv: float):
     # one response of two tokens with ratios 1.5 and 0.5; the weights of the sequence mean, 1/2 each
     logp, mask = torch.log(torch.tensor([[1.5, 0.5]])), torch.ones(1, 2)
@@ -103,7 +110,8 @@ def test_policy_loss_clipping_by_hand():
     # A = +1: -min(1.5, 1.2) = -1.2 and -min(0.5, 0.8) = -0.5 -> mean -0.85; token 1 clipped high.
     loss, m = grpo.ppo_loss(*_two_token_case(1.0), eps_low=0.2, eps_high=0.2)
     assert abs(loss.item() + 0.85) < 1e-6
-    assert m["clip/high_frac"] == 0.5 and m["clip/low_frac"] == 0.0 and abs(m["ratio/mean"] - 1.0) < 1e-6
+    assert (m["clip/high_frac"] == 0.5 and m["clip/low_frac"] == 0.0
+            and abs(m["ratio/mean"] - 1.0) < 1e-6)
     # A = -1: -min(-1.5, -1.2) = 1.5 and -min(-0.5, -0.8) = 0.8 -> mean 1.15; token 2 clipped low.
     loss, m = grpo.ppo_loss(*_two_token_case(-1.0), eps_low=0.2, eps_high=0.2)
     assert abs(loss.item() - 1.15) < 1e-6
@@ -115,14 +123,16 @@ def test_policy_loss_clipping_by_hand():
 
 def test_kl_k3_hand_value_zero_at_equality_and_nonnegative():
     # logp = log 0.5, ref = log 0.25: delta = log 0.5, k3 = 0.5 - log 0.5 - 1 = 0.19315
-    assert abs(grpo.kl_k3(torch.tensor(math.log(0.5)), torch.tensor(math.log(0.25))).item() - 0.193147) < 1e-5
+    assert abs(grpo.kl_k3(torch.tensor(math.log(0.5)),
+                          torch.tensor(math.log(0.25))).item() - 0.193147) < 1e-5
     x = torch.randn(1000)
     assert torch.equal(grpo.kl_k3(x, x), torch.zeros(1000))
     assert (grpo.kl_k3(x, torch.randn(1000) * 3) >= 0).all()
 
 
 class _GivenLogprobs(torch.nn.Module):
-    """A stand-in policy whose log-probs of the rollout's tokens [N, T] are its parameter (see the fake
+    """A stand-in policy whose log-probs of the rollout's tokens [N, T] are its parameter (see the
+    fake
     rollout_logprobs below), so update_policy's loss and gradient can be worked out by hand."""
 
     def __init__(self, logp):
@@ -132,10 +142,14 @@ class _GivenLogprobs(torch.nn.Module):
 
 @pytest.mark.parametrize("reduction", ["sequence", "token"])
 def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeypatch):
-    # The article's G = 4 group (Step 3: advantages [0.5, 0.5, 0.5, -1.5]) with lengths 3, 2, 3, 1 (9 tokens),
-    # through update.update_policy's first update (ratio 1: old = current) in micro-batches of 3 and 1 rows.
-    # Probabilities of the sampled tokens under pi_theta and pi_ref, chosen so that r = pi_ref / pi is 1, 1/2
-    # or 2: k3 = r - log r - 1 is 0, log 2 - 1/2 or 1 - log 2. Padding holds garbage (p = 1 vs 0.01).
+    # The article's G = 4 group (Step 3: advantages [0.5, 0.5, 0.5, -1.5]) with lengths 3, 2, 3, 1
+    # (9 tokens),
+    # through update.update_policy's first update (ratio 1: old = current) in micro-batches of 3 and
+    # 1 rows.
+    # Probabilities of the sampled tokens under pi_theta and pi_ref, chosen so that r = pi_ref / pi
+    # is 1, 1/2
+    # or 2: k3 = r - log r - 1 is 0, log 2 - 1/2 or 1 - log 2. Padding holds garbage (p = 1 vs
+    # 0.01).
     import contextlib
     from types import SimpleNamespace
 
@@ -147,11 +161,15 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
     A = torch.tensor([0.5, 0.5, 0.5, -1.5])                                   # [4]
     r = pi_ref / pi                                                           # [4, 3]
     beta = 0.04
-    # by hand: at ratio 1 the surrogate is -A on each token; k3 sums to 1/2, 2 log 2 - 1, 0, 1 - log 2 per row
+    # by hand: at ratio 1 the surrogate is -A on each token; k3 sums to 1/2, 2 log 2 - 1, 0, 1 - log
+    # 2 per row
     if reduction == "sequence":   # GRPO: mean over the 4 responses of each one's token mean
-        surrogate = -(0.5 + 0.5 + 0.5 - 1.5) / 4                             # = 0: a group's advantages sum to 0
-        kl = (0.5 / 3 + (2 * math.log(2) - 1) / 2 + 0 + (1 - math.log(2))) / 4  # = (1/6 + 1/2) / 4 = 1/6
-        w = mask / lengths[:, None] / 4                                       # [4, 3] each token's weight
+        # = 0: a group's advantages sum to 0
+        surrogate = -(0.5 + 0.5 + 0.5 - 1.5) / 4
+        # = (1/6 + 1/2) / 4 = 1/6
+        kl = (0.5 / 3 + (2 * math.log(2) - 1) / 2 + 0 + (1 - math.log(2))) / 4
+        # [4, 3] each token's weight
+        w = mask / lengths[:, None] / 4
     else:                         # DAPO: the sum over the 9 tokens / 9
         surrogate = -(0.5 * 3 + 0.5 * 2 + 0.5 * 3 - 1.5 * 1) / 9
         kl = (0.5 + (2 * math.log(2) - 1) + 0 + (1 - math.log(2))) / 9
@@ -159,25 +177,31 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
     # d/d logp of -ratio * A is -A; of k3(logp, ref) = e^(ref - logp) - (ref - logp) - 1 it is 1 - r
     grad = w * (-A[:, None] + beta * (1 - r))                                 # [4, 3]
 
-    def given_logprobs(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
+    def given_logprobs(model, roll, rows, temperature, with_entropy=False, shared_prefix=True,
+                       buckets=True):
         logp = model.logp[rows]                                               # [n, 3]
         return logp, torch.zeros_like(logp) if with_entropy else None, roll.mask[rows]
 
     monkeypatch.setattr(update, "rollout_logprobs", given_logprobs)
     policy, ref = _GivenLogprobs(pi.log()), _GivenLogprobs(pi_ref.log()).requires_grad_(False)
-    roll = Rollout(prompts=[[5]], G=4, pad_token_id=0, response_ids=torch.zeros(4, 3, dtype=torch.long), mask=mask,
+    roll = Rollout(prompts=[[5]], G=4, pad_token_id=0,
+                   response_ids=torch.zeros(4, 3, dtype=torch.long), mask=mask,
                    lengths=lengths, truncated=torch.zeros(4, dtype=torch.bool), logprobs=pi.log(),
                    index=torch.zeros(4, dtype=torch.long))
-    args = SimpleNamespace(micro_batch_size=3, mini_batches=1, mu=1, temperature=1.0, reduction=reduction, loss="ppo",
+    args = SimpleNamespace(micro_batch_size=3, mini_batches=1, mu=1, temperature=1.0,
+                           reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
-                           max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0,
-                           beta=beta, kl="k3", grad_clip=0.0, lr=1.0)
-    learner = update.Learner(policy, policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0), contextlib.nullcontext)
+                           max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           entropy_coef=0.0, beta=beta, kl="k3", grad_clip=0.0, lr=1.0)
+    learner = update.Learner(policy, policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0),
+                             contextlib.nullcontext)
     stats = update.update_policy(learner, roll, A, mask, args, parallel.Dist("cpu"))
     assert stats.first["loss"] == pytest.approx(surrogate + beta * kl, abs=1e-6)
-    assert stats.first["kl"] == pytest.approx(0.5 + math.log(2), abs=1e-5)   # the k3 sum over the 9 tokens
+    # the k3 sum over the 9 tokens
+    assert stats.first["kl"] == pytest.approx(0.5 + math.log(2), abs=1e-5)
     assert stats.first["tokens"] == 9 and stats.first["updates"] == 1
-    # one SGD step of lr 1: the parameter moved by minus the gradient worked out above (padding: not at all)
+    # one SGD step of lr 1: the parameter moved by minus the gradient worked out above (padding: not
+    # at all)
     assert torch.allclose(pi.log() - policy.logp.detach(), grad, atol=1e-6)
 
 
@@ -196,9 +220,10 @@ def test_article_clip_higher_lets_the_positive_tokens_rise_further():
     mask = torch.ones(4, 1)                                                    # [4, 1]
     for eps_high, want, grads, high_frac in ((0.2, -0.1375, [-0.1375, 0, 0, 0], 0.5),
                                              (0.28, -0.15, [-0.1375, -0.15625, -0.15625, 0], 0.0)):
-        logp = torch.log(torch.tensor([[1.1], [1.25], [1.25], [0.75]])).requires_grad_()  # [4, 1], old = 0
-        loss, m = grpo.ppo_loss(logp, torch.zeros(4, 1), A, mask, grpo.token_weights(mask), eps_low=0.2,
-                                eps_high=eps_high)
+        # [4, 1], old = 0
+        logp = torch.log(torch.tensor([[1.1], [1.25], [1.25], [0.75]])).requires_grad_()
+        loss, m = grpo.ppo_loss(logp, torch.zeros(4, 1), A, mask, grpo.token_weights(mask),
+                                eps_low=0.2, eps_high=eps_high)
         loss.backward()
         assert loss.item() == pytest.approx(want, abs=1e-6)
         assert torch.allclose(logp.grad[:, 0], torch.tensor(grads), atol=1e-6)
@@ -208,22 +233,27 @@ def test_article_clip_higher_lets_the_positive_tokens_rise_further():
 # -- DAPO Eq. 11: Dynamic Sampling (dapo.keep_groups: 0 < #correct < G) --
 def test_keep_groups_boundaries():
     # Eq. 11 on correctness: 0 < #correct < G
-    c = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    c = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 1.0]])
     assert dapo.keep_groups(c).tolist() == [False, False, True, True]
 
 
-# -- DAPO Eq. 12: Token-Level Loss (grpo.token_weights(mask, "token")); carried through the G = 4 loss above --
+# -- DAPO Eq. 12: Token-Level Loss (grpo.token_weights(mask, "token")); carried through the G = 4
+# loss above --
 def test_token_weights_by_hand():
     # lengths 1, 3 and an overlong-filtered (empty) row, T = 3
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    seq = torch.tensor([[1 / 2, 0, 0], [1 / 6, 1 / 6, 1 / 6], [0, 0, 0]])    # 1 / (|o_i| * 2 responses)
+    # 1 / (|o_i| * 2 responses)
+    seq = torch.tensor([[1 / 2, 0, 0], [1 / 6, 1 / 6, 1 / 6], [0, 0, 0]])
     assert torch.allclose(grpo.token_weights(mask), seq)
     assert torch.allclose(grpo.token_weights(mask, "token"), mask / 4)       # 4 valid tokens
-    assert torch.allclose(grpo.token_weights(mask, "constant", max_len=5), mask / 10)  # 2 responses x 5
+    # 2 responses x 5
+    assert torch.allclose(grpo.token_weights(mask, "constant", max_len=5), mask / 10)
     # the step's global counts win over the micro-batch's own: 8 tokens, 4 responses
     assert torch.allclose(grpo.token_weights(mask, "token", num_tokens=torch.tensor(8.0)), mask / 8)
     assert torch.allclose(grpo.token_weights(mask, "sequence", num_seqs=4), seq / 2)
-    assert torch.equal(grpo.token_weights(torch.zeros(2, 3), "token"), torch.zeros(2, 3))  # nothing valid: 0
+    # nothing valid: 0
+    assert torch.equal(grpo.token_weights(torch.zeros(2, 3), "token"), torch.zeros(2, 3))
 
 
 # -- DAPO Eq. 13: Overlong Reward Shaping (dapo.overlong_penalty) and overlong filtering --
@@ -317,7 +347,8 @@ def test_article_example_prints_the_articles_numbers(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared helpers: tiny models, the tiny run's inputs, and running train.py in a subprocess or under torchrun
+# Shared helpers: tiny models, the tiny run's inputs, and running train.py in a subprocess or under
+# torchrun
 # ---------------------------------------------------------------------------------------------
 
 def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
@@ -327,24 +358,29 @@ def _fake_rollout(rewards: list[list[float]], start: int = 0) -> Rollout:
                    response_ids=torch.ones(N, 2, dtype=torch.long), mask=torch.ones(N, 2),
                    lengths=torch.full((N,), 2), truncated=torch.zeros(N, dtype=torch.bool),
                    logprobs=torch.zeros(N, 2), correct=torch.tensor(rewards).view(-1),
-                   index=torch.arange(start, start + B).repeat_interleave(G))  # [N] prompt positions
+                   # [N] prompt positions
+                   index=torch.arange(start, start + B).repeat_interleave(G))
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=None)
     return LlamaForCausalLM(cfg).eval()
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]]
 
 
-# prompts at a real run's shape: a shared 140-token instruction (longer than a 128-token KV block), then
+# prompts at a real run's shape: a shared 140-token instruction (longer than a 128-token KV block),
+# then
 # each prompt's own 3, 6 and 1 tokens, so the prompts still differ in length and are left-padded
-INSTRUCTION = [int(t) for t in torch.randint(2, 40, (140,), generator=torch.Generator().manual_seed(4))]
+INSTRUCTION = [int(t) for t in torch.randint(2, 40, (140,),
+                                             generator=torch.Generator().manual_seed(4))]
 
 
 LONG_PROMPTS = [INSTRUCTION + p for p in PROMPTS]
@@ -361,38 +397,47 @@ def tiny_run_inputs(tmp_path_factory):
     """A tiny random model with the built-in tokenizer, and small train / eval JSONL files."""
     d = tmp_path_factory.mktemp("tiny")
     tok = builtin.make_tokenizer()
-    model = builtin.make_model(builtin.BaseModelConfig(hidden_size=32, intermediate_size=64, num_layers=2), len(tok))
+    model = builtin.make_model(builtin.BaseModelConfig(hidden_size=32, intermediate_size=64,
+                                                       num_layers=2), len(tok))
     model.save_pretrained(d / "model")
     tok.save_pretrained(d / "model")
-    for name, rows in (("train.jsonl", builtin.sample_problems(64, 1, False)), ("eval.jsonl", builtin.sample_problems(8, 2, True))):
+    for name, rows in (("train.jsonl", builtin.sample_problems(64, 1, False)),
+                       ("eval.jsonl", builtin.sample_problems(8, 2, True))):
         (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # a random model never answers right: this reward (through --reward) gives its groups mixed rewards
-    (d / "tinyreward.py").write_text("def has_x(response, answer):\n    return float('x' in response)\n")
+    # a random model never answers right: this reward (through --reward) gives its groups mixed
+    # rewards
+    (d / "tinyreward.py").write_text("def has_x(response, answer):\n    return float('x' in "
+                                     "response)\n")
     return d
 
 
 def has_x(response: str, answer: str) -> float:
-    """A reward a random model earns sometimes (it never answers right): the tiny runs' groups are mixed."""
+    """A reward a random model earns sometimes (it never answers right): the tiny runs' groups are
+    mixed."""
     return float("x" in response)
 
 
 def _tiny_flags(d, out):
-    """train.py flags for a short CPU run of the tiny model on the tiny data (flags given after these win)."""
-    return ["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--eval-data", str(d / "eval.jsonl"),
-            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12", "--lr", "1e-2",
-            "--reward", "test_grpo:has_x", "--out", str(out), "--device", "cpu"]
+    """train.py flags for a short CPU run of the tiny model on the tiny data (flags given after
+    these win)."""
+    return ["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--eval-data",
+            str(d / "eval.jsonl"),
+            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12", "--lr",
+            "1e-2", "--reward", "test_grpo:has_x", "--out", str(out), "--device", "cpu"]
 
 
 def _weights(folder):
     from transformers import AutoModelForCausalLM
-    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
+    return {k: v.clone() for k,
+            v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
 
 
 def _one_step(d, out, *extra):
     import train
-    train.main([*_tiny_flags(d, out), "--steps", "1", "--eval-every", "5", "--grad-clip", "0", "--algo", "dapo",
-                "--no-dynamic-sampling", *extra])
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][-1]
+    train.main([*_tiny_flags(d, out), "--steps", "1", "--eval-every", "5", "--grad-clip", "0",
+                "--algo", "dapo", "--no-dynamic-sampling", *extra])
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in x][-1]
 
 
 def _read(path: str) -> str:
@@ -406,7 +451,8 @@ def _read(path: str) -> str:
 
 def test_advantages_scales_and_constant_groups():
     r = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.3, 0.3]])
-    # group: [1, 0] has mean 0.5 and Bessel std sqrt(0.5); constant groups are exactly zero, not NaN.
+    # group: [1, 0] has mean 0.5 and Bessel std sqrt(0.5); constant groups are exactly zero, not
+    # NaN.
     g = grpo.group_advantages(r, "group")
     assert torch.allclose(g[0], torch.tensor([0.5, -0.5]) / math.sqrt(0.5), atol=1e-5)
     assert torch.equal(g[1:], torch.zeros(2, 2))
@@ -416,22 +462,27 @@ def test_advantages_scales_and_constant_groups():
     b = grpo.group_advantages(r, "batch")
     assert torch.allclose(b[0], torch.tensor([0.5, -0.5]) / (r.std() + 1e-6), atol=1e-5)
     # batch_std (what train.py computes over all ranks) replaces this share's own std
-    assert torch.allclose(grpo.group_advantages(r, "batch", batch_std=2.0)[0], torch.tensor([0.25, -0.25]), atol=1e-5)
+    assert torch.allclose(grpo.group_advantages(r, "batch", batch_std=2.0)[0],
+                          torch.tensor([0.25, -0.25]), atol=1e-5)
     # a float leftover must not be blown up: rewards equal up to representation stay zero
     assert torch.equal(grpo.group_advantages(torch.full((1, 4), 0.1 + 0.2)), torch.zeros(1, 4))
-    # G = 3 with a constant 0.9: the float32 mean is off by an ulp, which / (std + eps) gives 0.056, not 0
+    # G = 3 with a constant 0.9: the float32 mean is off by an ulp, which / (std + eps) gives 0.056,
+    # not 0
     assert torch.equal(grpo.group_advantages(torch.full((2, 3), 0.9)), torch.zeros(2, 3))
     with pytest.raises(ValueError):
         grpo.group_advantages(r, "bogus")
     # a rank that dynamic sampling left without a group: [0, G], quietly (no torch std warning)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert all(grpo.group_advantages(torch.zeros(0, 4), s).shape == (0, 4) for s in ("group", "batch", "none"))
+        assert all(grpo.group_advantages(torch.zeros(0, 4), s).shape == (0, 4)
+                   for s in ("group", "batch", "none"))
 
 
 def test_advantages_keep_their_sign_when_the_std_is_below_eps():
-    # rewards 0 and 1e-7: std 7.1e-8 < eps = 1e-6, so std + eps is eps-sized and the advantages are small, with
-    # the sign of r - mean (std - eps would be negative and flip them: the better answer pushed down)
+    # rewards 0 and 1e-7: std 7.1e-8 < eps = 1e-6, so std + eps is eps-sized and the advantages are
+    # small, with
+    # the sign of r - mean (std - eps would be negative and flip them: the better answer pushed
+    # down)
     r = torch.tensor([[0.0, 1e-7], [1.0, 0.0]])
     for scale, kw in (("group", {}), ("batch", {"batch_std": 5e-7})):
         adv = grpo.group_advantages(r, scale, **kw)
@@ -443,19 +494,23 @@ def test_policy_loss_kl_term_and_ratio_one_gradient():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0]])
     mask = torch.ones(1, 2)
-    loss, m = grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, grpo.token_weights(mask),
-                               ref_logp=ref, beta=0.1)
+    loss, m = grpo.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask,
+                               grpo.token_weights(mask), ref_logp=ref, beta=0.1)
     k3 = math.exp(-0.5) + 0.5 - 1  # first token; the second is 0
     assert abs(loss.item() - 0.1 * k3 / 2) < 1e-6 and abs(m["kl"] - k3 / 2) < 1e-6
-    # with mu = 1 (old = current) the surrogate's value is -A but its gradient is the policy gradient A * grad logp
+    # with mu = 1 (old = current) the surrogate's value is -A but its gradient is the policy
+    # gradient A * grad logp
     logp2 = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss2, _ = grpo.policy_loss(logp2, logp2.detach(), torch.tensor([2.0]), mask, grpo.token_weights(mask))
+    loss2, _ = grpo.policy_loss(logp2, logp2.detach(), torch.tensor([2.0]), mask,
+                                grpo.token_weights(mask))
     loss2.backward()
-    assert abs(loss2.item() + 2.0) < 1e-6 and torch.allclose(logp2.grad, torch.tensor([[-1.0, -1.0]]))
+    assert (abs(loss2.item() + 2.0) < 1e-6
+            and torch.allclose(logp2.grad, torch.tensor([[-1.0, -1.0]])))
 
 
 def test_reductions_differ_on_unequal_lengths():
-    # Two responses with advantages +1 and -1 at ratio 1: per-token losses -1 (1 token) and +1 (3 tokens).
+    # Two responses with advantages +1 and -1 at ratio 1: per-token losses -1 (1 token) and +1 (3
+    # tokens).
     logp = torch.zeros(2, 3)
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
@@ -464,7 +519,8 @@ def test_reductions_differ_on_unequal_lengths():
     tok, _ = ppo(logp, logp, adv, mask, reduction="token")
     const, _ = ppo(logp, logp, adv, mask, reduction="constant", max_len=5)
     assert abs(seq.item() - 0.0) < 1e-6            # (-1/1 + 3/3) / 2: each response weighs the same
-    assert abs(tok.item() - 0.5) < 1e-6            # (-1 + 3) / 4 valid tokens: each token weighs the same
+    # (-1 + 3) / 4 valid tokens: each token weighs the same
+    assert abs(tok.item() - 0.5) < 1e-6
     assert abs(const.item() - 0.2) < 1e-6          # (-1 + 3) / (2 * 5)
     # padding never counts: garbage in masked positions changes nothing
     logp_garbage = logp.clone()
@@ -475,42 +531,50 @@ def test_reductions_differ_on_unequal_lengths():
     halves = [ppo(logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1], reduction="token",
                   num_tokens=torch.tensor(4.0))[0] for i in range(2)]
     assert abs(sum(h.item() for h in halves) - 0.5) < 1e-6
-    # and a global response count: halves that do not cancel (a reduction ignoring num_seqs doubles them)
+    # and a global response count: halves that do not cancel (a reduction ignoring num_seqs doubles
+    # them)
     adv2 = torch.tensor([1.0, 0.5])
     for reduction, whole in (("sequence", -0.75), ("constant", -(1 + 1.5) / (2 * 5))):
         full, _ = ppo(logp, logp, adv2, mask, reduction=reduction, max_len=5)
-        halves = [ppo(logp[i:i + 1], logp[i:i + 1], adv2[i:i + 1], mask[i:i + 1], reduction=reduction,
-                      num_seqs=2, max_len=5)[0] for i in range(2)]
+        halves = [ppo(logp[i:i + 1], logp[i:i + 1], adv2[i:i + 1], mask[i:i + 1],
+                      reduction=reduction, num_seqs=2, max_len=5)[0] for i in range(2)]
         assert abs(full.item() - whole) < 1e-6 and abs(sum(h.item() for h in halves) - whole) < 1e-6
 
 
 def test_filtered_responses_leave_the_denominators():
-    # overlong filtering zeroes a truncated response's mask row: it is out of the loss, and out of N too
+    # overlong filtering zeroes a truncated response's mask row: it is out of the loss, and out of N
+    # too
     # (as in verl; TRL keeps counting it, which shrinks the loss of every other response)
     logp, adv = torch.zeros(2, 2), torch.tensor([1.0, 1.0])
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     for reduction, want in (("sequence", -1.0), ("token", -1.0), ("constant", -1.0)):
-        loss, _ = grpo.ppo_loss(logp, logp, adv, mask, grpo.token_weights(mask, reduction, max_len=2))
+        loss, _ = grpo.ppo_loss(logp, logp, adv, mask,
+                                grpo.token_weights(mask, reduction, max_len=2))
         assert abs(loss.item() - want) < 1e-6, reduction
 
 
 def test_policy_loss_guards_log_ratio_and_dual_clip():
-    # a log-ratio of 100 (a stale old log-prob) would give exp(100) = inf and a NaN gradient: clamped to 20
+    # a log-ratio of 100 (a stale old log-prob) would give exp(100) = inf and a NaN gradient:
+    # clamped to 20
     logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-100.0, -1.0]])
     w = grpo.token_weights(torch.ones(1, 2))
-    loss, m = grpo.ppo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), w, eps_low=0.2, eps_high=0.2)
+    loss, m = grpo.ppo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), w, eps_low=0.2,
+                            eps_high=0.2)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
-    # dual-clip, A = -1: ratio 5 gives a PPO loss of 5, capped at clip_c * |A| = 3, with no gradient there;
+    # dual-clip, A = -1: ratio 5 gives a PPO loss of 5, capped at clip_c * |A| = 3, with no gradient
+    # there;
     # ratio 2 (loss 2 < 3) is left alone
     logp = torch.log(torch.tensor([[5.0, 2.0]])).requires_grad_()
-    loss, m = grpo.ppo_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), w, clip_c=3.0)
+    loss, m = grpo.ppo_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), w,
+                            clip_c=3.0)
     loss.backward()
     assert abs(loss.item() - (3.0 + 2.0) / 2) < 1e-5 and m["clip/dual_frac"] == 0.5
     assert logp.grad[0, 0] == 0.0 and logp.grad[0, 1] != 0.0
     # positive advantages are never dual-clipped
-    loss, m = grpo.ppo_loss(logp.detach(), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), w, clip_c=3.0)
+    loss, m = grpo.ppo_loss(logp.detach(), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                            w, clip_c=3.0)
     assert m["clip/dual_frac"] == 0.0 and abs(loss.item() + 1.2) < 1e-5
     with pytest.raises(ValueError):
         grpo.ppo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), w, clip_c=0.5)
@@ -519,14 +583,18 @@ def test_policy_loss_guards_log_ratio_and_dual_clip():
 def test_kl_metric_counts_valid_tokens_only():
     logp, mask = torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 0.0]])
     ref = torch.tensor([[-0.5, 9.0, 9.0]])                  # garbage after the response's end
-    _, m = grpo.policy_loss(logp, logp, torch.tensor([0.0]), mask, grpo.token_weights(mask), ref_logp=ref, beta=0.1)
+    _, m = grpo.policy_loss(logp, logp, torch.tensor([0.0]), mask, grpo.token_weights(mask),
+                            ref_logp=ref, beta=0.1)
     assert abs(m["kl"] - (math.exp(-0.5) + 0.5 - 1)) < 1e-6
 
 
-def _reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_len=None, num_seqs=None):
-    """The three reductions written out (the reference for token_weights): "sequence" = the sum of each
-    response's token mean / num_seqs (default: the non-empty rows), "token" = the masked sum / num_tokens
-    (default: mask.sum()), "constant" = the masked sum / (num_seqs * max_len) (default max_len: T)."""
+def _reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_len=None,
+                    num_seqs=None):
+    """The three reductions written out (the reference for token_weights): "sequence" = the sum of
+    each
+    response's token mean / num_seqs (default: the non-empty rows), "token" = the masked sum /
+    num_tokens (default: mask.sum()), "constant" = the masked sum / (num_seqs * max_len) (default
+    max_len: T)."""
     rows = mask.sum(-1)                                                       # [N]
     n = (rows > 0).sum() if num_seqs is None else num_seqs
     if reduction == "sequence":
@@ -541,35 +609,45 @@ def _reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_
 #
 # The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
 # PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
-# verl cannot be imported here (it pulls ray, omegaconf, ...); the same inputs were also checked once
+# verl cannot be imported here (it pulls ray, omegaconf, ...); the same inputs were also checked
+# once
 # against the real functions (see the README section "Other objectives").
 # ---------------------------------------------------------------------------------------------
 
 def _verl_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None):
-    """verl agg_loss: "token-mean" = masked sum / global tokens; "seq-mean-token-mean" = the mean over
-    non-empty responses of each one's token mean (token count + 1e-8), summed and / global responses."""
+    """verl agg_loss: "token-mean" = masked sum / global tokens; "seq-mean-token-mean" = the mean
+    over
+    non-empty responses of each one's token mean (token count + 1e-8), summed and / global
+    responses."""
     if mode == "token-mean":
         return (loss_mat * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
     per_row = mask.sum(-1)
     row_mean = (loss_mat * mask).sum(-1) / (per_row + 1e-8)
-    return (row_mean * (per_row > 0)).sum() / ((per_row > 0).sum() if num_seqs is None else num_seqs)
+    return (row_mean * (per_row > 0)).sum() / ((per_row > 0).sum() if num_seqs is None
+                                               else num_seqs)
 
 
 def _verl_gspo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
-    """verl compute_policy_loss_gspo: token ratio with value s_i = exp(masked mean of logp - old) and the
-    gradient of logp (log-space: sg(log s_i) + logp - sg(logp), capped at 10), PPO's max of the two losses."""
+    """verl compute_policy_loss_gspo: token ratio with value s_i = exp(masked mean of logp - old)
+    and the
+    gradient of logp (log-space: sg(log s_i) + logp - sg(logp), capped at 10), PPO's max of the two
+    losses."""
     log_s = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     log_tok = torch.clamp(log_s.detach()[:, None] + logp - logp.detach(), max=10.0)
     s = log_tok.exp()
     loss_mat = torch.maximum(-adv_tok * s, -adv_tok * s.clamp(1 - clip_low, 1 + clip_high))
-    return _verl_agg(loss_mat * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
+    return _verl_agg(loss_mat * (1 if rollout_is_weights is None else rollout_is_weights), mask,
+                     mode)
 
 
 def _verl_cispo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
-    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 + high)) * A * logp;
+    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 +
+    high)) * A * logp;
     rollout_is_weights (verl's rollout correction, e.g. truncated IS) multiply each token's loss."""
-    w = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(1 - clip_low, 1 + clip_high).detach()
-    return _verl_agg(-w * adv_tok * logp * (1 if rollout_is_weights is None else rollout_is_weights), mask, mode)
+    w = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(1 - clip_low,
+                                                                   1 + clip_high).detach()
+    return _verl_agg(-w * adv_tok * logp * (1 if rollout_is_weights is None
+                                            else rollout_is_weights), mask, mode)
 
 
 def _verl_kl(logp, ref_logp, name):
@@ -583,7 +661,8 @@ def _verl_kl(logp, ref_logp, name):
 
 
 def _random_policy_batch(seed, spread, N=6, T=7):
-    """logp [N, T] (requires grad), old logp, advantages [N], mask from lengths 1..T (no empty row)."""
+    """logp [N, T] (requires grad), old logp, advantages [N], mask from lengths 1..T (no empty
+    row)."""
     g = torch.Generator().manual_seed(seed)
     old = torch.randn(N, T, generator=g, dtype=torch.float64) - 2.0
     logp = (old + spread * torch.randn(N, T, generator=g, dtype=torch.float64)).requires_grad_(True)
@@ -600,24 +679,29 @@ def _value_and_grad(fn, logp):
     return loss.detach(), logp.grad.clone()
 
 
-@pytest.mark.parametrize("name,mine", [("k1", grpo.kl_k1), ("mse", grpo.kl_k2), ("low_var_kl", grpo.kl_k3)])
+@pytest.mark.parametrize("name,mine", [("k1", grpo.kl_k1), ("mse", grpo.kl_k2),
+                                       ("low_var_kl", grpo.kl_k3)])
 def test_kl_estimators_equal_verl_kl_penalty(name, mine):
     logp, _, _, _ = _random_policy_batch(0, 1.0)
     ref = torch.randn_like(logp) - 2.0
     got, g_got = _value_and_grad(lambda: mine(logp, ref).sum(), logp)
     want, g_want = _value_and_grad(lambda: _verl_kl(logp, ref, name).sum(), logp)
     assert torch.allclose(got, want, atol=1e-12) and torch.allclose(g_got, g_want, atol=1e-12)
-    # by hand: pi = 0.5, pi_ref = 0.25: k1 = log 2, k2 = (log 2)^2 / 2, k3 = 0.5 - log 0.5 - 1 = log 2 - 0.5
+    # by hand: pi = 0.5, pi_ref = 0.25: k1 = log 2, k2 = (log 2)^2 / 2, k3 = 0.5 - log 0.5 - 1 = log
+    # 2 - 0.5
     a, b = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     hand = {"k1": math.log(2), "mse": math.log(2) ** 2 / 2, "low_var_kl": math.log(2) - 0.5}[name]
     assert abs(mine(a, b).item() - hand) < 1e-6
 
 
 def test_kl_estimators_expected_gradients_on_policy():
-    # Exact expectations over a 5-token vocabulary: E_{x ~ pi}[grad k(x)] with pi's weights detached.
-    # k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's is the gradient
+    # Exact expectations over a 5-token vocabulary: E_{x ~ pi}[grad k(x)] with pi's weights
+    # detached.
+    # k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's is the
+    # gradient
     # of the reverse KL(ref || pi), hence biased for KL(pi || ref).
-    theta, ref = torch.randn(5, dtype=torch.float64, requires_grad=True), torch.log_softmax(torch.randn(5).double(), 0)
+    theta, ref = torch.randn(5, dtype=torch.float64,
+                             requires_grad=True), torch.log_softmax(torch.randn(5).double(), 0)
 
     def grad(f):
         theta.grad = None
@@ -637,45 +721,55 @@ def test_kl_estimators_expected_gradients_on_policy():
 def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
     logp, old, adv, mask = _random_policy_batch(seed, 0.1)
     wt = grpo.token_weights(mask, reduction)                                  # [N, T]
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
-                                                      mode), logp)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask,
+                                                      eps_low, eps_high, mode), logp)
     for fn in (variants.gspo_loss, variants.gspo_token_loss):
         got, g_got = _value_and_grad(lambda: fn(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)  # noqa: B023
         assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     # per-token advantages: only the token form takes them
     adv_tok = torch.randn_like(mask)
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt, eps_low,
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
+                                                      mode), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt,
+                                                                  eps_low,
                                                                  eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     with pytest.raises(ValueError):
         variants.gspo_loss(logp, old, adv_tok, mask, wt)
     # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
     w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high, mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt * w, eps_low,
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
+                                                      mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt * w,
+                                                                  eps_low,
                                                                  eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
-    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0], want)
+    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0],
+                          want)
     m = variants.gspo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[1]
     return m["clip/low_frac"] + m["clip/high_frac"]
 
 
-@pytest.mark.parametrize("reduction,mode", [("sequence", "seq-mean-token-mean"), ("token", "token-mean")])
+@pytest.mark.parametrize("reduction,mode",
+                         [("sequence", "seq-mean-token-mean"), ("token", "token-mean")])
 def test_gspo_equals_verl_gspo_values_and_gradients(reduction, mode):
-    # bounds wider than the paper's 3e-4 / 4e-4 so that these batches have clipped and unclipped rows
+    # bounds wider than the paper's 3e-4 / 4e-4 so that these batches have clipped and unclipped
+    # rows
     clipped = [_check_gspo_against_verl(seed, reduction, mode, 0.02, 0.03) for seed in range(4)]
     assert 0 < sum(clipped) < len(clipped)  # both kinds of rows were exercised
     _check_gspo_against_verl(0, reduction, mode, variants.GSPO_EPS_LOW, variants.GSPO_EPS_HIGH)
 
 
 def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradient():
-    # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The gradient of
-    # each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token with A_i on each token.
+    # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The
+    # gradient of
+    # each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token with A_i on
+    # each token.
     logp, _, adv, mask = _random_policy_batch(3, 0.0)
     old = logp.detach().clone()
-    wt = grpo.token_weights(mask)                                             # [N, T], sequence mean
+    # [N, T], sequence mean
+    wt = grpo.token_weights(mask)
     loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask, wt)[0], logp)
     _, g_tok = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, wt)[0],
                                logp)
@@ -687,35 +781,41 @@ def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradi
 def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
     logp, old, adv, mask = _random_policy_batch(seed, 0.4)
     wt = grpo.token_weights(mask, reduction)                                  # [N, T]
-    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
-                                                       mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask),
+                                                       mask, eps_low, eps_high, mode), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt, eps_low,
+                                                             eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
-    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high,
-                                                       mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0],
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask),
+                                                       mask, eps_low, eps_high, mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt * w, eps_low,
+                                                             eps_high)[0],
                                  logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     m = variants.cispo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[1]
     return m["clip/low_frac"] + m["clip/high_frac"]
 
 
-@pytest.mark.parametrize("reduction,mode", [("token", "token-mean"), ("sequence", "seq-mean-token-mean")])
+@pytest.mark.parametrize("reduction,mode",
+                         [("token", "token-mean"), ("sequence", "seq-mean-token-mean")])
 def test_cispo_equals_verl_cispo_values_and_gradients(reduction, mode):
     clipped = [_check_cispo_against_verl(seed, reduction, mode, 0.2, 0.28) for seed in range(3)]
     assert 0 < sum(clipped) < len(clipped)
     _check_cispo_against_verl(3, reduction, mode, variants.CISPO_EPS_LOW, variants.CISPO_EPS_HIGH)
-    # a clipped token keeps its gradient: ratio e^1 > 1.28, gradient -1.28 * A (here A = 1, one token)
+    # a clipped token keeps its gradient: ratio e^1 > 1.28, gradient -1.28 * A (here A = 1, one
+    # token)
     one = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
-    loss, m = variants.cispo_loss(one, torch.full((1, 1), -1.0, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+    loss, m = variants.cispo_loss(one, torch.full((1, 1), -1.0, dtype=torch.float64),
+                                  torch.ones(1, dtype=torch.float64),
                                   torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28)
     loss.backward()
     assert abs(one.grad.item() + 1.28) < 1e-12 and m["clip/high_frac"] == 1.0
 
 
 def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
-    # (per_token * token_weights).sum() is each reduction's formula; policy_loss(beta) is the beta = 0 loss
+    # (per_token * token_weights).sum() is each reduction's formula; policy_loss(beta) is the beta =
+    # 0 loss
     # plus beta * kl_term(k3), the article's one reduction of surrogate + beta * KL per token
     from functools import partial
     logp, old, adv, mask = _random_policy_batch(4, 0.3)
@@ -730,30 +830,38 @@ def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
         assert torch.allclose(base, _reduce_by_hand(per_token, mask, **kw), atol=1e-12)
         with_kl, m = grpo.policy_loss(logp, old, adv, mask, w, ppo, ref_logp=ref, beta=0.04)
         kl, mk = grpo.kl_term(logp, ref, mask, w, grpo.kl_k3)
-        assert torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12) and abs(m["kl"] - mk["kl"]) < 1e-9
+        assert (torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12)
+                and abs(m["kl"] - mk["kl"]) < 1e-9)
         want = _reduce_by_hand(per_token + 0.04 * grpo.kl_k3(logp, ref), mask, **kw)
         assert torch.allclose(with_kl, want, atol=1e-12)
-        k2, mk2 = grpo.kl_term(logp, ref, mask, w, grpo.kl_k2)  # another estimator: same "kl" metric (k3)
+        # another estimator: same "kl" metric (k3)
+        k2, mk2 = grpo.kl_term(logp, ref, mask, w, grpo.kl_k2)
         assert torch.allclose(k2, _reduce_by_hand(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
     with pytest.raises(ValueError):
         grpo.token_weights(mask, "mean")
 
 
 @pytest.mark.parametrize("name,fn", [
-    ("gspo", lambda lp, old, adv, mask, w: variants.gspo_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
-    ("gspo-token", lambda lp, old, adv, mask, w: variants.gspo_token_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
-    ("cispo", lambda lp, old, adv, mask, w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
+    ("gspo", lambda lp, old, adv, mask, w: variants.gspo_loss(lp, old, adv, mask, w, 0.02,
+                                                              0.03)[0]),
+    ("gspo-token", lambda lp, old, adv, mask,
+     w: variants.gspo_token_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
+    ("cispo", lambda lp, old, adv, mask,
+     w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
     ("kl-k2", lambda lp, old, adv, mask, w: grpo.kl_term(lp, old, mask, w, grpo.kl_k2)[0]),
     ("tis", lambda lp, old, adv, mask, w: variants.cispo_loss(
-        lp, old, adv, mask, w * variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask, 1.2))[0]),
+        lp, old, adv, mask, w * variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask,
+                                                     1.2))[0]),
 ])
 @pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
 def test_variant_losses_add_up_over_micro_batches(name, fn, reduction):
     # two micro-batches with the step's global denominators give the full batch's loss and gradient
     logp, old, adv, mask = _random_policy_batch(5, 0.05)
     kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=9, num_seqs=6)
-    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, grpo.token_weights(mask, **kw)), logp)
-    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s], grpo.token_weights(mask[s], **kw))
+    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, grpo.token_weights(mask, **kw)),
+                                   logp)
+    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s],
+                                                    grpo.token_weights(mask[s], **kw))
                                                  for s in (slice(0, 2), slice(2, 6))), logp)
     assert torch.allclose(full, parts, atol=1e-12) and torch.allclose(g_full, g_parts, atol=1e-12)
 
@@ -764,7 +872,8 @@ def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
     logits = (3 * torch.randn(4, 5, 11)).requires_grad_(True)  # token_entropy works in float32
     mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 4])[:, None]).float()
     kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=6, num_seqs=4)
-    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask, grpo.token_weights(mask, **kw))[0]
+    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask,
+                                 grpo.token_weights(mask, **kw))[0]
     (g_got,) = torch.autograd.grad(got, logits)
     x = logits / 0.7
     naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # [N, T]
@@ -773,15 +882,18 @@ def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(g_got, g_want, atol=1e-6)
     # micro-batches with global denominators add up, as the losses do
     parts = sum(variants.entropy_bonus(variants.token_entropy(logits[s], 0.7), mask[s],
-                                       grpo.token_weights(mask[s], **kw))[0] for s in (slice(0, 1), slice(1, 4)))
+                                       grpo.token_weights(mask[s], **kw))[0]
+                                       for s in (slice(0, 1), slice(1, 4)))
     assert torch.allclose(parts, want, atol=1e-5)
 
 
 def test_tis_weights_are_one_when_sampler_agrees_and_capped():
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert torch.equal(variants.tis_weights(old, old.detach(), mask, 2.0), torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
-    # pi_old / pi_sampler = 10 -> capped at 2; 1.5 -> kept; 0.25 -> kept (truncation is from above only)
+    assert torch.equal(variants.tis_weights(old, old.detach(), mask, 2.0),
+                       torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    # pi_old / pi_sampler = 10 -> capped at 2; 1.5 -> kept; 0.25 -> kept (truncation is from above
+    # only)
     sampler = old.detach() - torch.tensor([[math.log(10.0), math.log(1.5), math.log(0.25), 5.0]])
     w = variants.tis_weights(old, sampler, mask, 2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.5, 0.25, 0.0]])) and not w.requires_grad
@@ -791,22 +903,28 @@ def test_tis_weights_are_one_when_sampler_agrees_and_capped():
 
 def test_mismatch_metrics_by_hand():
     old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
-    sampler = torch.tensor([[-1.0, -2.5, -2.0], [-1.2, float("-inf"), 0.0]])  # padding may hold anything
+    # padding may hold anything
+    sampler = torch.tensor([[-1.0, -2.5, -2.0], [-1.2, float("-inf"), 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     m = variants.mismatch_metrics(old, sampler, mask)
-    # |delta| = 0, 0.5, 1.0, 0.2 over 4 valid tokens; k3(sampler, old) = e^d - d - 1 with d = old - sampler
+    # |delta| = 0, 0.5, 1.0, 0.2 over 4 valid tokens; k3(sampler, old) = e^d - d - 1 with d = old -
+    # sampler
     k3 = sum(math.exp(d) - d - 1 for d in (0.0, 0.5, -1.0, 0.2)) / 4
-    assert abs(m["mismatch/logp_abs_mean"] - 1.7 / 4) < 1e-6 and abs(m["mismatch/logp_abs_max"] - 1.0) < 1e-6
+    assert (abs(m["mismatch/logp_abs_mean"] - 1.7 / 4) < 1e-6
+            and abs(m["mismatch/logp_abs_max"] - 1.0) < 1e-6)
     assert abs(m["mismatch/kl"] - k3) < 1e-6
-    assert variants.mismatch_metrics(old, old, mask) == {"mismatch/logp_abs_mean": 0.0, "mismatch/logp_abs_max": 0.0,
+    assert variants.mismatch_metrics(old, old, mask) == {"mismatch/logp_abs_mean": 0.0,
+                                                         "mismatch/logp_abs_max": 0.0,
                                                           "mismatch/kl": 0.0}
 
 
 def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
-    assert set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"} and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    assert (set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"}
+            and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"})
     a = flags.parse_train_args(["--loss", "gspo"])
     assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
-    a = flags.parse_train_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])  # a flag given wins
+    # a flag given wins
+    a = flags.parse_train_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])
     assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
     a = flags.parse_train_args(["--algo", "dapo"])
     assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
@@ -817,31 +935,37 @@ def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
     ref, w = torch.randn_like(old) - 2.0, torch.rand_like(old)
     ratio = torch.exp(logp - old)
     per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
-    got, _ = grpo.policy_loss(logp, old, adv, mask, grpo.token_weights(mask, "token"), ref_logp=ref, beta=0.1,
-                              is_weights=w)
+    got, _ = grpo.policy_loss(logp, old, adv, mask, grpo.token_weights(mask, "token"), ref_logp=ref,
+                              beta=0.1, is_weights=w)
     want = _reduce_by_hand(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
     assert torch.allclose(got, want, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
-# dapo.py: dynamic sampling over ranks, mini-batches of whole groups, DAPO with its fixes off is GRPO
+# dapo.py: dynamic sampling over ranks, mini-batches of whole groups, DAPO with its fixes off is
+# GRPO
 # ---------------------------------------------------------------------------------------------
 
 def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
-    rounds = [[[1, 0], [1, 1], [0, 1], [0, 0]], [[1, 0], [1, 0], [0, 0], [0, 1]]]  # informative: 2, then 3
+    # informative: 2, then 3
+    rounds = [[[1, 0], [1, 1], [0, 1], [0, 0]], [[1, 0], [1, 0], [0, 0], [0, 1]]]
     draw = lambda r: (_fake_rollout(rounds[r], start=10 * r), {"round": r})  # noqa: E731
     roll, st, drawn = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
     # the first two informative groups of round 0, then the first two of round 1
     assert [p[0] for p in roll.prompts] == [0, 2, 10, 11] and st["sampling/rounds"] == 2
-    # every round drawn comes back whole (all 4 groups, kept or not), with what draw returned beside it
-    assert [(r.num_groups, r.prompts[0][0], info) for r, info in drawn] == [(4, 0, {"round": 0}), (4, 10, {"round": 1})]
+    # every round drawn comes back whole (all 4 groups, kept or not), with what draw returned beside
+    # it
+    assert [(r.num_groups, r.prompts[0][0], info) for r, info in drawn] == [(4, 0, {"round": 0}),
+                                                                            (4, 10, {"round": 1})]
     assert st["sampling/groups_drawn"] == 8 and st["sampling/batch_full"] == 1.0
     # round limit: trains on what it has
     roll, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
     assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0 and len(drawn) == 2
-    # two ranks, each drawing half of each round's prompts, in blocks (groups 0-1, 2-3) or every other
+    # two ranks, each drawing half of each round's prompts, in blocks (groups 0-1, 2-3) or every
+    # other
     # one (0, 2 and 1, 3, as train.draw_round spreads them): together they keep the same groups
-    # (and with target 1, of informative groups 1 and 2 both keep group 1, the first in prompt order,
+    # (and with target 1, of informative groups 1 and 2 both keep group 1, the first in prompt
+    # order,
     # though every other one puts group 2 first in rank order)
     for share, target, want in [(lambda k: torch.arange(4) // 2 == k, 4, [0, 2, 10, 11]),
                                 (lambda k: torch.arange(4) % 2 == k, 4, [0, 2, 10, 11]),
@@ -856,17 +980,21 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
                 state["round"] = r
                 return halves[(r, k)], {}
 
-            def gather_k(mine, state=state, halves=halves):  # all_gather's: both ranks' x, rank order
+            # all_gather's: both ranks' x, rank order
+            def gather_k(mine, state=state, halves=halves):
                 of = lambda h: (dapo.keep_groups(h.correct.view(-1, 2)) if mine.dtype == torch.bool  # noqa: E731
                                 else h.index[::2])
                 return [of(halves[(state["round"], j)]) for j in range(2)]
-            roll_k, _, _ = dapo.dynamic_sampling(draw_k, target, len(rounds), gather=gather_k, rank=k)
-            kept += [p[0] for p in roll_k.prompts]               # a rank that keeps nothing: Rollout.empty
+            roll_k, _, _ = dapo.dynamic_sampling(draw_k, target, len(rounds), gather=gather_k,
+                                                 rank=k)
+            # a rank that keeps nothing: Rollout.empty
+            kept += [p[0] for p in roll_k.prompts]
         assert sorted(kept) == want
 
 
 class _StubRanks:
-    """What minibatch_rows needs of Dist for rank `rank` of len(idx) ranks, each holding groups idx[r]."""
+    """What minibatch_rows needs of Dist for rank `rank` of len(idx) ranks, each holding groups
+    idx[r]."""
 
     def __init__(self, idx, rank):
         self.idx, self.rank = idx, rank
@@ -891,18 +1019,21 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
                 out.setdefault(k, []).extend(roll.index[rows][::G].tolist())
         return [sorted(v) for _, v in sorted(out.items())]
 
-    # dynamic sampling's kept groups: rank 0 holds prompts 0, 2, 9 and rank 1 holds 4, 5, 12 (two rounds)
+    # dynamic sampling's kept groups: rank 0 holds prompts 0, 2, 9 and rank 1 holds 4, 5, 12 (two
+    # rounds)
     one = groups([[0, 2, 4, 5, 9, 12]], 3)
     assert one == [[0, 2], [4, 5], [9, 12]]             # thirds of the global prompt order
     assert groups([[0, 2, 9], [4, 5, 12]], 3) == one    # not each rank's own thirds
     assert groups([[0, 2, 9], [4, 5, 12]], 1) == [[0, 2, 4, 5, 9, 12]]
-    assert groups([[0], [4]], 4) == [[0], [4]]          # fewer groups than mini-batches: no empty updates
+    # fewer groups than mini-batches: no empty updates
+    assert groups([[0], [4]], 4) == [[0], [4]]
     assert groups([[], [4, 5]], 2) == [[4], [5]]        # a rank that kept nothing still takes part
     assert update.minibatch_rows(Rollout.empty(G, 0), 2, _StubRanks([[], []], 0)) == []
 
 
 def test_every_rank_has_rows_in_every_mini_batch_update():
-    # train.draw_round spreads a step's prompts over the ranks every W-th, so each mini-batch (a K-th of
+    # train.draw_round spreads a step's prompts over the ranks every W-th, so each mini-batch (a
+    # K-th of
     # the step's prompt order) holds as many rows on every rank: with blocks of prompts per rank, at
     # K >= W each update's rows would sit on one rank while the others ran zero-weight passes
     from types import SimpleNamespace
@@ -912,9 +1043,10 @@ def test_every_rank_has_rows_in_every_mini_batch_update():
     args = flags.parse_train_args(["--prompts-per-step", str(B), "--group-size", str(G)])
     sample = lambda model, prompts, *a, **k: _fake_rollout([[0.0] * G] * len(prompts))  # noqa: E731
     task = train.Task(rows=builtin.sample_problems(16, 1, False), encode=lambda p: [3, 4],
-                      decode=lambda roll, i: "x", reward_fn=data.as_reward(lambda r, a: 1.0), eos=[1],
-                      pad=0, sample=sample)
-    idx = [train.draw_round(None, task, args, SimpleNamespace(rank=k, world=W), 40)[0].index[::G].tolist()
+                      decode=lambda roll, i: "x", reward_fn=data.as_reward(lambda r, a: 1.0),
+                      eos=[1], pad=0, sample=sample)
+    idx = [train.draw_round(None, task, args, SimpleNamespace(rank=k, world=W),
+                            40)[0].index[::G].tolist()
            for k in range(W)]
     assert sorted(idx[0] + idx[1]) == list(range(40, 40 + B))       # the step's prompts, each once
     for K in (1, 2, 4):                                               # up to a group per rank each
@@ -926,13 +1058,15 @@ def test_every_rank_has_rows_in_every_mini_batch_update():
 
 
 def test_dapo_with_fixes_off_is_grpo():
-    """DAPO with all four fixes off resolves to exactly GRPO's settings (see also the end-to-end check)."""
-    off = ["--eps-high", "0.2", "--reduction", "sequence", "--no-dynamic-sampling", "--no-overlong-filter",
-           "--no-overlong-penalty", "--beta", "0.04", "--wrong-reward", "0"]
+    """DAPO with all four fixes off resolves to exactly GRPO's settings (see also the end-to-end
+    check)."""
+    off = ["--eps-high", "0.2", "--reduction", "sequence", "--no-dynamic-sampling",
+           "--no-overlong-filter", "--no-overlong-penalty", "--beta", "0.04", "--wrong-reward", "0"]
     a = flags.parse_train_args(["--algo", "dapo", *off])
     b = flags.parse_train_args(["--algo", "grpo"])
     assert {**vars(a), "algo": None} == {**vars(b), "algo": None}
-    # and the loss pieces: no truncation -> the filter changes nothing; token == sequence on equal lengths
+    # and the loss pieces: no truncation -> the filter changes nothing; token == sequence on equal
+    # lengths
     logp, adv, mask = torch.randn(4, 3), torch.randn(4), torch.ones(4, 3)
     assert torch.equal(dapo.overlong_filter(mask, torch.zeros(4, dtype=torch.bool)), mask)
     s = grpo.policy_loss(logp, logp.detach(), adv, mask, grpo.token_weights(mask, "sequence"))[0]
@@ -945,28 +1079,36 @@ def test_dapo_with_fixes_off_is_grpo():
 # ---------------------------------------------------------------------------------------------
 
 def _hand_rolled_update(model, ref, roll, advantages, mask, args):
-    """What update_policy must equal: per mini-batch (the k-th K-th of the groups), one loss over all its rows at
-    once (per_response_logprobs, token_weights of the mini-batch's own rows), one backward, clip the whole gradient, one
-    SGD step; old log-probs of the sampling policy, computed once before the first update. Returns the losses."""
+    """What update_policy must equal: per mini-batch (the k-th K-th of the groups), one loss over
+    all its rows at
+    once (per_response_logprobs, token_weights of the mini-batch's own rows), one backward, clip the
+    whole gradient, one SGD step; old log-probs of the sampling policy, computed once before the
+    first update. Returns the losses."""
     from functools import partial
 
     from logprobs import per_response_logprobs
     N, G = roll.response_ids.shape[0], roll.G
     every = slice(0, N)
     with torch.no_grad():
-        old = per_response_logprobs(model, roll, every, args.temperature)[0]                    # [N, T]
-        ref_logp = per_response_logprobs(ref, roll, every, args.temperature)[0] if ref is not None else None
+        # [N, T]
+        old = per_response_logprobs(model, roll, every, args.temperature)[0]
+        ref_logp = per_response_logprobs(ref, roll, every,
+                                         args.temperature)[0] if ref is not None else None
     groups, losses = N // G, []
-    bounds = [-(-k * groups // args.mini_batches) * G for k in range(args.mini_batches + 1)]  # p * K // B == k
+    # p * K // B == k
+    bounds = [-(-k * groups // args.mini_batches) * G for k in range(args.mini_batches + 1)]
     for _ in range(args.mu):
         for a, b in zip(bounds, bounds[1:]):
             s = slice(a, b)
             model.zero_grad(set_to_none=True)
-            logp = per_response_logprobs(model, roll, s, args.temperature)[0]                   # [n, T]
-            w = grpo.token_weights(mask[s], args.reduction, max_len=args.max_new_tokens)      # [n, T]
+            # [n, T]
+            logp = per_response_logprobs(model, roll, s, args.temperature)[0]
+            # [n, T]
+            w = grpo.token_weights(mask[s], args.reduction, max_len=args.max_new_tokens)
             ppo = partial(grpo.ppo_loss, eps_low=args.eps_low, eps_high=args.eps_high)
             loss, _ = grpo.policy_loss(logp, old[s], advantages[s], mask[s], w, ppo,
-                                       ref_logp=None if ref is None else ref_logp[s], beta=args.beta)
+                                       ref_logp=None if ref is None else ref_logp[s],
+                                       beta=args.beta)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             with torch.no_grad():
@@ -977,13 +1119,19 @@ def _hand_rolled_update(model, ref, roll, advantages, mask, args):
 
 
 @pytest.mark.parametrize("reduction,grad_clip,beta,max_new_tokens", [
-    ("token", 0.0, 0.0, 20),       # overlong-filtered mask: the global token count is the filtered one's
-    ("constant", 0.0, 0.0, 32),    # Dr. GRPO divides by --max-new-tokens, not by the rollout's width (20)
-    ("sequence", 0.05, 0.04, 20),  # the clip acts on the whole mini-batch's gradient; the KL term to a reference
+    # overlong-filtered mask: the global token count is the filtered one's
+    ("token", 0.0, 0.0, 20),
+    # Dr. GRPO divides by --max-new-tokens, not by the rollout's width (20)
+    ("constant", 0.0, 0.0, 32),
+    # the clip acts on the whole mini-batch's gradient; the KL term to a reference
+    ("sequence", 0.05, 0.04, 20),
 ])
-def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduction, grad_clip, beta, max_new_tokens):
-    # 3 groups of 4 in 2 mini-batches (groups 0-1, then group 2), micro-batches of 3 rows that cut groups, mu 1
-    # (DAPO's recipe): the second update is off-policy, so the ratio leaves 1 and the clip bounds act
+def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduction, grad_clip,
+                                                              beta, max_new_tokens):
+    # 3 groups of 4 in 2 mini-batches (groups 0-1, then group 2), micro-batches of 3 rows that cut
+    # groups, mu 1
+    # (DAPO's recipe): the second update is off-policy, so the ratio leaves 1 and the clip bounds
+    # act
     import contextlib
     import copy
     from types import SimpleNamespace
@@ -995,25 +1143,32 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)  # each response's prompt
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
     mask = dapo.overlong_filter(roll.mask, roll.truncated)
-    args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t, reduction=reduction, loss="ppo",
+    args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t,
+                           reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
-                           max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0,
+                           tis_cap=0.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=grad_clip, lr=2.0)
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
     refs = [copy.deepcopy(tiny_model).requires_grad_(False) if beta else None for _ in range(2)]
-    learner = update.Learner(mine, mine, refs[0], torch.optim.SGD(mine.parameters(), lr=args.lr), contextlib.nullcontext)
+    learner = update.Learner(mine, mine, refs[0], torch.optim.SGD(mine.parameters(), lr=args.lr),
+                             contextlib.nullcontext)
     stats = update.update_policy(learner, roll, advantages, mask, args, parallel.Dist("cpu"))
     first, rest = stats.first, stats.rest
     losses = _hand_rolled_update(hand, refs[1], roll, advantages, mask, args)
-    assert first["updates"] + rest["updates"] == 2 and rest["ratio/mean"] != rest["tokens"]    # the ratio left 1
-    assert first["loss"] == pytest.approx(losses[0], abs=1e-5) and rest["loss"] == pytest.approx(losses[1], abs=1e-5)
-    moved = max((p - q).abs().max().item() for p, q in zip(hand.parameters(), tiny_model.parameters()))
+    # the ratio left 1
+    assert first["updates"] + rest["updates"] == 2 and rest["ratio/mean"] != rest["tokens"]
+    assert (first["loss"] == pytest.approx(losses[0], abs=1e-5)
+            and rest["loss"] == pytest.approx(losses[1], abs=1e-5))
+    moved = max((p - q).abs().max().item() for p,
+                q in zip(hand.parameters(), tiny_model.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), hand.parameters()))
     assert moved > 1e-2 and diff <= 1e-5 * max(1.0, moved), (moved, diff)
 
 
 class _AloneAs:
-    """A Dist for update_policy that says it is one of `world` ranks; each collective sees only itself."""
+    """A Dist for update_policy that says it is one of `world` ranks; each collective sees only
+    itself."""
     rank, master, device = 0, True, "cpu"
 
     def __init__(self, world):
@@ -1034,12 +1189,16 @@ class _AloneAs:
 
 @pytest.mark.parametrize("fsdp,checkpointing,world,nograd,grad", [
     (False, False, 1, (True, True), (True, True)),      # one process: shared prefix, length buckets
-    (True, False, 1, (False, True), (False, True)),     # FSDP2 all-gathers in every forward: per response
-    (False, True, 1, (True, True), (False, True)),      # checkpointed layers drop the cache with gradients
-    (False, False, 2, (True, False), (True, False))])   # DDP syncs in each forward: one bucket per slice
-def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypatch, fsdp, checkpointing, world,
-                                                           nograd, grad):
-    """rollout_logprobs does not inspect the model: update_policy passes (shared_prefix, buckets), for the
+    # FSDP2 all-gathers in every forward: per response
+    (True, False, 1, (False, True), (False, True)),
+    # checkpointed layers drop the cache with gradients
+    (False, True, 1, (True, True), (False, True)),
+    # DDP syncs in each forward: one bucket per slice
+    (False, False, 2, (True, False), (True, False))])
+def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypatch, fsdp,
+                                                           checkpointing, world, nograd, grad):
+    """rollout_logprobs does not inspect the model: update_policy passes (shared_prefix, buckets),
+    for the
     no-grad old log-prob pass and for the gradient passes."""
     import contextlib
     import copy
@@ -1054,17 +1213,22 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
     roll = _mixed_rollout(tiny_model, 1.0)
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0, reduction="token", loss="ppo",
-                           fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=1.0)
+    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0,
+                           reduction="token", loss="ppo",
+                           fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20,
+                           eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                           kl="k3", grad_clip=1.0)
     model = copy.deepcopy(tiny_model)
-    learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0), contextlib.nullcontext)
+    learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0),
+                             contextlib.nullcontext)
     update.update_policy(learner, roll, torch.randn(N), roll.mask, args, _AloneAs(world))
     assert seen == {(False, *nograd), (True, *grad)}
 
 
 def _update_args(**kw):
-    """update_policy's args (the flags.TrainArgs fields it reads): 2 mini-batches, micro-batches of 3,
+    """update_policy's args (the flags.TrainArgs fields it reads): 2 mini-batches, micro-batches of
+    3,
     no clip."""
     from types import SimpleNamespace
     base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
@@ -1173,10 +1337,13 @@ def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     V = 8
     uniform = torch.zeros(1, 1, V)
     assert torch.allclose(logprobs.token_entropy(uniform), torch.tensor([[math.log(V)]]))
-    # two equally likely tokens, the rest ~0: entropy log 2, while the NLL of a sampled token is log 2 too,
-    # but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is 0.105 or 2.303.
+    # two equally likely tokens, the rest ~0: entropy log 2, while the NLL of a sampled token is log
+    # 2 too,
+    # but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is 0.105 or
+    # 2.303.
     logits = torch.log(torch.tensor([[[0.9, 0.1]]]))
-    assert abs(logprobs.token_entropy(logits).item() - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5
+    assert (abs(logprobs.token_entropy(logits).item()
+                - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5)
 
 
 def test_entropy_is_finite_with_masked_logits():
@@ -1188,13 +1355,16 @@ def test_entropy_is_finite_with_masked_logits():
 
 
 def _naive_logprobs(logits, ids, temperature=1.0):
-    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+    return (torch.log_softmax(logits.float() / temperature, -1)
+            .gather(-1, ids[..., None]).squeeze(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
-    # V = 50,000 in blocks of 3 rows; the logits are a slice like `.logits[:, :-1]` (not contiguous), so each
-    # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax + gather's.
+    # V = 50,000 in blocks of 3 rows; the logits are a slice like `.logits[:, :-1]` (not
+    # contiguous), so each
+    # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax +
+    # gather's.
     torch.manual_seed(0)
     V = 50_000
     monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
@@ -1203,9 +1373,11 @@ def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
     for t in (1.0, 0.7):
         got, want = logprobs.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
         assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4)
-        (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(), full)
+        (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(),
+                                                                                        full)
         assert g_got.dtype == dtype
-        assert torch.allclose(g_got.float(), g_want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.allclose(g_got.float(), g_want.float(), atol=1e-6 if dtype == torch.float32
+                              else 1e-2)
     ent = logprobs.token_entropy(logits, temperature=0.7)
     logp = torch.log_softmax(logits.float() / 0.7, -1)
     assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-4)
@@ -1213,7 +1385,8 @@ def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dtype, monkeypatch):
-    # Every storage an aten op returns is recorded: the forward's largest is one float32 block (2 rows x V),
+    # Every storage an aten op returns is recorded: the forward's largest is one float32 block (2
+    # rows x V),
     # never [N, T, V]; in the backward the only vocabulary-sized one is the gradient itself.
     from torch.utils._python_dispatch import TorchDispatchMode
     V = 1000
@@ -1224,7 +1397,8 @@ def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dt
     class Storages(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.bytes = {}  # data pointer -> bytes, for every storage an op returns other than the logits'
+            # data pointer -> bytes, for every storage an op returns other than the logits'
+            self.bytes = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -1241,7 +1415,9 @@ def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dt
         out.sum().backward()
     sizes = sorted(bwd.bytes.values())
     assert sizes[-1] == logits.numel() * logits.element_size() and sizes[-2] <= block
-    assert torch.allclose(logits.grad.float(), torch.autograd.grad(_naive_logprobs(logits, ids).sum(), logits)[0].float(),
+    assert torch.allclose(logits.grad.float(),
+                          torch.autograd.grad(_naive_logprobs(logits, ids).sum(),
+                                              logits)[0].float(),
                           atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
@@ -1253,31 +1429,37 @@ def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
     monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
     for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
-        logits, w = full[:, :-1], torch.randn(2, 5)                   # w: an arbitrary upstream gradient
+        # w: an arbitrary upstream gradient
+        logits, w = full[:, :-1], torch.randn(2, 5)
         got = logprobs.token_entropy(logits, temperature=0.7)
         logp = torch.log_softmax(logits.float() / 0.7, -1)
         want = -(logp.exp() * logp).sum(-1)
         assert torch.allclose(got, want, atol=1e-4)
-        (g_got,), (g_want,) = torch.autograd.grad((got * w).sum(), full), torch.autograd.grad((want * w).sum(), full)
+        (g_got,), (g_want,) = torch.autograd.grad((got * w).sum(),
+                                                  full), torch.autograd.grad((want * w).sum(), full)
         assert g_got.dtype == dtype and torch.allclose(g_got.float(), g_want.float(), atol=atol)
-        with torch.no_grad():                                         # and without autograd, as the no-grad passes call it
+        # and without autograd, as the no-grad passes call it
+        with torch.no_grad():
             assert torch.allclose(logprobs.token_entropy(logits, 0.7), want, atol=1e-4)
 
 
 def _tiny_gpt2():
-    """A tiny GPT-2: absolute position embeddings, so position ids that ignore the left padding change its
+    """A tiny GPT-2: absolute position embeddings, so position ids that ignore the left padding
+    change its
     log-probs (RoPE models, the others here, see only the distance between positions)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=256, pad_token_id=0,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=256, pad_token_id=0,
                                       eos_token_id=1, bos_token_id=None)).eval()
 
 
 def _mixed_rollout(model, temperature, G=4, T=20, prompts=PROMPTS):
-    """PROMPTS (3, 6 and 1 tokens; LONG_PROMPTS: 143, 146, 141) x G samples, some ending in EOS and some
+    """PROMPTS (3, 6 and 1 tokens; LONG_PROMPTS: 143, 146, 141) x G samples, some ending in EOS and
+    some
     truncated."""
-    roll = sample_groups(model, prompts, G, T, eos_token_id=1, pad_token_id=0, temperature=temperature,
-                         generator=torch.Generator().manual_seed(3))
+    roll = sample_groups(model, prompts, G, T, eos_token_id=1, pad_token_id=0,
+                         temperature=temperature, generator=torch.Generator().manual_seed(3))
     assert len(set(roll.lengths.tolist())) > 2 and roll.truncated.any() and (~roll.truncated).any()
     return roll
 
@@ -1286,25 +1468,34 @@ def _micro_batches(N, mb):
     return [slice(k, min(k + mb, N)) for k in range(0, N, mb)]
 
 
-@pytest.mark.parametrize("kind,keep,prompts", [("llama", 0.8, PROMPTS), ("llama", 1.0, PROMPTS), ("mistral", 1.0, PROMPTS),
-                                                ("gpt2", 1.0, PROMPTS), ("llama", 0.8, LONG_PROMPTS),
-                                                ("mistral", 1.0, LONG_PROMPTS), ("gpt2", 1.0, LONG_PROMPTS)],
-                         ids=["llama", "llama-buckets", "mistral", "gpt2", "llama-long", "mistral-long", "gpt2-long"])
+@pytest.mark.parametrize("kind,keep,prompts",
+                         [("llama", 0.8, PROMPTS), ("llama", 1.0, PROMPTS),
+                          ("mistral", 1.0, PROMPTS),
+                                                ("gpt2", 1.0, PROMPTS),
+                                                ("llama", 0.8, LONG_PROMPTS),
+                                                ("mistral", 1.0, LONG_PROMPTS),
+                                                ("gpt2", 1.0, LONG_PROMPTS)],
+                         ids=["llama", "llama-buckets", "mistral", "gpt2", "llama-long",
+                              "mistral-long", "gpt2-long"])
 def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, prompts, monkeypatch):
-    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two response lengths
-    # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute positions;
+    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two
+    # response lengths
+    # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute
+    # positions;
     # -long: prompts of 141-146 tokens sharing a 140-token prefix
     from functools import partial
 
     from logprobs import per_response_logprobs, rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
-    model = {"llama": lambda: tiny_model, "mistral": lambda: _tiny("mistral", torch.float32), "gpt2": _tiny_gpt2}[kind]()
+    model = {"llama": lambda: tiny_model, "mistral": lambda: _tiny("mistral", torch.float32),
+             "gpt2": _tiny_gpt2}[kind]()
     t, G = 0.7, 4
     roll = _mixed_rollout(model, t, G, prompts=prompts)
     N, T_all = roll.response_ids.shape
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(N, generator=g)
-    old = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)   # ratio != 1, so clipping acts on some tokens
+    # ratio != 1, so clipping acts on some tokens
+    old = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)
     ref = roll.logprobs + 0.1 * torch.randn(N, T_all, generator=g)
     params = list(model.parameters())
     # micro-batches of 5 and 3 responses cut groups of 4; N = 12 whole; values, entropies, mask
@@ -1314,8 +1505,10 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, promp
                 (a, ea, ma), (b, eb, mb_) = (f(model, roll, s, t, with_entropy=True)
                                              for f in (rollout_logprobs, per_response_logprobs))
             assert a.shape == b.shape == (s.stop - s.start, T_all) and torch.equal(ma, mb_)
-            assert (a * ma).sub(b * ma).abs().max() <= 1e-4 and (ea * ma).sub(eb * ma).abs().max() <= 1e-4
-    # gradients of the loss summed over micro-batches of 5, for every reduction, with an entropy bonus
+            assert ((a * ma).sub(b * ma).abs().max() <= 1e-4
+                    and (ea * ma).sub(eb * ma).abs().max() <= 1e-4)
+    # gradients of the loss summed over micro-batches of 5, for every reduction, with an entropy
+    # bonus
     for reduction in ("sequence", "token", "constant"):
         grads = []
         for f in (rollout_logprobs, per_response_logprobs):
@@ -1324,7 +1517,8 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, promp
                 logp, ent, mask = f(model, roll, s, t, with_entropy=True)
                 w = grpo.token_weights(mask, reduction, roll.mask.sum(), T_all, N)   # [n, T]
                 ppo = partial(grpo.ppo_loss, eps_low=0.2, eps_high=0.28)
-                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, w, ppo, ref_logp=ref[s], beta=0.04)
+                loss, _ = grpo.policy_loss(logp, old[s], adv[s], mask, w, ppo, ref_logp=ref[s],
+                                           beta=0.04)
                 (loss - 0.01 * (ent * mask).sum() / roll.mask.sum()).backward()
             grads.append(torch.cat([p.grad.flatten() for p in params]))
         assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[1].abs().max(), reduction
@@ -1332,12 +1526,15 @@ def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, promp
 
 
 @pytest.mark.parametrize("kind,temperature,keep,prompts", [
-    ("llama", 1.0, 0.8, PROMPTS), ("llama", 0.7, 0.8, PROMPTS), ("llama", 0.7, 1.0, PROMPTS), ("gpt2", 0.7, 1.0, PROMPTS),
+    ("llama", 1.0, 0.8, PROMPTS), ("llama", 0.7, 0.8, PROMPTS), ("llama", 0.7, 1.0, PROMPTS),
+    ("gpt2", 0.7, 1.0, PROMPTS),
     ("llama", 0.7, 0.8, LONG_PROMPTS), ("gpt2", 0.7, 1.0, LONG_PROMPTS)],
     ids=["llama-t1", "llama", "llama-buckets", "gpt2", "llama-long", "gpt2-long"])
-def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, keep, prompts, monkeypatch):
+def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, keep, prompts,
+                                              monkeypatch):
     # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
-    # off-by-one position, position ids that ignore the left padding (gpt2: absolute positions), or a dropped
+    # off-by-one position, position ids that ignore the left padding (gpt2: absolute positions), or
+    # a dropped
     # temperature all break this
     from logprobs import rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
@@ -1346,16 +1543,20 @@ def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, kee
     N = roll.response_ids.shape[0]
     for mb in (N, 5):
         with torch.no_grad():
-            logp = torch.cat([rollout_logprobs(model, roll, s, temperature)[0] for s in _micro_batches(N, mb)])
+            logp = torch.cat([rollout_logprobs(model, roll, s, temperature)[0]
+                              for s in _micro_batches(N, mb)])
         assert ((logp - roll.logprobs) * roll.mask).abs().max() <= 1e-4
 
 
 def test_length_buckets_split_only_when_it_pays():
-    # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20} and long rows
-    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37: one batch.
+    # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20}
+    # and long rows
+    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37:
+    # one batch.
     short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
     assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
-    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))] == [[0, 1, 2, 3]]
+    assert ([b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))]
+            == [[0, 1, 2, 3]])
     assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
 
 
@@ -1373,8 +1574,10 @@ def test_rollout_logprobs_rejects_bad_slices(tiny_model):
 
 def test_sample_token_inverse_cdf_by_hand():
     from sampler import sample_token
-    # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose running
-    # mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1. top_p 0.6 keeps
+    # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose
+    # running
+    # mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1. top_p 0.6
+    # keeps
     # {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the top token only.
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     cases = [(0.0, 1.0, 0), (0.49, 1.0, 0), (0.51, 1.0, 1), (0.81, 1.0, 2), (1 - 2 ** -24, 1.0, 2),
@@ -1383,8 +1586,10 @@ def test_sample_token_inverse_cdf_by_hand():
         for u, top_p, want in cases:
             tok, lp = sample_token(p.log().to(dtype)[None].clone(), torch.tensor([u]), 1.0, top_p)
             assert tok.item() == want, (dtype, u, top_p)
-            assert abs(lp.exp().item() - p[want].item()) < (1e-6 if dtype == torch.float32 else 1e-2)
-    # temperature 0.5 squares the probabilities: [0.25, 0.09, 0.04] / 0.38, and the log-prob is the tempered one
+            assert abs(lp.exp().item() - p[want].item()) < (1e-6 if dtype == torch.float32
+                                                            else 1e-2)
+    # temperature 0.5 squares the probabilities: [0.25, 0.09, 0.04] / 0.38, and the log-prob is the
+    # tempered one
     tok, lp = sample_token(p.log()[None].clone(), torch.tensor([0.7]), 0.5, 1.0)
     assert tok.item() == 1 and abs(lp.exp().item() - 0.09 / 0.38) < 1e-6
 
@@ -1394,45 +1599,57 @@ def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
     import sampler
     monkeypatch.setattr(sampler, "SAMPLE_BLOCK", block)
     g = torch.Generator().manual_seed(0)
-    n, V = 400, 50                                                  # 50 is no multiple of 4, 7 or 64
+    # 50 is no multiple of 4, 7 or 64
+    n, V = 400, 50
     logits = 3 * torch.randn(n, V, generator=g)
     logits[:, 8:16] = float("-inf")                                 # whole blocks without mass
     logits[:, -3:] = float("-inf")                                  # and a tail without mass
     u = torch.rand(n, generator=g)
     u[:8] = torch.tensor([0.0, 1 - 2 ** -24, 0.5, 0.25, 0.75, 1e-9, 0.999999, 0.1])
-    p = torch.softmax(logits.double() / 0.7, -1)                    # [n, V] the tempered distribution
-    want = torch.searchsorted(p.cumsum(-1), u.double()[:, None] * p.sum(-1, keepdim=True), side="right").squeeze(-1)
-    want = want.clamp_max(V - 4)                                    # u -> 1 ends on the last token with mass
+    # [n, V] the tempered distribution
+    p = torch.softmax(logits.double() / 0.7, -1)
+    want = torch.searchsorted(p.cumsum(-1), u.double()[:, None] * p.sum(-1, keepdim=True),
+                              side="right").squeeze(-1)
+    # u -> 1 ends on the last token with mass
+    want = want.clamp_max(V - 4)
     work = sampler.sample_workspace(n, V)
     assert work.shape == (n, -(-V // block) * block)
     tok, lp = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
     assert torch.equal(tok, want)
     assert torch.allclose(lp.double(), p.gather(-1, tok[:, None]).squeeze(-1).log(), atol=1e-5)
-    assert work[:, V:].abs().sum() == 0                             # the padding stays zero for the next step
-    tok2, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)     # without a work buffer: the same draws
+    # the padding stays zero for the next step
+    assert work[:, V:].abs().sum() == 0
+    # without a work buffer: the same draws
+    tok2, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)
     assert torch.equal(tok2, tok)
 
 
 def _tiny(kind, dtype):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(1)
-    common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=None)
     if kind == "qwen2":  # GQA, q/k/v biases, tied embeddings: the preallocated cache
         return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).eval().to(dtype)
-    return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval().to(dtype)  # sliding-window layers
+    # sliding-window layers
+    return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval().to(dtype)
 
 
 @pytest.mark.parametrize("kind,dtype,prompts", [
-    ("qwen2", torch.float32, PROMPTS), ("qwen2", torch.bfloat16, PROMPTS), ("mistral", torch.float32, PROMPTS),
+    ("qwen2", torch.float32, PROMPTS), ("qwen2", torch.bfloat16, PROMPTS),
+    ("mistral", torch.float32, PROMPTS),
     ("qwen2", torch.float32, LONG_PROMPTS), ("mistral", torch.float32, LONG_PROMPTS)],
     ids=["qwen2", "qwen2-bf16", "mistral", "qwen2-long", "mistral-long"])
 def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype, prompts):
-    # -long: prompts of 141-146 tokens sharing a 140-token prefix (past a KV block, and the window of 5)
+    # -long: prompts of 141-146 tokens sharing a 140-token prefix (past a KV block, and the window
+    # of 5)
     import sampler
     model, G, T = _tiny(kind, dtype), 3, 24
     layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8)[0].layers}
-    assert layers == {"_BufferedLayer"} and sampler._make_cache(model, 8)[1] == (None if kind == "qwen2" else 5)
+    assert (layers == {"_BufferedLayer"}
+            and sampler._make_cache(model, 8)[1] == (None if kind == "qwen2" else 5))
     # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
     free = sample_groups(model, prompts[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     eos = int(free.response_ids[0, 3])
@@ -1451,19 +1668,21 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
     from types import SimpleNamespace
     model, T = _tiny("qwen2", torch.float32), 24
     free = sample_groups(model, PROMPTS, 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
-    ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]  # each prompt meets a different one first
+    # each prompt meets a different one first
+    ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]
     roll = sample_groups(model, PROMPTS, 2, T, eos_token_id=ends, pad_token_id=0, temperature=0.0)
     assert roll.lengths[0] <= 4 and not roll.truncated[0]
     for i, p in enumerate(PROMPTS):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False, eos_token_id=ends,
-                             pad_token_id=0)[0, len(p):].tolist()
+        ref = model.generate(torch.tensor([p]), max_new_tokens=T, do_sample=False,
+                             eos_token_id=ends, pad_token_id=0)[0, len(p):].tolist()
         for r in (2 * i, 2 * i + 1):
             L = int(roll.lengths[r])
             assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
-    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds (checkpoint.end_ids)
+    # train.py stops on the tokenizer's EOS and on the end ids the generation config adds
+    # (checkpoint.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7]
-    assert checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5]
+    assert (checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7])
+    assert (checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5])
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
@@ -1474,14 +1693,17 @@ def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
     for i in range(len(PROMPTS) * G):
         L = int(roll.lengths[i])
         with torch.no_grad():
-            want = _full_forward_logprobs(model, PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.8)
+            want = _full_forward_logprobs(model, PROMPTS[i // G], roll.response_ids[i, :L].tolist(),
+                                          0.8)
         assert torch.allclose(roll.logprobs[i, :L], want, atol=atol)
 
 
 def test_sampler_greedy_equals_generate(tiny_model):
-    roll = sample_groups(tiny_model, PROMPTS, 1, 12, eos_token_id=1, pad_token_id=0, temperature=0.0)
+    roll = sample_groups(tiny_model, PROMPTS, 1, 12, eos_token_id=1, pad_token_id=0,
+                         temperature=0.0)
     for i, p in enumerate(PROMPTS):
-        ref = tiny_model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=0)
+        ref = tiny_model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=1, pad_token_id=0)
         ref = ref[0, len(p):].tolist()
         L = int(roll.lengths[i])
         assert roll.response_ids[i, :L].tolist() == ref[:L]
@@ -1497,18 +1719,22 @@ def test_sampler_per_prompt_generators_ignore_batch_company(tiny_model):
 
 
 def test_sampler_top_p_keeps_the_top_token(tiny_model):
-    roll = sample_groups(tiny_model, PROMPTS, 2, 6, 1, 0, top_p=1e-9, generator=torch.Generator().manual_seed(0))
+    roll = sample_groups(tiny_model, PROMPTS, 2, 6, 1, 0, top_p=1e-9,
+                         generator=torch.Generator().manual_seed(0))
     greedy = sample_groups(tiny_model, PROMPTS, 1, 6, 1, 0, temperature=0.0)
     for i in range(len(PROMPTS)):
-        assert torch.equal(roll.response_ids[2 * i], greedy.response_ids[i, :roll.response_ids.shape[1]])
+        assert torch.equal(roll.response_ids[2 * i],
+                           greedy.response_ids[i, :roll.response_ids.shape[1]])
 
 
 def _tiny_gpt2_sampler():
-    """Absolute learned positions: a position counted from the wrong origin changes the logits (RoPE hides a
+    """Absolute learned positions: a position counted from the wrong origin changes the logits (RoPE
+    hides a
     constant offset within a row)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(2)
-    cfg = GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)
+    cfg = GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
+                     eos_token_id=1)
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -1516,40 +1742,54 @@ MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4], [13, 14, 15, 16, 17], [1
 
 
 def _tiny_mistral_wide():
-    """Sliding-window layers whose window (32) covers P + T here: continuous batching, the window by the mask."""
+    """Sliding-window layers whose window (32) covers P + T here: continuous batching, the window by
+    the mask."""
     from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(1)
-    return MistralForCausalLM(MistralConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                            pad_token_id=0, eos_token_id=1, bos_token_id=None, sliding_window=32)).eval()
+    return MistralForCausalLM(MistralConfig(vocab_size=48, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=128,
+                                            pad_token_id=0, eos_token_id=1, bos_token_id=None,
+                                            sliding_window=32)).eval()
 
 
-@pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("mistral-wide", 3), ("gpt2", 3), ("gpt2", 1)])
+@pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("mistral-wide", 3),
+                                    ("gpt2", 3), ("gpt2", 1)])
 def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkeypatch):
     import sampler
-    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler, "mistral-wide": _tiny_mistral_wide}.get(
+    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler,
+             "mistral-wide": _tiny_mistral_wide}.get(
         kind, lambda: _tiny(kind, torch.float32))()
-    ends, T = [1, 2, 3, 20], 20                # several end ids: lengths roughly geometric, some rows truncated
+    # several end ids: lengths roughly geometric, some rows truncated
+    ends, T = [1, 2, 3, 20], 20
     made, make = [], sampler._make_cache
-    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k))
+                        or made[-1])
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(MIXED_PROMPTS))]  # noqa: E731
     run = lambda n, **k: sample_groups(model, MIXED_PROMPTS, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=n, **k)  # noqa: E731
     full = run(None)
     assert full.truncated.any() and (~full.truncated).any() and len(set(full.lengths.tolist())) > 3
     P, N = max(map(len, MIXED_PROMPTS)), len(MIXED_PROMPTS) * G
-    sizes = [1, 3, 4] if G == 1 else [3, 7, 11]     # 7 slots for groups of 3: one slot idle, groups enter whole
+    # 7 slots for groups of 3: one slot idle, groups enter whole
+    sizes = [1, 3, 4] if G == 1 else [3, 7, 11]
     # (mistral's window 5 < P + T: static batches whatever `continuous` says, see sample_groups)
-    for n, continuous in [(sizes[0], False), (sizes[2], True), (sizes[0], True), (sizes[1], True)]:  # mistral: static
+    # mistral: static
+    for n, continuous in [(sizes[0], False), (sizes[2], True), (sizes[0], True), (sizes[1], True)]:
         made.clear()
         roll = run(n, continuous=continuous)
-        assert made[0][0].layers[0].kbuf.shape[0] == min(n, N) and made[0][0].layers[0].kbuf.shape[2] == P + T
-        assert torch.equal(roll.response_ids, full.response_ids) and torch.equal(roll.lengths, full.lengths)
+        assert (made[0][0].layers[0].kbuf.shape[0] == min(n, N)
+                and made[0][0].layers[0].kbuf.shape[2] == P + T)
+        assert (torch.equal(roll.response_ids, full.response_ids)
+                and torch.equal(roll.lengths, full.lengths))
         assert torch.equal(roll.truncated, full.truncated)
         assert torch.allclose(roll.logprobs, full.logprobs, atol=1e-5)
-    for i in range(N):                         # and the rows are right: the log-probs of a plain full forward
+    # and the rows are right: the log-probs of a plain full forward
+    for i in range(N):
         L = int(roll.lengths[i])
         with torch.no_grad():
-            want = _full_forward_logprobs(model, MIXED_PROMPTS[i // G], roll.response_ids[i, :L].tolist(), 0.9)
+            want = _full_forward_logprobs(model, MIXED_PROMPTS[i // G],
+                                          roll.response_ids[i, :L].tolist(), 0.9)
         assert torch.allclose(roll.logprobs[i, :L], want, atol=1e-4)
     if G > 1:
         with pytest.raises(ValueError, match="max_num_seqs=2 < G=3"):
@@ -1614,29 +1854,42 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
 def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
     import sampler
     made, make = [], sampler._make_cache
-    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
-    for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4), (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
-        # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all heads) x 8
-        per_row = per_pos * (6 + 20)                         # the longest of MIXED_PROMPTS, 6, + T = 20
-        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9   # a multiple of G
-        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3                     # at least G
-        with torch.autocast("cpu", torch.bfloat16):          # bf16 keys: half the bytes, twice the rows
-            assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 21
+    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k))
+                        or made[-1])
+    for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4),
+                           (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
+        # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all
+        # heads) x 8
+        # the longest of MIXED_PROMPTS, 6, + T = 20
+        per_row = per_pos * (6 + 20)
+        # a multiple of G
+        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9
+        # at least G
+        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3
+        # bf16 keys: half the bytes, twice the rows
+        with torch.autocast("cpu", torch.bfloat16):
+            assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20,
+                                           10.5 * per_row / 2**30) == 21
         made.clear()
-        sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0), max_num_seqs=9)
+        sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0),
+                      max_num_seqs=9)
         layers = made[0][0].layers
-        assert sum(la.kbuf.nbytes + la.vbuf.nbytes for la in layers) == 9 * per_row   # what was allocated
+        # what was allocated
+        assert sum(la.kbuf.nbytes + la.vbuf.nbytes for la in layers) == 9 * per_row
 
 
 def test_max_num_seqs_flags_are_checked(capsys):
     import evaluate
-    assert flags.parse_train_args(["--max-num-seqs", "8"]).max_num_seqs == 8 and flags.parse_train_args([]).kv_cache_gb == 8.0
-    for parse, bad in ((flags.parse_train_args, ["--max-num-seqs", "4"]), (flags.parse_train_args, ["--kv-cache-gb", "0"]),
+    assert (flags.parse_train_args(["--max-num-seqs", "8"]).max_num_seqs == 8
+            and flags.parse_train_args([]).kv_cache_gb == 8.0)
+    for parse, bad in ((flags.parse_train_args, ["--max-num-seqs", "4"]),
+                       (flags.parse_train_args, ["--kv-cache-gb", "0"]),
                        (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
         with pytest.raises(SystemExit) as e:
             parse(bad)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and err.startswith("error: --") and len(err.strip().splitlines()) == 1, err
+        assert (e.value.code == 2 and err.startswith("error: --")
+                and len(err.strip().splitlines()) == 1), err
 
 
 def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
@@ -1649,30 +1902,38 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     def recording(*a, max_num_seqs=None, **k):
         seen.append(max_num_seqs)
         return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    monkeypatch.setattr(sampler, "sample_groups", recording)  # sampler.sample_rollout reads it at call time
+    # sampler.sample_rollout reads it at call time
+    monkeypatch.setattr(sampler, "sample_groups", recording)
     model = _tiny("qwen2", torch.float32)
-    task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7], decode=lambda r, i: "",
+    task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7],
+                      decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
-    for extra, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)), (["--max-num-seqs", "16"], 16)):
+    for extra, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)),
+                        (["--max-num-seqs", "16"], 16)):
         args = flags.parse_train_args(["--prompts-per-step", "4", *extra])
         train.draw_round(model, task, args, one, 0)
         assert seen.pop() == want
-    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
+                                         "0.9")
     _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
     args.max_num_seqs = 5                      # one problem's 4 samples at a time: the same samples
     _, r2 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
     prompts = [data.PromptFormatter(tok)(r["prompt"]) for r in rows]
-    assert r1 == r2 and seen[-1] == 5 and seen[0] == sampler.num_seqs_within(model, prompts, 4, 10, 8.0) >= 48
+    assert (r1 == r2 and seen[-1] == 5 and seen[0] == sampler.num_seqs_within(model, prompts, 4, 10,
+                                                                              8.0) >= 48)
 
 
 def test_sampler_under_bf16_autocast_gives_the_same_rollout_for_every_n(tiny_model):
-    # under CPU autocast a decode step's keys may come out in another dtype than the prefill's: the write into
-    # the slots' buffer takes the buffer's dtype (an indexed write does not cast), as train.py --bf16 samples
+    # under CPU autocast a decode step's keys may come out in another dtype than the prefill's: the
+    # write into
+    # the slots' buffer takes the buffer's dtype (an indexed write does not cast), as train.py
+    # --bf16 samples
     with torch.autocast("cpu", torch.bfloat16):
-        rolls = [sample_groups(tiny_model, PROMPTS, 2, 12, eos_token_id=1, pad_token_id=0, temperature=0.0,
-                               max_num_seqs=n) for n in (2, None)]
-    assert torch.equal(rolls[0].response_ids, rolls[1].response_ids) and torch.equal(rolls[0].lengths, rolls[1].lengths)
+        rolls = [sample_groups(tiny_model, PROMPTS, 2, 12, eos_token_id=1, pad_token_id=0,
+                               temperature=0.0, max_num_seqs=n) for n in (2, None)]
+    assert (torch.equal(rolls[0].response_ids, rolls[1].response_ids)
+            and torch.equal(rolls[0].lengths, rolls[1].lengths))
 
 
 def test_rollout_select_and_cat():
@@ -1685,12 +1946,14 @@ def test_rollout_select_and_cat():
     long = _fake_rollout([[1, 0]])
     long.response_ids, long.mask, long.logprobs = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), -torch.ones(2, 5)
     c = Rollout.cat([r, long])
-    assert c.mask.shape == (8, 5) and c.mask[:6, 2:].sum() == 0 and c.logprobs[:6, 2:].abs().sum() == 0
+    assert (c.mask.shape == (8, 5) and c.mask[:6, 2:].sum() == 0
+            and c.logprobs[:6, 2:].abs().sum() == 0)
     assert (c.response_ids[:6, 2:] == r.pad_token_id).all() and c.mask[6:].sum() == 10
 
 
 # ---------------------------------------------------------------------------------------------
-# verifier.py: one case per rule (the id names the rule), safety and time, agreement with hand labels
+# verifier.py: one case per rule (the id names the rule), safety and time, agreement with hand
+# labels
 # ---------------------------------------------------------------------------------------------
 
 R = pytest.param
@@ -1706,9 +1969,11 @@ VERIFIER_RULES = [
     R("\\boxed {7}", "7", 1.0, id="boxed-space-before-brace"),
     R("\\boxed{7", "7", 0.0, id="unclosed-last-box-is-no-answer"),
     R("I will put it in \\boxed{}.\nAnswer: 7", "7", 1.0, id="empty-box-is-skipped"),
-    R("The roots are $\\boxed{2}$ and $\\boxed{-3}$.", "-3, 2", 1.0, id="adjacent-boxes-are-one-answer"),
+    R("The roots are $\\boxed{2}$ and $\\boxed{-3}$.", "-3, 2", 1.0,
+      id="adjacent-boxes-are-one-answer"),
     R("$\\boxed{5}$ or $\\boxed{6}$", "6", 0.0, id="hedging-boxes-are-not-credited"),
-    R("\\boxed{34}\n" + "Let me check this once more. " * 4000, "34", 1.0, id="boxed-before-a-100k-self-check"),
+    R("\\boxed{34}\n" + "Let me check this once more. " * 4000, "34", 1.0,
+      id="boxed-before-a-100k-self-check"),
     R("The total is 1,234.\n#### 1,234", "1234", 1.0, id="hashes-gsm8k"),
     R("#### 72", "Natalia sold 48/2 = 24 clips... #### 72", 1.0, id="reference-read-the-same-way"),
     R("#### 72\n\nQuestion: next?\nAnswer: 3", "72", 1.0, id="hashes-beat-answer-marker"),
@@ -1716,13 +1981,17 @@ VERIFIER_RULES = [
     R("ANSWER: 34", "34", 1.0, id="answer-marker-any-case"),
     R("**Answer:** 34", "34", 1.0, id="answer-marker-markdown"),
     R("So the answer is 72.", "72", 1.0, id="the-answer-is"),
-    R("Final Answer: The final answer is $34$. I hope it is correct.", "34", 1.0, id="minerva-format"),
-    R("Answer: 12\n\nChecking: 4 * 3 = 12, so the answer is correct.", "12", 1.0, id="prose-after-a-marker-is-skipped"),
+    R("Final Answer: The final answer is $34$. I hope it is correct.", "34", 1.0,
+      id="minerva-format"),
+    R("Answer: 12\n\nChecking: 4 * 3 = 12, so the answer is correct.", "12", 1.0,
+      id="prose-after-a-marker-is-skipped"),
     R("Answer: 34, as computed above.", "34", 1.0, id="remark-after-the-answer-dropped"),
     R("Answer: $34$ (since 2 * 17 = 34)", "34", 1.0, id="math-span-after-marker"),
-    R("2x=8\nx=4", "4", 0.0, id="trace-without-marker-no-answer"),  # its last number is not its answer
+    # its last number is not its answer
+    R("2x=8\nx=4", "4", 0.0, id="trace-without-marker-no-answer"),
     R("So 2x = 8 and x = 4", "4", 0.0, id="one-line-trace-without-marker-no-answer"),
-    R("5", "5", 1.0, id="bare-answer"),  # a response that is one number is that answer (math-verify credits it too)
+    # a response that is one number is that answer (math-verify credits it too)
+    R("5", "5", 1.0, id="bare-answer"),
     R("x=5", "5", 1.0, id="bare-answer-x-equals"),
     R(" x = 5 ", "5", 1.0, id="bare-answer-x-equals-spaced"),
     R("5.", "5", 1.0, id="bare-answer-trailing-period"),
@@ -1809,55 +2078,74 @@ def test_verifier_rules(response, answer, want):
 
 def test_verifier_canonical_answer_groups_equal_answers():
     # majority voting: equal answers written differently share one canonical string
-    same = ["\\boxed{\\frac{1}{2}}", "Answer: 0.5", "The answer is $\\dfrac12$.", "#### 1/2", "\\boxed{\\tfrac{2}{4}}"]
+    same = ["\\boxed{\\frac{1}{2}}", "Answer: 0.5", "The answer is $\\dfrac12$.", "#### 1/2",
+            "\\boxed{\\tfrac{2}{4}}"]
     assert len({canonical_answer(r) for r in same}) == 1
-    assert canonical_answer("\\boxed{2, -3}") == canonical_answer("\\boxed{\\{-3, 2\\}}") == "{-3,2}"
+    assert (canonical_answer("\\boxed{2, -3}") == canonical_answer("\\boxed{\\{-3, 2\\}}")
+            == "{-3,2}")
     assert canonical_answer("\\boxed{(1, 2)}") != canonical_answer("\\boxed{(2, 1)}")
     assert canonical_answer("\\boxed{\\$1,800}") == canonical("1800") == "1800"
     assert canonical_answer("no answer here") is None and canonical_answer("\\boxed{7") is None
-    assert canonical_answer("x = 0.5") == canonical_answer("\\boxed{\\frac12}") and canonical_answer("2x=1\nx=0.5") is None
+    assert (canonical_answer("x = 0.5") == canonical_answer("\\boxed{\\frac12}")
+            and canonical_answer("2x=1\nx=0.5") is None)
 
 
 def test_verifier_is_total_and_bounded():
     hostile = ["Answer: 50**30**20", "Answer: " + "9" * 100000, "\\boxed{" * 50000, "Answer: 1/0",
-               "Answer: __import__('os').system('echo hi')", "#### " + "(" * 10000, None, 12, "\x00\uffff",
+               "Answer: __import__('os').system('echo hi')", "#### " + "(" * 10000, None, 12,
+               "\x00\uffff",
                "\\boxed{\\{\\}}", "Answer: 1e999999999", "Answer: 10^{-99999999}", "Answer: 0^{-1}"]
     for h in hostile:
         assert verify(h, "1") in (0.0, 1.0) and verify("Answer: 1", h) in (0.0, 1.0)
-    assert verify("Answer: " + "9" * 100, "9" * 100) == 1.0   # long numbers still compare, as strings
-    prose = "Checking: the answer is right.\n"  # markers followed by prose are skipped, at most MAX_MARKERS of them
+    # long numbers still compare, as strings
+    assert verify("Answer: " + "9" * 100, "9" * 100) == 1.0
+    # markers followed by prose are skipped, at most MAX_MARKERS of them
+    prose = "Checking: the answer is right.\n"
     assert verify("Answer: 5\n" + prose * (verifier.MAX_MARKERS - 1), "5") == 1.0
     assert verify("Answer: 5\n" + prose * verifier.MAX_MARKERS, "5") == 0.0
     assert parse_number("1,234") == 1234 and parse_number("-\\frac{1}{2}") == parse_number("-0.5")
     assert extract_answer("no answer here") is None
-    assert format_reward("Answer: 3") == 1.0 and format_reward("2x=6\nx=3") == 0.0 and format_reward("Answer:") == 0.0
+    assert (format_reward("Answer: 3") == 1.0 and format_reward("2x=6\nx=3") == 0.0
+            and format_reward("Answer:") == 0.0)
     assert format_reward("x=3") == 1.0  # a bare answer states one
 
 
 def test_verifier_never_raises_on_random_latex():
-    # random strings of the tokens the rules read: every call returns 0 or 1 and a canonical text or None
+    # random strings of the tokens the rules read: every call returns 0 or 1 and a canonical text or
+    # None
     rng = random.Random(0)
-    tokens = ["\\boxed{", "\\boxed", "}", "{", "\\frac", "1", "2", "0", ".", ",", " ", "-", "/", "^", "\\times", "10", "e",
-              "x", "=", "(", ")", "[", "]", "\\{", "\\}", "$", "\\$", "%", "\\text{", "cm", " and ", "\\pm", "\\overline{",
-              "Answer:", "answer is", "####", "\n", "\\left(", "\\sqrt", "−", "(A)", "\\circ", "**", "\\(", "\\)", "{,}", "\\,"]
-    numeric = ["1", "2", "0", " ", "/", "-", ".", "\\frac", "{", "}", "^", "e", ","]  # half the cases: number-like answers
+    tokens = ["\\boxed{", "\\boxed", "}", "{", "\\frac", "1", "2", "0", ".", ",", " ", "-", "/",
+              "^", "\\times", "10", "e",
+              "x", "=", "(", ")", "[", "]", "\\{", "\\}", "$", "\\$", "%", "\\text{", "cm", " and ",
+              "\\pm", "\\overline{",
+              "Answer:", "answer is", "####", "\n", "\\left(", "\\sqrt", "−", "(A)", "\\circ", "**",
+              "\\(", "\\)", "{,}", "\\,"]
+    # half the cases: number-like answers
+    numeric = ["1", "2", "0", " ", "/", "-", ".", "\\frac", "{", "}", "^", "e", ","]
     for i in range(3000):
         pool = numeric if i % 2 else tokens
-        response = "Answer: " * (i % 2) + "".join(rng.choice(pool) for _ in range(rng.randint(1, 30)))
+        response = "Answer: " * (i % 2) + "".join(rng.choice(pool)
+                                                  for _ in range(rng.randint(1, 30)))
         answer = "".join(rng.choice(pool) for _ in range(rng.randint(1, 10)))
         assert verify(response, answer) in (0.0, 1.0) and verify(answer, response) in (0.0, 1.0)
         assert isinstance(canonical_answer(response), (str, type(None)))
 
 
 def test_verifier_time_is_bounded_on_megabyte_inputs():
-    # adversarial 1 MB inputs, as response and as reference: a superlinear step would take seconds here;
+    # adversarial 1 MB inputs, as response and as reference: a superlinear step would take seconds
+    # here;
     # a linear one takes a few milliseconds (the bound is loose because the CPUs are shared)
     n = 1_000_000
-    attacks = ["\\boxed{" * (n // 7), "\\boxed{" + "{" * n, "Answer: " * (n // 8), "answer is " * (n // 10),
-               "answe" * (n // 5), "#### " + "1" * n, "(" * n, "9" * n, "$" * n, "Answer: " + "\\(" * (n // 2),
-               "Answer: " + "1 " * (n // 2), "Answer: " + "\\frac{" * (n // 6), "Answer: " + "a " * (n // 2) + "1",
-               "Answer: " + "1," * (n // 2), "Answer: " + "{" * 500 + "}" * 500, "Answer: " + "-(" * (n // 2),
-               "\\boxed{\\{" + "1," * 450 + "\\}}", "x" * n + "\\boxed{1}", "\\boxed{1}" * (n // 9), "\\boxed{}" * (n // 8),
+    attacks = ["\\boxed{" * (n // 7), "\\boxed{" + "{" * n, "Answer: " * (n // 8),
+               "answer is " * (n // 10),
+               "answe" * (n // 5), "#### " + "1" * n, "(" * n, "9" * n, "$" * n,
+               "Answer: " + "\\(" * (n // 2),
+               "Answer: " + "1 " * (n // 2), "Answer: " + "\\frac{" * (n // 6),
+               "Answer: " + "a " * (n // 2) + "1",
+               "Answer: " + "1," * (n // 2), "Answer: " + "{" * 500 + "}" * 500,
+               "Answer: " + "-(" * (n // 2),
+               "\\boxed{\\{" + "1," * 450 + "\\}}", "x" * n + "\\boxed{1}", "\\boxed{1}" * (n // 9),
+               "\\boxed{}" * (n // 8),
                "$\\boxed{1}$, " * (n // 12), "the answer is wrong. " * (n // 21)]
     slowest = 0.0
     for s in attacks:
@@ -1869,7 +2157,8 @@ def test_verifier_time_is_bounded_on_megabyte_inputs():
 
 
 def test_verifier_agrees_with_hand_labels():
-    # results/verifier_cases.jsonl: realistic GSM8K / MATH / AIME / DAPO-Math-17k outputs labelled by hand
+    # results/verifier_cases.jsonl: realistic GSM8K / MATH / AIME / DAPO-Math-17k outputs labelled
+    # by hand
     with open(os.path.join(HERE, "results", "verifier_cases.jsonl"), encoding="utf-8") as fh:
         cases = [json.loads(line) for line in fh]
     report = verifier.agreement(cases)
@@ -1899,51 +2188,66 @@ def test_builtin_task_solutions_verify_and_split_is_disjoint():
 def test_builtin_tokenizer_round_trips_through_save_pretrained(tmp_path):
     from transformers import AutoTokenizer
     tok = builtin.make_tokenizer()
-    model = builtin.make_model(builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1), len(tok))
+    model = builtin.make_model(builtin.BaseModelConfig(hidden_size=16, intermediate_size=32,
+                                                       num_layers=1), len(tok))
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     back = AutoTokenizer.from_pretrained(tmp_path)
     text = "3x-5=x+7\ncheck: 3(6)-5=(6)+7\nAnswer: 6"
-    assert back(text)["input_ids"] == tok(text)["input_ids"] and len(back(text)["input_ids"]) == len(text)
-    assert back.decode(back(text)["input_ids"]) == text  # spaces survive (a qwen2 config would drop them)
+    assert (back(text)["input_ids"] == tok(text)["input_ids"]
+            and len(back(text)["input_ids"]) == len(text))
+    # spaces survive (a qwen2 config would drop them)
+    assert back.decode(back(text)["input_ids"]) == text
     assert back.eos_token_id == 1 and back.pad_token_id == 0
 
 
 def test_packed_warm_start_is_exact():
-    """A packed row (positions restarting per demonstration) gives each demonstration the logits it gets
-    alone, and the labels score exactly its solution tokens: packing changes the cost, not the training."""
+    """A packed row (positions restarting per demonstration) gives each demonstration the logits it
+    gets
+    alone, and the labels score exactly its solution tokens: packing changes the cost, not the
+    training."""
     tok = builtin.make_tokenizer()
-    cfg = builtin.BaseModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, sft_steps=2, sft_batch_size=12,
-                                  sft_pack_len=80)
+    cfg = builtin.BaseModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, sft_steps=2,
+                                  sft_batch_size=12, sft_pack_len=80)
     model = builtin.make_model(cfg, len(tok)).eval()
     batches = builtin.warm_start_batches(tok, cfg)
     assert len(batches) == cfg.sft_steps
-    demos = [(tok(p)["input_ids"], tok(r)["input_ids"]) for p, r in builtin.warm_start_demos(cfg)]  # encoded as a user would
+    # encoded as a user would
+    demos = [(tok(p)["input_ids"], tok(r)["input_ids"]) for p, r in builtin.warm_start_demos(cfg)]
     for k, (ids, pos, labels) in enumerate(batches):
-        assert ids.shape[1] <= cfg.sft_pack_len and ids.shape[0] < cfg.sft_batch_size      # packed: fewer rows than demos
+        # packed: fewer rows than demos
+        assert ids.shape[1] <= cfg.sft_pack_len and ids.shape[0] < cfg.sft_batch_size
         with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits          # [R, T, V]
+            # [R, T, V]
+            packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         found = []
         for r in range(ids.shape[0]):
             starts = (pos[r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
             for a, b in zip(starts, starts[1:]):
                 seq = ids[r, a:b]
-                if (labels[r, a:b] == -100).all():                                           # the row's padding
+                # the row's padding
+                if (labels[r, a:b] == -100).all():
                     assert (seq == tok.pad_token_id).all()
                     continue
                 with torch.no_grad():
-                    alone = model(input_ids=seq[None]).logits[0]                              # [n, V]
+                    # [n, V]
+                    alone = model(input_ids=seq[None]).logits[0]
                 torch.testing.assert_close(packed[r, a:b], alone, atol=1e-5, rtol=1e-5)
-                p = int((labels[r, a:b] == -100).sum())                                       # prompt tokens unscored
-                assert labels[r, a + p:b].tolist() == seq[p:].tolist() and seq[-1] == tok.eos_token_id
+                # prompt tokens unscored
+                p = int((labels[r, a:b] == -100).sum())
+                assert (labels[r, a + p:b].tolist() == seq[p:].tolist()
+                        and seq[-1] == tok.eos_token_id)
                 found.append((seq.tolist(), p))
         want = demos[k * cfg.sft_batch_size:(k + 1) * cfg.sft_batch_size]
-        assert sorted(found) == sorted((p + r + [tok.eos_token_id], len(p)) for p, r in want)  # each once, its prompt unscored
+        # each once, its prompt unscored
+        assert sorted(found) == sorted((p + r + [tok.eos_token_id], len(p)) for p, r in want)
 
 
 def test_shipped_base_model_is_this_recipes_build():
-    """base_model/ holds the weights the current recipe builds: after changing the recipe (BaseModelConfig,
-    the task, the demonstrations, the tokenizer, the warm start), `python builtin.py --ship` rebuilds it."""
+    """base_model/ holds the weights the current recipe builds: after changing the recipe
+    (BaseModelConfig,
+    the task, the demonstrations, the tokenizer, the warm start), `python builtin.py --ship`
+    rebuilds it."""
     with open(os.path.join(builtin.SHIP_DIR, "recipe.json")) as fh:
         recorded = json.load(fh)
     assert recorded["key"] == builtin.recipe_key(), \
@@ -1962,19 +2266,28 @@ def test_recipe_key_changes_with_every_part_of_the_recipe_and_only_with_it():
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         assert builtin.recipe_key(dataclasses.replace(cfg, **{f.name: v + 1 if isinstance(v, int) else v / 2}), src) != key, f.name
-    changes = [('"check: {', '"check:{'),                                      # the verbose demonstration's text
-               ("return f\"x={m}/{a}\\nAnswer: {int(m / a)}\"", "return f\"x={m}/{a}\\nAnswer: {m // a}\""),  # the shortcut
-               ("verbose=rng.random() < cfg.verbose_frac", "verbose=rng.random() <= cfg.verbose_frac"),
+    # the verbose demonstration's text
+    changes = [('"check: {', '"check:{'),
+               # the shortcut
+               ("return f\"x={m}/{a}\\nAnswer: {int(m / a)}\"",
+                "return f\"x={m}/{a}\\nAnswer: {m // a}\""),
+               ("verbose=rng.random() < cfg.verbose_frac",
+                "verbose=rng.random() <= cfg.verbose_frac"),
                ("rng.randint(-9, 9)", "rng.randint(-8, 9)"),                  # the problems
                ("% 8 == 0", "% 7 == 0"),                                      # the held-out split
-               ('CHARS = "0123456789', 'CHARS = "9876543210'),               # the tokenizer's vocabulary
+               # the tokenizer's vocabulary
+               ('CHARS = "0123456789', 'CHARS = "9876543210'),
                ('behavior="isolated"', 'behavior="merged_with_previous"'),   # and its pre-tokenizer
                ("rms_norm_eps=1e-5", "rms_norm_eps=1e-6"),                    # the model
-               ("sft_lr, weight_decay=0.0, betas=(0.9, 0.98)", "sft_lr, weight_decay=0.0, betas=(0.9, 0.99)"),  # the optimiser
+               # the optimiser
+               ("sft_lr, weight_decay=0.0, betas=(0.9, 0.98)",
+                "sft_lr, weight_decay=0.0, betas=(0.9, 0.99)"),
                ("pos += range(len(s))", "pos += range(1, len(s) + 1)")]       # the packing
     same = [("# every character the task's prompts and solutions use", "# the characters"),
-            ('"""\'+5\' or \'-5\', for a constant written after another term."""', '"""A signed constant."""'),
-            ("for _ in range(200 * n):", "for _ in range(300 * n):"),          # sample_problems: the RL data
+            ('"""\'+5\' or \'-5\', for a constant written after another term."""',
+             '"""A signed constant."""'),
+            # sample_problems: the RL data
+            ("for _ in range(200 * n):", "for _ in range(300 * n):"),
             ("\n\n\ndef make_model(", "\n\n\n\ndef make_model(")]
     for old, new in changes + same:
         assert src.count(old) == 1, old
@@ -1984,16 +2297,20 @@ def test_recipe_key_changes_with_every_part_of_the_recipe_and_only_with_it():
 
 def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
     """ship() writes a cached build with its key; base_model() returns it for that recipe only."""
-    cfg = builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, sft_steps=2, sft_batch_size=8)
+    cfg = builtin.BaseModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, sft_steps=2,
+                                  sft_batch_size=8)
     cache, shipped = str(tmp_path / "cache"), str(tmp_path / "base_model")
     quiet = lambda *a, **k: None  # noqa: E731
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(cfg)}")
     assert builtin.ship(cfg, cache, shipped, log=quiet) == shipped
-    assert builtin.shipped_key(shipped) == builtin.recipe_key(cfg) and os.path.exists(os.path.join(shipped, "model.safetensors"))
+    assert (builtin.shipped_key(shipped) == builtin.recipe_key(cfg)
+            and os.path.exists(os.path.join(shipped, "model.safetensors")))
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == shipped
-    other = dataclasses.replace(cfg, seed=1)                                   # another recipe: built into the cache
+    # another recipe: built into the cache
+    other = dataclasses.replace(cfg, seed=1)
     assert builtin.base_model(other, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(other)}")
-    assert builtin.ship(other, cache, shipped, log=quiet) == shipped and builtin.shipped_key(shipped) == builtin.recipe_key(other)
+    assert (builtin.ship(other, cache, shipped, log=quiet) == shipped
+            and builtin.shipped_key(shipped) == builtin.recipe_key(other))
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
     _, tok, model = checkpoint.load_model(shipped)
     assert model.config.hidden_size == 16 and tok.eos_token_id == 1
@@ -2010,7 +2327,8 @@ def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
         assert e.value.code == 0
     bench_main.main(["--only", "warmstart", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert "padded to the longest" in out and "packed into rows" in out and "packed / padded time" in out
+    assert ("padded to the longest" in out and "packed into rows" in out
+            and "packed / padded time" in out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2021,12 +2339,16 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "Half of 4?", "answer": "4/2 = 2\n#### 2"}) + "\n")
     rows = data.load_rows(str(gsm), "train", prompt_field="question", answer_field="answer")
-    assert rows == [{"prompt": "Half of 4?", "answer": "4/2 = 2\n#### 2", "columns": {"answer": "4/2 = 2\n#### 2"}}]
+    assert rows == [{"prompt": "Half of 4?", "answer": "4/2 = 2\n#### 2",
+                     "columns": {"answer": "4/2 = 2\n#### 2"}}]
     assert verify("so \\boxed{2}", rows[0]["answer"]) == 1.0
     tok = builtin.make_tokenizer()
-    assert data.PromptFormatter(tok, "{prompt}\nAnswer:")("2x=4") == tok("2x=4\nAnswer:")["input_ids"]
-    # a chat template written in the built-in vocabulary's characters: system 's', user 'r', assistant 'A'
-    tok.chat_template = ("{% for m in messages %}{{ {'system': 's', 'user': 'r'}[m['role']] }}: {{ m['content'] }}\n"
+    assert (data.PromptFormatter(tok, "{prompt}\nAnswer:")("2x=4")
+            == tok("2x=4\nAnswer:")["input_ids"])
+    # a chat template written in the built-in vocabulary's characters: system 's', user 'r',
+    # assistant 'A'
+    tok.chat_template = ("{% for m in messages %}{{ {'system': 's', 'user': 'r'}[m['role']] }}: {{ "
+                         "m['content'] }}\n"
                          "{% endfor %}{% if add_generation_prompt %}A: {% endif %}")
     fmt = data.PromptFormatter(tok, "{prompt}", system="x")
     assert tok.decode(fmt("2x=4")) == "s: x\nr: 2x=4\nA: "
@@ -2044,14 +2366,17 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
 @pytest.mark.parametrize("content,flags,message", [
     ('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"\n', [], "bad.jsonl:2: not valid JSON"),
     ('{"prompt": "1+1"}\n', [], "bad.jsonl:1: no field 'answer'"),
-    ('{"prompt": "1+1", "answer": "2"}\n', ["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
+    ('{"prompt": "1+1", "answer": "2"}\n', ["--model", "/nonexistent/model"],
+     "--model /nonexistent/model: no such folder"),
     ('{"prompt": "1+1", "answer": "2"}\n', ["--resume"], "--resume: no checkpoint"),
-    ('{"prompt": "1+1", "answer": "2"}\n', ["--reward", "nosuchmodule:f"], "--reward nosuchmodule:f"),
+    ('{"prompt": "1+1", "answer": "2"}\n', ["--reward", "nosuchmodule:f"],
+     "--reward nosuchmodule:f"),
 ])
 def test_bad_input_gets_one_clear_line(tmp_path, capsys, content, flags, message):
     import train
     (tmp_path / "bad.jsonl").write_text(content)
-    argv = ["--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "out"), "--model", str(tmp_path), *flags]
+    argv = ["--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "out"), "--model",
+            str(tmp_path), *flags]
     with pytest.raises(SystemExit) as e:
         train.main(argv)
     err = capsys.readouterr().err.strip()
@@ -2060,18 +2385,22 @@ def test_bad_input_gets_one_clear_line(tmp_path, capsys, content, flags, message
 
 
 def trl_length(completions, **kwargs):
-    """A reward in the shape of TRL's docs: a batch of completions in, one float per completion out."""
+    """A reward in the shape of TRL's docs: a batch of completions in, one float per completion
+    out."""
     return [-abs(8 - len(c)) / 8 for c in completions]
 
 
 def trl_level_match(prompts, completions, level, answer):
-    """TRL's signature with data set columns by name and no **kwargs; None (no score) where `level` is missing."""
-    return [None if lv is None else float(a in c) * lv for c, lv, a in zip(completions, level, answer)]
+    """TRL's signature with data set columns by name and no **kwargs; None (no score) where `level`
+    is missing."""
+    return [None if lv is None else float(a in c) * lv for c, lv,
+            a in zip(completions, level, answer)]
 
 
 def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
     rows = [{"prompt": "p0", "answer": "4", "columns": {"answer": "4", "level": 2}},
-            {"prompt": "p1", "answer": "5", "columns": {"answer": "5"}}]                  # no level: None
+            # no level: None
+            {"prompt": "p1", "answer": "5", "columns": {"answer": "5"}}]
     completions = ["x = 4", "12345678"]
     seen = {}
 
@@ -2079,17 +2408,23 @@ def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
         seen.update(prompts=prompts, ids=completion_ids, columns=columns)
         return [1.0, None]
 
-    reward = data.Reward([("len", trl_length), ("level", trl_level_match), ("x", has_x), ("spy", spy)], [1.0, 0.5, 2.0, 1.0])
+    reward = data.Reward([("len", trl_length), ("level", trl_level_match), ("x", has_x),
+                          ("spy", spy)], [1.0, 0.5, 2.0, 1.0])
     assert reward.batch == [True, True, False, True]
     total, parts = reward(["p0", "p1"], completions, rows, lambda: [[1, 2], [3]])
-    assert seen == {"prompts": ["p0", "p1"], "ids": [[1, 2], [3]], "columns": {"answer": ["4", "5"], "level": [2, None]}}
+    assert seen == {"prompts": ["p0", "p1"], "ids": [[1, 2], [3]],
+                    "columns": {"answer": ["4", "5"], "level": [2, None]}}
     assert parts["len"].tolist() == [-3 / 8, 0.0] and parts["x"].tolist() == [1.0, 0.0]
     assert parts["level"][0] == 2.0 and parts["level"][1].isnan() and parts["spy"][1].isnan()
-    assert total.tolist() == pytest.approx([-3 / 8 + 0.5 * 2.0 + 2.0 + 1.0, 0.0])          # None leaves the sum
-    for bad, message in (([("f", lambda completions: [1.0])], "expected a list of 2 floats or None, got list of 1"),
-                         ([("f", lambda completions: "yes")], "expected a list of 2 floats or None, got str"),
+    # None leaves the sum
+    assert total.tolist() == pytest.approx([-3 / 8 + 0.5 * 2.0 + 2.0 + 1.0, 0.0])
+    for bad, message in (([("f", lambda completions: [1.0])],
+                          "expected a list of 2 floats or None, got list of 1"),
+                         ([("f", lambda completions: "yes")],
+                          "expected a list of 2 floats or None, got str"),
                          ([("f", lambda completions, solution: [1.0, 1.0])], "needs ['solution']"),
-                         ([("f", has_x), ("f", has_x)], "two rewards, or a reserved metric, named reward/f"),
+                         ([("f", has_x), ("f", has_x)],
+                          "two rewards, or a reserved metric, named reward/f"),
                          ([("mean", has_x)], "reward/mean")):
         with pytest.raises(data.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
             data.Reward(bad)(["p0", "p1"], completions, rows)
@@ -2127,7 +2462,8 @@ def test_reward_weights_weigh_the_rewards_train_py_trains_on(tiny_run_inputs, tm
 
 
 def test_data_json_array_file_keeps_every_column(tmp_path):
-    (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1}, {"q": "2+2", "sol": 4}]))
+    (tmp_path / "rows.json").write_text(json.dumps([{"q": "1+1", "sol": 2, "level": 1},
+                                                    {"q": "2+2", "sol": 4}]))
     rows = data.load_rows(str(tmp_path / "rows.json"), "train", "q", "sol")
     assert rows == [{"prompt": "1+1", "answer": "2", "columns": {"sol": 2, "level": 1}},
                     {"prompt": "2+2", "answer": "4", "columns": {"sol": 4}}]
@@ -2137,7 +2473,9 @@ def test_data_json_array_file_keeps_every_column(tmp_path):
 
 
 def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets", reason="--data with Parquet/Arrow/folders/hub ids needs `datasets`")
+    datasets = pytest.importorskip("datasets",
+                                   reason="--data with Parquet/Arrow/folders/hub ids needs "
+                                   "`datasets`")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     train = [{"question": f"{i}x=0", "solution": str(i), "level": i % 3} for i in range(5)]
     test = [{"question": "9x=0", "solution": "9", "level": 0}]
@@ -2145,19 +2483,24 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
     datasets.Dataset.from_list(train).to_parquet(str(tmp_path / "train.parquet"))
     datasets.Dataset.from_list(train).to_parquet(str(tmp_path / "splits" / "train.parquet"))
     datasets.Dataset.from_list(test).to_parquet(str(tmp_path / "splits" / "test.parquet"))
-    datasets.DatasetDict(train=datasets.Dataset.from_list(train), test=datasets.Dataset.from_list(test)).save_to_disk(
+    datasets.DatasetDict(train=datasets.Dataset.from_list(train),
+                         test=datasets.Dataset.from_list(test)).save_to_disk(
         str(tmp_path / "saved"))
-    want = [{"prompt": r["question"], "answer": r["solution"], "columns": {"solution": r["solution"], "level": r["level"]}}
+    want = [{"prompt": r["question"], "answer": r["solution"],
+             "columns": {"solution": r["solution"], "level": r["level"]}}
             for r in train]
     load = lambda path, **kw: data.load_rows(str(tmp_path / path), "train", "question", "solution", **kw)  # noqa: E731
     assert load("train.parquet") == want and load("train.parquet", limit=2) == want[:2]
     assert load("splits") == want and load("splits", hf_split="test")[0]["prompt"] == "9x=0"
     assert load("saved") == want and load("saved", hf_split="test")[0]["answer"] == "9"
-    with pytest.raises(data.InputError, match=r"train.parquet:1: no field 'answer' \(fields: level, question, solution\)"):
+    with pytest.raises(data.InputError, match=r"train.parquet:1: no field 'answer' \(fields: "
+                       r"level, question, solution\)"):
         data.load_rows(str(tmp_path / "train.parquet"), "train", "question", "answer")
-    with pytest.raises(data.InputError, match=r"--data .*splits: could not be loaded \(split 'validation': "):
+    with pytest.raises(data.InputError, match=r"--data .*splits: could not be loaded \(split "
+                       r"'validation': "):
         load("splits", hf_split="validation")
-    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: one line that says what to install
+    # as if not installed: one line that says what to install
+    monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(data.InputError, match=r"pip install datasets"):
         load("train.parquet")
 
@@ -2436,7 +2779,8 @@ def test_pass_at_k_equals_enumerating_every_k_subset():
     import evaluate
     for n in range(1, 8):
         for c in range(n + 1):
-            for k in range(1, n + 1):  # samples 0..c-1 are the correct ones; the share of k-subsets holding one
+            # samples 0..c-1 are the correct ones; the share of k-subsets holding one
+            for k in range(1, n + 1):
                 subsets = list(itertools.combinations(range(n), k))
                 want = sum(any(i < c for i in s) for s in subsets) / len(subsets)
                 assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
@@ -2444,10 +2788,12 @@ def test_pass_at_k_equals_enumerating_every_k_subset():
 
 def test_pass_at_k_large_n_and_bad_input():
     import evaluate
-    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)   # one correct of 1000, half drawn
+    # one correct of 1000, half drawn
+    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)
     assert evaluate.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)  # pass@1 = c / n
     assert evaluate.pass_at_k(1000, 0, 1000) == 0.0 and evaluate.pass_at_k(1000, 1, 1000) == 1.0
-    assert evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4] and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32]
+    assert (evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4]
+            and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32])
     for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
         with pytest.raises(ValueError):
             evaluate.pass_at_k(n, c, k)
@@ -2456,7 +2802,8 @@ def test_pass_at_k_large_n_and_bad_input():
 @pytest.mark.parametrize("answers,want", [
     (["4", "5", "4"], "4"),
     (["5", "4", "4", "5"], "5"),               # a tie: the answer that appeared first wins
-    (["4", None, "5", None, None, "5"], "5"),   # None is the commonest but never wins over an answer
+    # None is the commonest but never wins over an answer
+    (["4", None, "5", None, None, "5"], "5"),
     ([None, "3", None], "3"),
     ([None, None], None), ([], None),           # no answer at all
     (["7"], "7"),
@@ -2476,19 +2823,27 @@ def _record(i, responses, scores, lengths=None, truncated=None):
 def test_eval_metrics_by_hand():
     import evaluate
     # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
-    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does: maj wrong
-    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0], [2, 4, 4, 2], [False] * 4)
-    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6], [True, True, False, False])
-    assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2  # the right '4' won
+    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does:
+    # maj wrong
+    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0],
+                [2, 4, 4, 2], [False] * 4)
+    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6],
+                [True, True, False, False])
+    # the right '4' won
+    assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2
     assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
     ks = evaluate.pass_ks(4)
     m = evaluate.eval_metrics(evaluate.totals([a, b], ks), 4, ks)
     assert m == pytest.approx({
         "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
-        "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,      # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
-        "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8, "eval/len_mean": 36 / 8})
-    g = evaluate.eval_metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]), _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
-    assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}  # greedy: today's keys
+        # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
+        "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,
+        "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8,
+        "eval/len_mean": 36 / 8})
+    g = evaluate.eval_metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]),
+                                               _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
+    # greedy: today's keys
+    assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}
 
 
 def test_majority_vote_counts_what_the_reward_counts():
@@ -2496,23 +2851,27 @@ def test_majority_vote_counts_what_the_reward_counts():
 
     def tagged(response, answer):  # a custom --reward that reads a format the verifier does not
         return float(response.strip() == f"<answer>{answer}</answer>")
-    # 2 of 3 samples right by the reward, none readable by the verifier: the vote is right, as mean@3 says
+    # 2 of 3 samples right by the reward, none readable by the verifier: the vote is right, as
+    # mean@3 says
     responses = ["<answer>4</answer>", "<answer>7</answer>", "<answer>4</answer>"]
     r = _record(0, responses, [tagged(x, "4") for x in responses])
     assert [s["answer"] for s in r["samples"]] == [None] * 3 and r["majority"] == evaluate.CREDITED
     assert r["majority_score"] == 1.0
-    # wrong answers the verifier reads still outvote one right answer; the right one wins a tie drawn first
+    # wrong answers the verifier reads still outvote one right answer; the right one wins a tie
+    # drawn first
     r = _record(1, ["<answer>4</answer>", "Answer: 6", "6"], [1.0, 0.0, 0.0])
     assert r["majority"] == canonical("6") and r["majority_score"] == 0.0
     r = _record(2, ["<answer>4</answer>", "Answer: 6"], [1.0, 0.0])
     assert r["majority"] == evaluate.CREDITED and r["majority_score"] == 1.0
-    # the default verifier: a credited answer is the reference's, so this is the vote by canonical answers
+    # the default verifier: a credited answer is the reference's, so this is the vote by canonical
+    # answers
     responses = ["Answer: 6", "\\boxed{4}", "4", "Answer: 6", "x = 4"]
     scores = [verify(x, "4") for x in responses]
     plain = evaluate.majority_vote([canonical_answer(x) for x in responses])
     assert plain == canonical("4") and evaluate.majority_vote(evaluate.votes(
         [canonical_answer(x) for x in responses], scores)) == evaluate.CREDITED
-    assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED  # never a canonical text
+    # never a canonical text
+    assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED
 
 
 def test_majority_vote_merges_one_answer_written_three_ways():
@@ -2543,9 +2902,11 @@ class _Rank:
 
 
 def _eval_setup(d, *extra):
-    """train.py's flags (flags.TrainArgs), the tiny model with large random weights (the fixture's answers '\n' to every prompt
+    """train.py's flags (flags.TrainArgs), the tiny model with large random weights (the fixture's
+    answers '\n' to every prompt
     greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
-    args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10", "--device", "cpu", *extra])
+    args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10",
+                                   "--device", "cpu", *extra])
     _, tok, model = checkpoint.load_model(args.model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -2554,7 +2915,8 @@ def _eval_setup(d, *extra):
     return args, tok, model, builtin.sample_problems(12, 2, True)
 
 
-def _has_9(response, answer):  # the random model is never right: this scores some of its responses 1
+# the random model is never right: this scores some of its responses 1
+def _has_9(response, answer):
     return float("9" in response)
 
 
@@ -2565,11 +2927,14 @@ def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs
     m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
     # one greedy answer per problem, scored here: sums of reward, truncation, length
     encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
-    roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id, temperature=0.0)
-    texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True) for i in range(len(rows))]
+    roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id,
+                         temperature=0.0)
+    texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)
+             for i in range(len(rows))]
     correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
     assert 0 < correct < len(rows) and 0 < roll.truncated.sum() < len(rows)
-    assert m == {"eval/accuracy": correct / len(rows), "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
+    assert m == {"eval/accuracy": correct / len(rows),
+                 "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
                  "eval/len_mean": roll.lengths.sum().item() / len(rows)}
     assert [s["response"] for r in records for s in r["samples"]] == texts
     assert evaluate.headline(1) == "eval/accuracy" and evaluate.headline(8) == "eval/mean@8"
@@ -2577,18 +2942,24 @@ def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs
 
 def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkeypatch):
     import evaluate
-    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)  # 2 problems per batch: each rank batches other problems together
-    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p", "0.9")
+    # 2 problems per batch: each rank batches other problems together
+    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
+                                         "0.9")
     reward = _has_9
     m1, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
-    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1] for k in range(3)]
-    assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1  # same samples, scores, votes
+    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1]
+             for k in range(3)]
+    # same samples, scores, votes
+    assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1
     ks = evaluate.pass_ks(4)
-    assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4, ks) == pytest.approx(m1, abs=1e-12)
+    assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4,
+                                 ks) == pytest.approx(m1, abs=1e-12)
     scores = [[s["score"] for s in r["samples"]] for r in r1]
     assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
     assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
-    assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12  # samples differ between problems
+    # samples differ between problems
+    assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12
     assert len({s["response"] for s in r1[0]["samples"]}) > 1                   # and within one
 
 
@@ -2600,25 +2971,32 @@ def test_eval_flags_are_shared_and_checked(capsys):
     for f in dc.fields(flags.EvalArgs):  # one definition: same type, default and help in train.py
         assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
     for parse in (flags.parse_train_args, evaluate.main):
-        for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"], ["--max-new-tokens", "0"]):
+        for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"],
+                    ["--max-new-tokens", "0"]):
             with pytest.raises(SystemExit) as e:
                 parse(bad)
             err = capsys.readouterr().err
-            assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+            assert (e.value.code == 2 and err.startswith("error: ")
+                    and len(err.strip().splitlines()) == 1), err
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags reach the update
+# train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags
+# reach the update
 # ---------------------------------------------------------------------------------------------
 
 def test_bad_flags_exit_with_one_line(capsys):
-    for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"], ["--reduction", "mean"],
-                ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"], ["--loss", "reinforce"],
-                ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"], ["--beta", "-0.1"]):
+    for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"],
+                ["--reduction", "mean"],
+                ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"],
+                ["--loss", "reinforce"],
+                ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"],
+                ["--beta", "-0.1"]):
         with pytest.raises(SystemExit) as e:
             flags.parse_train_args(bad)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert (e.value.code == 2 and err.startswith("error: ")
+                and len(err.strip().splitlines()) == 1), err
 
 
 def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_inputs, tmp_path,
@@ -2640,41 +3018,53 @@ def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_input
 
 
 def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tiny_model):
-    # Step 2 on the tiny model: a right answer scores 1, a wrong one --wrong-reward, plus DAPO's soft overlong
-    # penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored advantages would hide both)
+    # Step 2 on the tiny model: a right answer scores 1, a wrong one --wrong-reward, plus DAPO's
+    # soft overlong
+    # penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored advantages would
+    # hide both)
 
     import parallel
     import train
-    args = flags.parse_train_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step", "3", "--group-size", "4",
+    args = flags.parse_train_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step",
+                                   "3", "--group-size", "4",
                              "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
-    task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll, i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
-                      data.as_reward(lambda text, answer: float(int(text.split()[0]) % 2 == 0)), eos=[1], pad=0)
+    task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll,
+                      i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
+                      data.as_reward(lambda text, answer: float(int(text.split()[0]) % 2 == 0)),
+                      eos=[1], pad=0)
     roll, _ = train.draw_round(tiny_model, task, args, parallel.Dist("cpu"), 0)
     right = torch.tensor([float(int(roll.response_ids[i, 0]) % 2 == 0) for i in range(12)])
     L = roll.lengths.float()
-    penalty = torch.where(L <= 4, 0.0, (4 - L) / 4)                   # 0 up to 8 - 4 tokens, then down to -1 at 8
+    # 0 up to 8 - 4 tokens, then down to -1 at 8
+    penalty = torch.where(L <= 4, 0.0, (4 - L) / 4)
     want = torch.where(right == 1, 1.0, -0.5) + penalty
     assert 0 < right.sum() < 12 and (penalty < 0).any() and torch.equal(roll.correct, right)
     assert torch.allclose(roll.rewards, want)
     s = metrics.drawn_sums([roll])
-    assert s["reward"] / s["samples"] == pytest.approx(float(want.mean())) and s["correct"] == float(right.sum())
+    assert (s["reward"] / s["samples"] == pytest.approx(float(want.mean()))
+            and s["correct"] == float(right.sum()))
 
 
 def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
     zero = dict.fromkeys(update.UPDATE_SUMS, 0.0)
-    return update.UpdateStats({**zero, **first}, {**zero, **rest}, mismatch_max, logprob_s=0.0, update_s=0.0)
+    return update.UpdateStats({**zero, **first}, {**zero, **rest}, mismatch_max, logprob_s=0.0,
+                              update_s=0.0)
 
 
 def test_step_metrics_worked_by_hand():
-    # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2, one
-    # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples, "len" none
-    d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0, "groups": 2.0,
-         "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
+    # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2,
+    # one
+    # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples,
+    # "len" none
+    d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0,
+         "groups": 2.0, "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
          "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
-    first = {"loss": 0.5, "kl": 0.2, "tokens": 10.0, "entropy": 6.0, "entropy_tokens": 12.0, "grad_norm": 3.0,
+    first = {"loss": 0.5, "kl": 0.2, "tokens": 10.0, "entropy": 6.0, "entropy_tokens": 12.0,
+             "grad_norm": 3.0,
              "updates": 1.0, "mismatch/abs": 0.6, "mismatch/kl": 0.12, "mismatch/tokens": 12.0,
-             "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}      # the first update: ratio 1
+             # the first update: ratio 1
+             "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}
     rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
             "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
     row = metrics.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
@@ -2691,7 +3081,8 @@ def test_step_metrics_worked_by_hand():
         "mismatch/logp_abs_mean": 0.05,  # 0.6 / 12
         "mismatch/logp_abs_max": 0.25,   # as update_policy gave it
         "mismatch/kl": 0.01,             # 0.12 / 12
-        "clip/low_frac": 0.1,            # 1 / the 10 tokens of the off-policy update (the first is left out)
+        # 1 / the 10 tokens of the off-policy update (the first is left out)
+        "clip/low_frac": 0.1,
         "clip/high_frac": 0.2,           # 2 / 10
         "ratio/mean": 1.05,              # 10.5 / 10
         "clip/dual_frac": 0.05,          # 0.5 / 10 (--clip-c is on)
@@ -2701,11 +3092,14 @@ def test_step_metrics_worked_by_hand():
         "grad_norm": 2.0,                # (3 + 1) / 2 updates
         "updates": 2.0,
     })
-    # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual key
+    # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual
+    # key
     row = metrics.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
-    assert (row["ratio/mean"], row["clip/high_frac"], row["loss"], row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
+    assert (row["ratio/mean"], row["clip/high_frac"], row["loss"],
+            row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
     assert "clip/dual_frac" not in row
-    # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip keys
+    # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip
+    # keys
     row = metrics.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
     assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
@@ -2729,12 +3123,15 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
               "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
     assert list(groups) == titles and groups["options"] == ["--help"]
     # EvalArgs' flags (flags.TrainArgs inherits them) come first in their sections
-    assert [group[0] for group in list(groups.values())[1:]] == ["--model", "--max-new-tokens", "--lr", "--beta", "--seed"]
+    assert [group[0] for group in list(groups.values())[1:]] == ["--model", "--max-new-tokens",
+                                                                 "--lr", "--beta", "--seed"]
     assert "--algo" in groups["the model and data"] and "--mini-batches" in groups["optimisation"]
     assert "--eval-samples" in groups["how much"] and "--bf16" in groups["the run"]
     assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
     listed = [f for group in list(groups.values())[1:] for f in group]
-    assert sorted(listed) == sorted("--" + f.name.replace("_", "-") for f in dc.fields(flags.TrainArgs))  # each once
+    # each once
+    assert sorted(listed) == sorted("--" + f.name.replace("_", "-")
+                                    for f in dc.fields(flags.TrainArgs))
 
 
 class _TwoRanks:
@@ -2755,68 +3152,86 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
         roll = _fake_rollout([[1, 0, 0, 1]] * (len(part) // 4))
         roll.rewards = part
         halves.append(roll)
-    assert train.reward_std(halves[0], parallel.Dist("cpu")) == pytest.approx(float(r.double().std()), abs=1e-12)  # n - 1
-    for k in (1, 2):  # rank k - 1 of 2: its own rewards, and the other rank's count, sum and sum of squares
+    # n - 1
+    assert train.reward_std(halves[0], parallel.Dist("cpu")) == pytest.approx(float(r.double().std()), abs=1e-12)
+    # rank k - 1 of 2: its own rewards, and the other rank's count, sum and sum of squares
+    for k in (1, 2):
         other = r[4:].double() if k == 1 else r[:4].double()
-        sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(), (other * other).sum()])
+        sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(),
+                            (other * other).sum()])
         assert train.reward_std(halves[k], _TwoRanks(sums)) == pytest.approx(float(r.double().std()), abs=1e-12)
     assert train.reward_std(Rollout.empty(4, 0), parallel.Dist("cpu")) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
-# checkpoint.py, parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient checkpointing
+# checkpoint.py, parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient
+# checkpointing
 # ---------------------------------------------------------------------------------------------
 
 def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
-    # the CUDA branch of Dist cannot run here: drive it with set_device and init_process_group stubbed out
+    # the CUDA branch of Dist cannot run here: drive it with set_device and init_process_group
+    # stubbed out
     import parallel
     calls = []
     for k, v in (("WORLD_SIZE", "2"), ("RANK", "3"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend,
+                        **kw: calls.append(("init", backend, kw)))
     ranks = parallel.Dist("cuda")
     assert (ranks.device, ranks.rank, ranks.world, ranks.master) == ("cuda:1", 3, 2, False)
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", {})]
-    # without torchrun: no process group, except for --fsdp, which shards over one rank (an in-memory store)
+    # without torchrun: no process group, except for --fsdp, which shards over one rank (an
+    # in-memory store)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k)
     calls.clear()
     parallel.Dist("cuda")
     assert calls == []
     ranks = parallel.Dist("cuda", fsdp=True)
-    assert ranks.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"]) for c in calls] == [("nccl", 0, 1)]
+    assert (ranks.device == "cuda" and [(c[1], c[2]["rank"], c[2]["world_size"])
+                                        for c in calls] == [("nccl", 0, 1)])
 
 
 def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
-    # fully_shard recorded instead of run, so the CUDA branch (bf16 compute, float32 reductions) runs on CPU too
+    # fully_shard recorded instead of run, so the CUDA branch (bf16 compute, float32 reductions)
+    # runs on CPU too
     import torch.distributed.device_mesh as device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import parallel
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2))
     calls, meshes = [], []
     monkeypatch.setattr(parallel, "fully_shard", lambda m, **kw: calls.append((m, kw)))
-    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or "mesh")
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind,
+                        shape: meshes.append((kind, shape)) or "mesh")
     monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 4)
-    for device, param_dtype, reduce_dtype in (("cuda:1", torch.bfloat16, torch.float32), ("cpu", None, None)):
+    for device, param_dtype, reduce_dtype in (("cuda:1", torch.bfloat16, torch.float32),
+                                              ("cpu", None, None)):
         calls.clear()
         assert parallel.wrap(model, parallel.Dist(device), fsdp=True) is model
-        assert [m for m, _ in calls] == [*model.model.layers, model]                 # bottom-up, the root last
+        # bottom-up, the root last
+        assert [m for m, _ in calls] == [*model.model.layers, model]
         assert [kw["reshard_after_forward"] for _, kw in calls] == [True, True, True, False]
         assert all(kw["mesh"] == "mesh" and kw["mp_policy"].param_dtype == param_dtype
                    and kw["mp_policy"].reduce_dtype == reduce_dtype for _, kw in calls)
     assert meshes == [("cuda", (4,)), ("cpu", (4,))]
     with pytest.raises(parallel.ShardingError, match="no decoder layers"):
         parallel.shard(torch.nn.Linear(2, 2), "cpu")
-    assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model          # one process, no --fsdp: as is
+    # one process, no --fsdp: as is
+    assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model
 
 
 def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp_path, monkeypatch):
-    # FSDP2 over a one-rank gloo group in this process. `unsharded` leaves the layers sharded again, and
-    # freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of saving
-    # step 2, and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come back
+    # FSDP2 over a one-rank gloo group in this process. `unsharded` leaves the layers sharded again,
+    # and
+    # freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of
+    # saving
+    # step 2, and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come
+    # back
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -2828,8 +3243,8 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
     try:
         def fresh():
             torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)
+            cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
             model = parallel.wrap(LlamaForCausalLM(cfg), ranks, fsdp=True)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
@@ -2842,7 +3257,8 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
 
         def snapshot(model, opt):
             return ({k: v.full_tensor().clone() for k, v in model.state_dict().items()},
-                    [t.full_tensor().clone() for s in opt.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])])
+                    [t.full_tensor().clone() for s in opt.state.values()
+                     for t in (s["exp_avg"], s["exp_avg_sq"])])
 
         model, opt, sched = fresh()
         layer = model.model.layers[0].self_attn.q_proj
@@ -2852,7 +3268,8 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
             assert not sharded()                     # gathered, and kept gathered after a forward
         assert sharded()
         model(input_ids=torch.arange(1, 9)[None])
-        assert sharded()                             # a layer frees its gathered weights after a forward again
+        # a layer frees its gathered weights after a forward again
+        assert sharded()
         folder = str(tmp_path / "checkpoint")
         train_step(model, opt, sched)
         checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ranks)
@@ -2867,16 +3284,22 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
         with pytest.raises(KeyboardInterrupt):
             checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)
         monkeypatch.setattr(dcp, "save", real_save)
-        assert checkpoint.latest(folder).endswith("step-000001") and os.path.isdir(folder + "/step-000002.tmp")
+        assert (checkpoint.latest(folder).endswith("step-000001")
+                and os.path.isdir(folder + "/step-000002.tmp"))
         meta = dcp.FileSystemReader(checkpoint.latest(folder)).read_metadata().state_dict_metadata
-        assert all(type(m).__name__ == "TensorStorageMetadata" for m in meta.values())  # nothing DCP would unpickle
+        # nothing DCP would unpickle
+        assert all(type(m).__name__ == "TensorStorageMetadata" for m in meta.values())
         model2, opt2, sched2 = fresh()
         state = checkpoint.load_sharded(folder, model2, opt2, sched2, ranks)
-        assert (state["step"], state["data_pos"], sched2.last_epoch, opt2.param_groups[0]["lr"]) == (1, 4, 1, 5e-3)
+        assert (state["step"], state["data_pos"], sched2.last_epoch,
+                opt2.param_groups[0]["lr"]) == (1, 4, 1, 5e-3)
         (w, m), (w2, m2) = saved, snapshot(model2, opt2)
-        assert all(torch.equal(w[k], w2[k]) for k in w) and all(torch.equal(a, b) for a, b in zip(m, m2)) and len(m) > 0
-        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)  # a completed save
-        assert sorted(os.listdir(folder)) == ["latest", "step-000002"]                   # replaces the old one
+        assert (all(torch.equal(w[k], w2[k]) for k in w)
+                and all(torch.equal(a, b) for a, b in zip(m, m2)) and len(m) > 0)
+        # a completed save
+        checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)
+        # replaces the old one
+        assert sorted(os.listdir(folder)) == ["latest", "step-000002"]
     finally:
         ranks.close()
 
@@ -2886,27 +3309,34 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
 
     import parallel
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         pad_token_id=0, eos_token_id=1))
     roll = sample_groups(model, PROMPTS, 2, 10, eos_token_id=1, pad_token_id=0,
                          generator=[torch.Generator().manual_seed(s) for s in range(3)])
     calls, forwards = [], []
-    model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # runs first in the layer
-    model.model.register_forward_hook(lambda *_: forwards.append(1))  # the shared-prefix forward calls the model twice
+    # runs first in the layer
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+    # the shared-prefix forward calls the model twice
+    model.model.register_forward_hook(lambda *_: forwards.append(1))
 
-    def grads(shared_prefix=True):  # checkpointed layers drop the cache: update_policy asks for per-response then
+    # checkpointed layers drop the cache: update_policy asks for per-response then
+    def grads(shared_prefix=True):
         model.train()
         model.zero_grad()
         calls.clear()
         forwards.clear()
-        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0, shared_prefix=shared_prefix)
+        logp, _, valid = rollout_logprobs(model, roll, slice(0, 6), 1.0,
+                                          shared_prefix=shared_prefix)
         (-(logp * valid).sum() / valid.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls), len(forwards)
 
     plain, n_plain, f_plain = grads()
     parallel.checkpoint_activations(model)
     ckpt, n_ckpt, f_ckpt = grads(shared_prefix=False)
-    assert n_plain == f_plain and n_ckpt == 2 * f_ckpt         # the layer ran again in backward: it was checkpointed
+    # the layer ran again in backward: it was checkpointed
+    assert n_plain == f_plain and n_ckpt == 2 * f_ckpt
     assert max((plain[k] - ckpt[k]).abs().max().item() for k in plain) <= 1e-5
     assert all(plain[k].abs().sum() > 0 for k in plain if "layers.0" in k)
 
@@ -2929,12 +3359,16 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
         model, calls, forwards = copy.deepcopy(tiny_model), [], []
         if checkpointing:
             parallel.checkpoint_activations(model)
-        model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # first in the layer
-        model.model.register_forward_hook(lambda *_: forwards.append(1))     # once per forward of the model
-        args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=1, temperature=1.0, reduction="token",
-                               loss="ppo", fsdp=False, gradient_checkpointing=checkpointing, max_new_tokens=20,
-                               eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
-                               kl="k3", grad_clip=0.0)
+        # first in the layer
+        model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))
+        # once per forward of the model
+        model.model.register_forward_hook(lambda *_: forwards.append(1))
+        args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=1, temperature=1.0,
+                               reduction="token",
+                               loss="ppo", fsdp=False, gradient_checkpointing=checkpointing,
+                               max_new_tokens=20,
+                               eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                               entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         learner = update.Learner(model, model, None, opt, contextlib.nullcontext)
         update.update_policy(learner, roll, adv, roll.mask, args, parallel.Dist("cpu"))
@@ -2943,12 +3377,15 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
 
     plain, n_plain, f_plain = run(False)
     ckpt, n_ckpt, f_ckpt = run(True)
-    assert n_plain == f_plain and n_ckpt == 2 * f_ckpt                       # the layer ran again in backward
-    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(plain.parameters(), ckpt.parameters()))
+    # the layer ran again in backward
+    assert n_plain == f_plain and n_ckpt == 2 * f_ckpt
+    assert all(torch.allclose(p, q, atol=1e-6) for p,
+               q in zip(plain.parameters(), ckpt.parameters()))
 
 
 class _OtherRank:
-    """Dist of rank 1 of 2 whose all-reduce adds rank 0's flag (1: it took the lock, 0: it was refused)."""
+    """Dist of rank 1 of 2 whose all-reduce adds rank 0's flag (1: it took the lock, 0: it was
+    refused)."""
     master, world = False, 2
 
     def __init__(self, rank0_flag):
@@ -2960,7 +3397,8 @@ class _OtherRank:
 
 def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
     import checkpoint
-    assert checkpoint.lock_folder(str(tmp_path / "free"), _OtherRank(1.0)) is None   # they hold no lock themselves
+    # they hold no lock themselves
+    assert checkpoint.lock_folder(str(tmp_path / "free"), _OtherRank(1.0)) is None
     assert not (tmp_path / "free").exists()
     with pytest.raises(SystemExit) as e:
         checkpoint.lock_folder(str(tmp_path / "busy"), _OtherRank(0.0))
@@ -3015,7 +3453,8 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
 
 
 def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    # save step 1; the save of step 2 writes half its bytes and the process dies: step 1 still loads, whole
+    # save step 1; the save of step 2 writes half its bytes and the process dies: step 1 still
+    # loads, whole
     import io
 
     import checkpoint
@@ -3045,18 +3484,21 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
     monkeypatch.setattr(torch, "save", real_save)
     fresh, fresh_opt, fresh_sched = state(2)
     ckpt = checkpoint.load(path, fresh, fresh_opt, fresh_sched)
-    assert ckpt["step"] == 1 and all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    assert (ckpt["step"] == 1 and all(torch.equal(v, saved[k]) for k,
+                                      v in fresh.state_dict().items()))
 
 
 def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, capsys):
-    """checkpoint.CheckpointError (checkpoint.py raises its own, not data.InputError) reaches the same one line."""
+    """checkpoint.CheckpointError (checkpoint.py raises its own, not data.InputError) reaches the
+    same one line."""
     import train
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as e:
         train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1", "--resume"])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err and len(err.splitlines()) == 1, err
+    assert (e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err
+            and len(err.splitlines()) == 1), err
 
 
 def _jsonl_file(rows: list[dict]) -> bytes:
@@ -3306,8 +3748,8 @@ def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one
 def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(tiny_run_inputs,
                                                                               tmp_path, capsys):
     """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
-    between its two renames, only OUT/final.old is there: checkpoint.load_model (--model OUT/final, as
-    evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
+    between its two renames, only OUT/final.old is there: checkpoint.load_model (--model OUT/final,
+    as evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
     import checkpoint
     _, tok, model = checkpoint.load_model(str(tiny_run_inputs / "model"))
     out, final = str(tmp_path), str(tmp_path / "final")
@@ -3401,31 +3843,40 @@ def flip_x(response: str, answer: str) -> float:
 # ---------------------------------------------------------------------------------------------
 
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
-    row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std, "len/truncated_frac": truncated}
+    row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std,
+           "len/truncated_frac": truncated}
     return row if kept is None else {**row, "sampling/groups_kept": kept, "sampling/rounds": 4.0}
 
 
 def test_no_learning_signal_is_said_once_with_its_likely_causes():
     grpo_args, dapo_args = flags.parse_train_args(["--algo", "grpo"]), flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"])
-    # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing right in 3 steps
+    # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing
+    # right in 3 steps
     check = metrics.SignalCheck(grpo_args)
     said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
     assert len(said[0]) == 1 and said[1] == [] and check.silent
     msg = said[0][0]
-    assert msg.startswith("warning: no learning signal at step 1: every group's 8 rewards are equal") and "\n" not in msg
-    for cause in ("Answer:", "--prompt-template", "--reward verifier", "--max-new-tokens 40", "len/truncated_frac 1.00"):
+    assert (msg.startswith("warning: no learning signal at step 1: every group's 8 rewards are "
+                           "equal") and "\n" not in msg)
+    for cause in ("Answer:", "--prompt-template", "--reward verifier", "--max-new-tokens 40",
+                  "len/truncated_frac 1.00"):
         assert cause in msg, cause
     third = check(_signal_row(3, 0.0, 1.0))
-    assert len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0] and check(_signal_row(4, 0, 1)) == []
-    # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains (not silent)
+    assert (len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0]
+            and check(_signal_row(4, 0, 1)) == [])
+    # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains
+    # (not silent)
     check = metrics.SignalCheck(dapo_args)
     assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
     said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
-    assert len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0] and check.silent
+    assert (len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0]
+            and check.silent)
     assert "every sample is right" in said[0]
-    assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []      # once a run; and some samples scored: no "none right"
+    # once a run; and some samples scored: no "none right"
+    assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []
     mixed = metrics.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
-    assert len(mixed) == 1 and "--group-size" in mixed[0]       # groups all right or all wrong, half of them right
+    # groups all right or all wrong, half of them right
+    assert len(mixed) == 1 and "--group-size" in mixed[0]
 
 
 def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
@@ -3433,7 +3884,8 @@ def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
     # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
     # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
     # groups are all equal is one, after it.
-    check = metrics.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight", "0.5"]))
+    check = metrics.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight",
+                                                        "0.5"]))
     said, silent = [], []
     for step in (1, 2, 3, 4):
         said.append(check(_signal_row(step, 0.0, 0.5)))
@@ -3481,13 +3933,16 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
     import train
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(SystemExit) as e:
-        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to", "wandb"])
+        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to",
+                    "wandb"])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not installed (pip install wandb)"
+    assert (e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not "
+            "installed (pip install wandb)")
 
 
 def _lora_model(d, r=4):
-    """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would be a no-op)."""
+    """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would
+    be a no-op)."""
     import lora
     path, tok, model = checkpoint.load_model(str(d / "model"))
     config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
@@ -3506,23 +3961,30 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     _, _, base = checkpoint.load_model(str(tiny_run_inputs / "model"))
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
-    assert len(adapters) == 2 * 7 * 2                                       # A and B of 7 projections in 2 layers
+    # A and B of 7 projections in 2 layers
+    assert len(adapters) == 2 * 7 * 2
     encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
-    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)], 2, 8, eos,
-                         tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)],
+                         2, 8, eos, tok.pad_token_id, temperature=1.0,
+                         generator=torch.Generator().manual_seed(1))
     rows = slice(0, 6)
     logp, _, mask = rollout_logprobs(model, roll, rows, 1.0)
     (logp * mask).sum().backward()
-    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
-    assert grads == adapters                                                # every adapter, nothing else
+    grads = {n for n, p in model.named_parameters() if p.grad is not None
+             and p.grad.abs().sum() > 0}
+    # every adapter, nothing else
+    assert grads == adapters
     with torch.no_grad():
         with lora.adapters_off(model):
             ref = rollout_logprobs(model, roll, rows, 1.0)[0]
         again = rollout_logprobs(model, roll, rows, 1.0)[0]
         want = rollout_logprobs(base, roll, rows, 1.0)[0]
-    assert torch.allclose(ref, want, atol=1e-6)                             # the reference is the base model
-    assert (logp.detach() - want).abs().max() > 1e-3                        # which the adapted policy is not
-    assert torch.equal(again, logp.detach()) and {n for n, p in model.named_parameters() if p.requires_grad} == adapters
+    # the reference is the base model
+    assert torch.allclose(ref, want, atol=1e-6)
+    # which the adapted policy is not
+    assert (logp.detach() - want).abs().max() > 1e-3
+    assert (torch.equal(again, logp.detach())
+            and {n for n, p in model.named_parameters() if p.requires_grad} == adapters)
 
 
 def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny_run_inputs,
@@ -3572,7 +4034,8 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     assert not any(after[n].requires_grad for n in base)                              # still frozen
 
 
-def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs, tmp_path):
+def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs,
+                                                                            tmp_path):
     peft = pytest.importorskip("peft", reason="--lora-r needs peft")
     from transformers import AutoModelForCausalLM
 
@@ -3584,7 +4047,8 @@ def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny
     sd, adapted = model.state_dict(), 0
     for k in base:
         prefix = k.removesuffix(".weight")
-        if f"{prefix}.lora_A.default.weight" in sd:                         # W + alpha / r * B A, by hand
+        # W + alpha / r * B A, by hand
+        if f"{prefix}.lora_A.default.weight" in sd:
             A, B = sd[f"{prefix}.lora_A.default.weight"], sd[f"{prefix}.lora_B.default.weight"]
             assert torch.allclose(merged[k], base[k] + 2.0 * B @ A, atol=1e-6), k
             assert (merged[k] - base[k]).abs().max() > 1e-3
@@ -3607,9 +4071,11 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     import train
     run = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
     for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
-                           (["--lora-r", "4", "--rollout", "vllm"], "--lora-r with --rollout vllm is not supported"),
+                           (["--lora-r", "4", "--rollout", "vllm"],
+                            "--lora-r with --rollout vllm is not supported"),
                            (["--lora-r", "-1"], "--lora-r must be >= 0"),
-                           (["--lora-r", "4", "--lora-target-modules", "wq,wk"], "--lora-target-modules wq,wk: ")):
+                           (["--lora-r", "4", "--lora-target-modules", "wq,wk"],
+                            "--lora-target-modules wq,wk: ")):
         if "wq,wk" in extra and importlib.util.find_spec("peft") is None:  # the others need no peft
             continue
         with pytest.raises(SystemExit) as e:
@@ -3619,5 +4085,7 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(SystemExit) as e:
         train.main([*run, "--lora-r", "4"])
-    assert capsys.readouterr().err.strip() == "error: --lora-r: the peft package is not installed (pip install peft)"
-    assert flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16 and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3
+    assert (capsys.readouterr().err.strip()
+            == "error: --lora-r: the peft package is not installed (pip install peft)")
+    assert (flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16
+            and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3)

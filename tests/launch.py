@@ -15,9 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo r
 
 def _run_train(d, out, *extra):
     flags = _tiny_flags(d, out)
-    if "--reward" in extra:  # --reward repeats to sum several rewards: the caller's replaces the default one
+    # --reward repeats to sum several rewards: the caller's replaces the default one
+    if "--reward" in extra:
         del flags[flags.index("--reward"):flags.index("--reward") + 2]
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--steps", "2", "--eval-every", "1", *extra]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--steps", "2", "--eval-every",
+           "1", *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(d)})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -25,19 +27,24 @@ def _run_train(d, out, *extra):
 
 
 def _torchrun(nproc, script, *flags):
-    """`script flags` under torchrun on nproc CPU ranks (gloo); fails the test unless every rank exits 0."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *flags]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,  # a rank that aborts prints its stack
+    """`script flags` under torchrun on nproc CPU ranks (gloo); fails the test unless every rank
+    exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(script), *flags]
+    # a rank that aborts prints its stack
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
 
 
 def _thread_counting_driver(tmp_path):
-    """A script that runs train.main, then writes how many gloo threads its rank still has to threads<RANK>."""
+    """A script that runs train.main, then writes how many gloo threads its rank still has to
+    threads<RANK>."""
     driver = tmp_path / "driver.py"
     driver.write_text(
         f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport train\ntrain.main(sys.argv[1:])\n"
-        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in "
+        "os.listdir('/proc/self/task')]\n"
         f"open(os.path.join({str(tmp_path)!r}, 'threads' + os.environ['RANK']), 'w').write(\n"
         "    str(sum('gloo' in n for n in names)))\n")
     return driver

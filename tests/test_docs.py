@@ -24,7 +24,8 @@ FOREIGN_FLAGS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", 
                  "--master_port", "--system-site-packages", "--lora-dropout"}
 
 
-FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "txt", "pt", "toml", "lock"}  # `train.py`, not train.<name>
+# `train.py`, not train.<name>
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "txt", "pt", "toml", "lock"}
 
 
 FOREIGN_FILES = {"grpo_config.py"}  # other projects' files the pages name (TRL's)
@@ -33,7 +34,8 @@ FOREIGN_FILES = {"grpo_config.py"}  # other projects' files the pages name (TRL'
 def _doc_pages() -> dict[str, str]:
     """README.md, results/README.md and docs/*.md, relative path -> text."""
     docs = os.path.join(ROOT, "docs")
-    paths = ["README.md", "results/README.md", *(f"docs/{n}" for n in sorted(os.listdir(docs)) if n.endswith(".md"))]
+    paths = ["README.md", "results/README.md",
+             *(f"docs/{n}" for n in sorted(os.listdir(docs)) if n.endswith(".md"))]
     paths = [p for p in paths if os.path.exists(os.path.join(ROOT, p))]
     return {p: _read(os.path.join(ROOT, p)) for p in paths}
 
@@ -84,7 +86,8 @@ def _cli_actions() -> list:
             if "__main__" not in src or not re.search(r"parse_\w*args\(", src):
                 continue
             sys.argv = [path]
-            with pytest.raises(Parsed) as got:  # a script that returns here parsed nothing: a bug in this test
+            # a script that returns here parsed nothing: a bug in this test
+            with pytest.raises(Parsed) as got:
                 if module is None:
                     runpy.run_path(path, run_name="__main__")
                 else:                           # as `python -m` does, on a fresh copy of the module
@@ -166,7 +169,8 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
                 params = inspect.signature(obj).parameters if m.group(3) and callable(obj) else {}
                 kwargs = re.findall(r"(\w+)=(?!=)", m.group(4) or "")
                 if all(p.kind != p.VAR_KEYWORD for p in params.values()):
-                    problems += [f"{_at(page, text, m)}: no argument {kw}" for kw in kwargs if kw not in params]
+                    problems += [f"{_at(page, text, m)}: no argument {kw}" for kw in kwargs
+                                 if kw not in params]
         for m in re.finditer(flag_re, text):
             if m.group(1) not in flags:
                 problems.append(f"{_at(page, text, m)}: no such flag")
@@ -212,7 +216,8 @@ def test_docs_check_finds_a_stale_name_argument_flag_choice_test_link_and_anchor
 `ablate.rows.extra_row` `ablate.rows.variant_row` --add-row --variant `ablate/habits.py` `ablate.py`
 """
     assert _docs_problems({"README.md": page}) == [
-        "README.md:2: grpo.no_such_fn: no no_such_fn", "README.md:2: sampler.Rollout.no_field: no no_field",
+        "README.md:2: grpo.no_such_fn: no no_such_fn",
+        "README.md:2: sampler.Rollout.no_field: no no_field",
         "README.md:3: grpo.token_weights(mask, num_tokenz=...): no argument num_tokenz",
         "README.md:8: bench.vs_trl.no_such_fn: no no_such_fn", "README.md:8: bench.gone.x: no gone",
         "README.md:10: ablate.rows.variant_row: no variant_row",

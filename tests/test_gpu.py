@@ -16,17 +16,21 @@ from sampler import sample_groups
 from test_grpo import PROMPTS, _tiny, _tiny_flags, _weights
 
 # ---------------------------------------------------------------------------------------------
-# On GPUs (python -m pytest -q test_grpo.py tests -m gpu): skipped, with the reason, where CUDA is missing
+# On GPUs (python -m pytest -q test_grpo.py tests -m gpu): skipped, with the reason, where CUDA is
+# missing
 # ---------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU machine: pytest -m gpu)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (on a GPU machine: pytest -m gpu)")
 
 
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (on a GPU machine: pytest -m gpu)")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                    reason="needs 2 CUDA GPUs (on a GPU machine: pytest -m gpu)")
 
 
 def _train_rows(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)]
 
 
 @pytest.mark.slow
@@ -34,12 +38,15 @@ def _train_rows(out):
 @needs_cuda
 def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
-    _run_train(d, tmp_path / "run", "--device", "cuda", "--steps", "3", "--algo", "grpo", "--reward", "tinyreward:has_x")
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"] is True   # the default on CUDA
+    _run_train(d, tmp_path / "run", "--device", "cuda", "--steps", "3", "--algo", "grpo",
+               "--reward", "tinyreward:has_x")
+    # the default on CUDA
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"] is True
     rows = _train_rows(tmp_path / "run")
     assert len(rows) == 3 and all(math.isfinite(v) for r in rows for v in r.values())
     w, start = _weights(tmp_path / "run" / "final"), _weights(d / "model")
-    assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
+    assert ({v.dtype for v in w.values()} == {torch.float32}
+            and any(not torch.equal(start[k], w[k]) for k in w))
 
 
 @pytest.mark.gpu
@@ -49,8 +56,8 @@ def test_gpu_sampler_greedy_equals_generate():
     roll = sample_groups(model, PROMPTS, 2, 16, eos_token_id=1, pad_token_id=0, temperature=0.0)
     assert roll.response_ids.is_cuda
     for i, p in enumerate(PROMPTS):
-        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False, eos_token_id=1,
-                             pad_token_id=0)[0, len(p):].tolist()
+        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                             eos_token_id=1, pad_token_id=0)[0, len(p):].tolist()
         for r in (2 * i, 2 * i + 1):
             L = int(roll.lengths[r])
             assert roll.response_ids[r, :L].tolist() == ref[:L]
@@ -61,13 +68,16 @@ def test_gpu_sampler_greedy_equals_generate():
 @needs_cuda
 def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path):
     d, out = tiny_run_inputs, tmp_path / "run"
-    flags = [*_tiny_flags(d, out), "--device", "cuda", "--fsdp", "--beta", "0.04", "--save-every", "2"]
+    flags = [*_tiny_flags(d, out), "--device", "cuda", "--fsdp", "--beta", "0.04", "--save-every",
+             "2"]
     _torchrun(1, os.path.join(ROOT, "train.py"), *flags, "--steps", "2")
     _torchrun(1, os.path.join(ROOT, "train.py"), *flags, "--steps", "3", "--resume")
     rows = _train_rows(out)
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(v) for r in rows for v in r.values())
+    assert ([r["step"] for r in rows] == [1, 2, 3]
+            and all(math.isfinite(v) for r in rows for v in r.values()))
     w, start = _weights(out / "final"), _weights(d / "model")
-    assert {v.dtype for v in w.values()} == {torch.float32} and any(not torch.equal(start[k], w[k]) for k in w)
+    assert ({v.dtype for v in w.values()} == {torch.float32}
+            and any(not torch.equal(start[k], w[k]) for k in w))
 
 
 @pytest.mark.slow
@@ -77,8 +87,8 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
     d, state = tiny_run_inputs, {}
     for mode, extra in (("ddp", []), ("fsdp", ["--fsdp", "--save-every", "2"])):
         out = tmp_path / mode
-        _torchrun(2, os.path.join(ROOT, "train.py"), *_tiny_flags(d, out), "--device", "cuda", "--steps", "2",
-                  "--beta", "0.04", *extra)
+        _torchrun(2, os.path.join(ROOT, "train.py"), *_tiny_flags(d, out), "--device", "cuda",
+                  "--steps", "2", "--beta", "0.04", *extra)
         rows = _train_rows(out)
         assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values())
         state[mode] = rows[-1]["memory/state_bytes"]

@@ -19,31 +19,41 @@ from sampler import Rollout, sample_groups
 from test_grpo import _tiny, _tiny_flags, _weights
 
 # ---------------------------------------------------------------------------------------------
-# vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own venv, see
-# the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with the reason
+# vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own venv,
+# see
+# the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with the
+# reason
 # without vllm
 # ---------------------------------------------------------------------------------------------
 
-def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
+def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys,
+                                                                monkeypatch):
     import train
     assert (flags.parse_train_args([]).rollout, flags.parse_train_args([]).tis_cap) == ("hf", 0.0)
-    assert flags.parse_train_args(["--rollout", "vllm"]).tis_cap == flags.VLLM_TIS_CAP == 2.0  # TIS on with an engine
-    assert flags.parse_train_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0       # unless switched off
+    # TIS on with an engine
+    assert flags.parse_train_args(["--rollout", "vllm"]).tis_cap == flags.VLLM_TIS_CAP == 2.0
+    # unless switched off
+    assert flags.parse_train_args(["--rollout", "vllm", "--tis-cap", "0"]).tis_cap == 0.0
     for bad in (["--vllm-gpu-memory-utilization", "0"], ["--rollout", "sglang"]):
         with pytest.raises(SystemExit) as e:
             flags.parse_train_args(bad)
         assert e.value.code == 2
     capsys.readouterr()
-    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
+    # `import vllm` raises ImportError, installed or not
+    monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(SystemExit) as e:
-        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--rollout", "vllm"])
+        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--rollout",
+                    "vllm"])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: --rollout vllm needs vLLM: pip install")
+    assert (e.value.code == 2 and len(err.splitlines()) == 1
+            and err.startswith("error: --rollout vllm needs vLLM: pip install"))
 
 
 def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
-    # FSDP2 over a one-rank gloo group in this process: the stream yields each full tensor (equal to the
-    # unsharded model's) only when it is read, so the engine never sees a second whole copy of the model
+    # FSDP2 over a one-rank gloo group in this process: the stream yields each full tensor (equal to
+    # the
+    # unsharded model's) only when it is read, so the engine never sees a second whole copy of the
+    # model
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -52,18 +62,22 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     plain = {k: v.clone() for k, v in model.state_dict().items()}
     gathers, real = [], DTensor.full_tensor
-    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathers.append(self.shape) or real(self, **kw))
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathers.append(self.shape)
+                        or real(self, **kw))
     ranks = parallel.Dist("cpu", fsdp=True)
     try:
         parallel.wrap(model, ranks, fsdp=True)
         stream, seen = vllm_rollout.full_weights(model, torch.bfloat16), {}
         for i, (name, t) in enumerate(stream):
-            assert len(gathers) == i + 1                     # gathered as read, one tensor in flight
-            assert type(t) is torch.Tensor and t.dtype == torch.bfloat16 and torch.equal(t, plain[name].bfloat16())
+            # gathered as read, one tensor in flight
+            assert len(gathers) == i + 1
+            assert (type(t) is torch.Tensor and t.dtype == torch.bfloat16
+                    and torch.equal(t, plain[name].bfloat16()))
             seen[name] = t
         assert set(seen) == set(plain)
     finally:
@@ -71,7 +85,8 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
 
 
 class _RecordingLLM:
-    """Stands in for vllm.LLM where the real one cannot run here (sleep mode needs CUDA): records the calls."""
+    """Stands in for vllm.LLM where the real one cannot run here (sleep mode needs CUDA): records
+    the calls."""
 
     def __init__(self):
         self.calls = []
@@ -99,18 +114,22 @@ def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
     engine.sleep()
     engine.push(model)
     reload = ("reload_weights", [(n, torch.bfloat16) for n in model.state_dict()])
-    want = [("sleep", 2), ("wake_up", ["weights"]), reload, ("wake_up", ["kv_cache"])] if cuda else [reload]
+    want = [("sleep", 2), ("wake_up", ["weights"]), reload,
+            ("wake_up", ["kv_cache"])] if cuda else [reload]
     # then the prefix cache goes, on CPU too: no prompt is decoded on K/V the old weights computed
     assert engine.llm.calls == [*want, ("reset_prefix_cache",)] and not engine.asleep
-    engine.llm.reset_prefix_cache = lambda: False     # vLLM could not drop it: an error, never stale K/V
+    # vLLM could not drop it: an error, never stale K/V
+    engine.llm.reset_prefix_cache = lambda: False
     with pytest.raises(RuntimeError, match="prefix cache"):
         engine.push(model)
 
 
 @pytest.fixture(scope="session")
 def vllm_env():
-    """Skips where vllm cannot be imported; a 1 GiB KV cache per engine on CPU (the default is 30% of memory)."""
-    pytest.importorskip("vllm", reason="vllm cannot be imported (install: see the README's --rollout vllm)")
+    """Skips where vllm cannot be imported; a 1 GiB KV cache per engine on CPU (the default is 30%
+    of memory)."""
+    pytest.importorskip("vllm", reason="vllm cannot be imported (install: see the README's "
+                        "--rollout vllm)")
     old = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     yield
@@ -122,16 +141,18 @@ def vllm_env():
 
 @pytest.fixture(scope="module")
 def vllm_model(tmp_path_factory):
-    """A 0.53M Qwen2 with head_dim 64 (vLLM's CPU attention has no kernel for head_dim 8 or 16), random
+    """A 0.53M Qwen2 with head_dim 64 (vLLM's CPU attention has no kernel for head_dim 8 or 16),
+    random
     weights scaled up so greedy responses vary, and the built-in tokenizer: (folder, model)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     d = tmp_path_factory.mktemp("vllm") / "model"
     tok = builtin.make_tokenizer()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=True, initializer_range=0.2)).eval()
+        vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None, tie_word_embeddings=True, initializer_range=0.2)).eval()
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d, model
@@ -140,17 +161,21 @@ def vllm_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_env, vllm_model):
     import vllm_rollout
-    engine = vllm_rollout.Engine(str(vllm_model[0]), "cpu", bf16=False, seed=0, gpu_memory_utilization=0.05)
+    engine = vllm_rollout.Engine(str(vllm_model[0]), "cpu", bf16=False, seed=0,
+                                 gpu_memory_utilization=0.05)
     yield engine
-    engine.close()                         # and the one-rank process group the engine made in this process
+    # and the one-rank process group the engine made in this process
+    engine.close()
 
 
 VLLM_PROMPTS = [[12, 5, 20, 9], [7, 30, 14, 3, 25, 11, 16, 8, 2], [22]]
 
 
-# prompts as real runs have them: a shared 400-token instruction (3 full KV blocks of vLLM's 128 tokens,
+# prompts as real runs have them: a shared 400-token instruction (3 full KV blocks of vLLM's 128
+# tokens,
 # which its prefix cache reuses across requests), then each prompt's own tokens
-VLLM_INSTRUCTION = [int(t) for t in torch.randint(3, 33, (400,), generator=torch.Generator().manual_seed(5))]
+VLLM_INSTRUCTION = [int(t) for t in torch.randint(3, 33, (400,),
+                                                  generator=torch.Generator().manual_seed(5))]
 
 
 VLLM_LONG_PROMPTS = [VLLM_INSTRUCTION + p for p in VLLM_PROMPTS]
@@ -169,13 +194,17 @@ def test_vllm_greedy_equals_sample_groups_on_the_same_weights(vllm_engine, vllm_
     hf = sample_groups(model, VLLM_PROMPTS, 2, T, eos, 0, 0.0)
     engine = vllm_engine.sample_groups(model, VLLM_PROMPTS, 2, T, eos, 0, 0.0)
     # greedily, token 30 ends prompt 0 at its 5th token and prompt 2 at its 2nd; prompt 1 runs to T
-    assert engine.lengths.tolist() == [5, 5, T, T, 2, 2] and engine.truncated.tolist() == [False] * 2 + [True] * 2 + [False] * 2
-    _same_rollout(engine, hf, atol=1e-4)                     # float32 both sides: other kernels, same tokens
-    # a budget of 5: prompt 0's end token is its last one, which ends it (not truncated); prompt 1 is cut
+    assert (engine.lengths.tolist() == [5, 5, T, T, 2, 2]
+            and engine.truncated.tolist() == [False] * 2 + [True] * 2 + [False] * 2)
+    # float32 both sides: other kernels, same tokens
+    _same_rollout(engine, hf, atol=1e-4)
+    # a budget of 5: prompt 0's end token is its last one, which ends it (not truncated); prompt 1
+    # is cut
     five = vllm_engine.sample_groups(model, VLLM_PROMPTS, 1, 5, eos, 0, 0.0)
     assert five.lengths.tolist() == [5, 5, 2] and five.truncated.tolist() == [False, True, False]
     _same_rollout(five, sample_groups(model, VLLM_PROMPTS, 1, 5, eos, 0, 0.0), atol=1e-4)
-    # prompts of 3+ KV blocks sharing a 400-token prefix (the second call reads the first's cached blocks)
+    # prompts of 3+ KV blocks sharing a 400-token prefix (the second call reads the first's cached
+    # blocks)
     for _ in range(2):
         long = vllm_engine.sample_groups(model, VLLM_LONG_PROMPTS, 2, T, eos, 0, 0.0)
         _same_rollout(long, sample_groups(model, VLLM_LONG_PROMPTS, 2, T, eos, 0, 0.0), atol=1e-4)
@@ -185,15 +214,20 @@ def test_vllm_greedy_equals_sample_groups_on_the_same_weights(vllm_engine, vllm_
 def test_vllm_samples_follow_each_prompts_seed_with_the_trainers_logprobs(vllm_engine, vllm_model):
     model, G, T, temp = vllm_model[1], 3, 16, 0.7
     gens = lambda idx: [data.prompt_generator(0, j) for j in idx]  # noqa: E731
-    prompts = VLLM_LONG_PROMPTS                                  # 400 shared tokens, then each prompt's own
+    # 400 shared tokens, then each prompt's own
+    prompts = VLLM_LONG_PROMPTS
     batch = vllm_engine.sample_groups(model, prompts, G, T, [1], 0, temp, generator=gens([0, 1, 2]))
     alone = vllm_engine.sample_groups(model, prompts[1:2], G, T, [1], 0, temp, generator=gens([1]))
     t = alone.response_ids.shape[1]
-    assert batch.response_ids[G:2 * G, :t].tolist() == alone.response_ids.tolist()  # the batch does not matter
-    assert len({tuple(r) for r in batch.response_ids.tolist()}) == G * len(prompts)  # G different samples each
+    # the batch does not matter
+    assert batch.response_ids[G:2 * G, :t].tolist() == alone.response_ids.tolist()
+    # G different samples each
+    assert len({tuple(r) for r in batch.response_ids.tolist()}) == G * len(prompts)
     other = vllm_engine.sample_groups(model, prompts[1:2], G, T, [1], 0, temp, generator=gens([7]))
-    assert other.response_ids.tolist() != alone.response_ids.tolist()               # another seed, other samples
-    # the sampled tokens' log-probs are those of softmax(logits / temperature), as the trainer recomputes them
+    # another seed, other samples
+    assert other.response_ids.tolist() != alone.response_ids.tolist()
+    # the sampled tokens' log-probs are those of softmax(logits / temperature), as the trainer
+    # recomputes them
     trainer, _, valid = rollout_logprobs(model, batch, slice(0, G * len(prompts)), temp)
     torch.testing.assert_close(batch.logprobs, trainer * valid, atol=1e-4, rtol=0)
 
@@ -201,47 +235,56 @@ def test_vllm_samples_follow_each_prompts_seed_with_the_trainers_logprobs(vllm_e
 @pytest.mark.vllm
 def test_vllm_push_after_updates_gives_hf_greedy_on_the_trained_weights(vllm_engine, vllm_model):
     import copy
-    # prompts sharing 3 full KV blocks: the stale call below leaves them in vLLM's prefix cache, computed
+    # prompts sharing 3 full KV blocks: the stale call below leaves them in vLLM's prefix cache,
+    # computed
     # by the old weights, so a push that kept the cache would decode the new weights on old K/V
     model, T, prompts = copy.deepcopy(vllm_model[1]), 24, VLLM_LONG_PROMPTS
     before = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     for _ in range(3):  # a few large updates: push the model towards other continuations
-        model(input_ids=torch.tensor([prompts[1]]), labels=torch.tensor([prompts[1][::-1]])).loss.backward()
+        model(input_ids=torch.tensor([prompts[1]]),
+              labels=torch.tensor([prompts[1][::-1]])).loss.backward()
         opt.step()
         opt.zero_grad()
     after = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
     assert after.response_ids.tolist() != before.response_ids.tolist()
     stale = vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0)
-    assert stale.response_ids.tolist() == before.response_ids.tolist()  # without a push: the old weights
+    # without a push: the old weights
+    assert stale.response_ids.tolist() == before.response_ids.tolist()
     try:
         vllm_engine.push(model)
-        _same_rollout(vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0), after, atol=1e-4)
+        _same_rollout(vllm_engine.sample_groups(model, prompts, 1, T, [1], 0, 0.0), after,
+                      atol=1e-4)
     finally:
         vllm_engine.push(vllm_model[1])                    # the other tests' weights back
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_model, tiny_run_inputs, tmp_path):
-    """3 DAPO steps with --rollout vllm in one process, and on 2 gloo ranks with --fsdp (each rank's engine
-    fed full tensors gathered from the shards): the same rewards at every step (the per-prompt seeds), the
-    same evaluations (through the engines), weights within 1e-3, truncated IS on at cap 2, and the
-    sampler/trainer mismatch at the float32 level at every step (an engine left with old weights drifts
-    away from the policy step by step). The tiny runs' large learning rate makes every step move the policy.
-    Every prompt opens with the same ~400-token instruction, as real prompts share a chat header and system
-    prompt: 3 full KV blocks that vLLM's prefix cache keeps across requests (and across weight pushes,
-    unless the engine drops it), as each evaluation's prompts repeat the last one's."""
+def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_model, tiny_run_inputs,
+                                                             tmp_path):
+    """3 DAPO steps with --rollout vllm in one process, and on 2 gloo ranks with --fsdp (each rank's
+    engine
+    fed full tensors gathered from the shards): the same rewards at every step (the per-prompt
+    seeds), the same evaluations (through the engines), weights within 1e-3, truncated IS on at cap
+    2, and the sampler/trainer mismatch at the float32 level at every step (an engine left with old
+    weights drifts away from the policy step by step). The tiny runs' large learning rate makes
+    every step move the policy. Every prompt opens with the same ~400-token instruction, as real
+    prompts share a chat header and system prompt: 3 full KV blocks that vLLM's prefix cache keeps
+    across requests (and across weight pushes, unless the engine drops it), as each evaluation's
+    prompts repeat the last one's."""
     runs, instruction = {}, "3x+4=19\nAnswer: 5\n" * 22
     for n in (1, 2):
         out = tmp_path / f"w{n}"
-        flags = [*_tiny_flags(tiny_run_inputs, out), "--model", str(vllm_model[0]), "--steps", "3", "--eval-every", "1",
-                 "--algo", "dapo", "--rollout", "vllm", "--grad-clip", "0", "--prompt-template", instruction + "{prompt}",
-                 *(["--fsdp"] if n == 2 else [])]
+        flags = [*_tiny_flags(tiny_run_inputs, out), "--model", str(vllm_model[0]), "--steps", "3",
+                 "--eval-every", "1",
+                 "--algo", "dapo", "--rollout", "vllm", "--grad-clip", "0", "--prompt-template",
+                 instruction + "{prompt}", *(["--fsdp"] if n == 2 else [])]
         _torchrun(n, os.path.join(ROOT, "train.py"), *flags)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert json.loads((out / "config.json").read_text())["tis_cap"] == 2.0
-        runs[n] = ([r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r], _weights(out / "final"))
+        runs[n] = ([r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r],
+                   _weights(out / "final"))
     (m1, e1, w1), (m2, e2, w2) = runs[1], runs[2]
     assert len(m1) == len(m2) == 3 and len(e1) == len(e2) == 4
     for a, b in zip(m1, m2):
@@ -252,4 +295,5 @@ def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_mode
     # float32 sums in another order; AdamW makes near-zero gradients' noise steps of up to lr (1e-2)
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 5e-3
     start = _weights(vllm_model[0])
-    assert max((start[k] - w1[k]).abs().max().item() for k in w1) > 1e-2   # the steps moved the weights
+    # the steps moved the weights
+    assert max((start[k] - w1[k]).abs().max().item() for k in w1) > 1e-2
