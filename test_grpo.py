@@ -39,7 +39,14 @@ import variants
 import verifier
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
-from verifier import canonical, canonical_answer, extract_answer, format_reward, parse_number, verify
+from verifier import (
+    canonical,
+    canonical_answer,
+    extract_answer,
+    format_reward,
+    parse_number,
+    verify,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -724,7 +731,8 @@ def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
     want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask,
                                                       eps_low, eps_high, mode), logp)
     for fn in (variants.gspo_loss, variants.gspo_token_loss):
-        got, g_got = _value_and_grad(lambda: fn(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)  # noqa: B023
+        got, g_got = _value_and_grad(
+            lambda: fn(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)  # noqa: B023
         assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     # per-token advantages: only the token form takes them
     adv_tok = torch.randn_like(mask)
@@ -771,8 +779,9 @@ def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradi
     # [N, T], sequence mean
     wt = grpo.token_weights(mask)
     loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask, wt)[0], logp)
-    _, g_tok = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, wt)[0],
-                               logp)
+    _, g_tok = _value_and_grad(
+        lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, wt)[0],
+        logp)
     assert torch.allclose(g_seq, g_tok, atol=1e-12)
     want = -adv[:, None] / mask.sum(-1, keepdim=True) / mask.shape[0] * mask
     assert torch.allclose(g_seq, want, atol=1e-12) and abs(loss.item() + adv.mean().item()) < 1e-12
@@ -1371,7 +1380,8 @@ def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
     full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
     logits, ids = full[:, :-1], torch.randint(0, V, (2, 5))
     for t in (1.0, 0.7):
-        got, want = logprobs.token_logprobs(logits, ids, temperature=t), _naive_logprobs(logits, ids, t)
+        got, want = (logprobs.token_logprobs(logits, ids, temperature=t),
+                     _naive_logprobs(logits, ids, t))
         assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4)
         (g_got,), (g_want,) = torch.autograd.grad(got.sum(), full), torch.autograd.grad(want.sum(),
                                                                                         full)
@@ -1403,7 +1413,8 @@ def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dt
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+                if (isinstance(t, torch.Tensor)
+                        and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()):
                     self.bytes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return out
 
@@ -1681,8 +1692,10 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
     # train.py stops on the tokenizer's EOS and on the end ids the generation config adds
     # (checkpoint.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert (checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7])
-    assert (checkpoint.end_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5])
+    assert (checkpoint.end_ids(
+        tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7])
+    assert (checkpoint.end_ids(
+        tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5])
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
@@ -1767,7 +1780,8 @@ def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkey
     monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k))
                         or made[-1])
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(MIXED_PROMPTS))]  # noqa: E731
-    run = lambda n, **k: sample_groups(model, MIXED_PROMPTS, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=n, **k)  # noqa: E731
+    run = lambda n, **k: sample_groups(  # noqa: E731
+        model, MIXED_PROMPTS, G, T, ends, 0, 0.9, generator=gens(), max_num_seqs=n, **k)
     full = run(None)
     assert full.truncated.any() and (~full.truncated).any() and len(set(full.lengths.tolist())) > 3
     P, N = max(map(len, MIXED_PROMPTS)), len(MIXED_PROMPTS) * G
@@ -1944,7 +1958,8 @@ def test_rollout_select_and_cat():
     assert c.num_groups == 5 and c.correct.shape == (10,) and c.rewards is None
     # a longer rollout pads the shorter one's rows: never a valid mask position, never a log-prob
     long = _fake_rollout([[1, 0]])
-    long.response_ids, long.mask, long.logprobs = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), -torch.ones(2, 5)
+    long.response_ids, long.mask, long.logprobs = (torch.ones(2, 5, dtype=torch.long),
+                                                   torch.ones(2, 5), -torch.ones(2, 5))
     c = Rollout.cat([r, long])
     assert (c.mask.shape == (8, 5) and c.mask[:6, 2:].sum() == 0
             and c.logprobs[:6, 2:].abs().sum() == 0)
@@ -2250,8 +2265,9 @@ def test_shipped_base_model_is_this_recipes_build():
     rebuilds it."""
     with open(os.path.join(builtin.SHIP_DIR, "recipe.json")) as fh:
         recorded = json.load(fh)
-    assert recorded["key"] == builtin.recipe_key(), \
-        "base_model/ was built by another recipe: rebuild and ship it with `python builtin.py --ship`"
+    assert recorded["key"] == builtin.recipe_key(), (
+        "base_model/ was built by another recipe: rebuild and ship it with "
+        "`python builtin.py --ship`")
     assert recorded["config"] == dataclasses.asdict(builtin.BaseModelConfig())
     assert builtin.base_model() == builtin.SHIP_DIR
 
@@ -2265,7 +2281,8 @@ def test_recipe_key_changes_with_every_part_of_the_recipe_and_only_with_it():
     key = builtin.recipe_key(cfg, src)
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        assert builtin.recipe_key(dataclasses.replace(cfg, **{f.name: v + 1 if isinstance(v, int) else v / 2}), src) != key, f.name
+        changed = {f.name: v + 1 if isinstance(v, int) else v / 2}
+        assert builtin.recipe_key(dataclasses.replace(cfg, **changed), src) != key, f.name
     # the verbose demonstration's text
     changes = [('"check: {', '"check:{'),
                # the shortcut
@@ -2301,14 +2318,16 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
                                   sft_batch_size=8)
     cache, shipped = str(tmp_path / "cache"), str(tmp_path / "base_model")
     quiet = lambda *a, **k: None  # noqa: E731
-    assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(cfg)}")
+    assert (builtin.base_model(cfg, cache, quiet, ship_dir=shipped)
+            == os.path.join(cache, f"base-{builtin.recipe_key(cfg)}"))
     assert builtin.ship(cfg, cache, shipped, log=quiet) == shipped
     assert (builtin.shipped_key(shipped) == builtin.recipe_key(cfg)
             and os.path.exists(os.path.join(shipped, "model.safetensors")))
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) == shipped
     # another recipe: built into the cache
     other = dataclasses.replace(cfg, seed=1)
-    assert builtin.base_model(other, cache, quiet, ship_dir=shipped) == os.path.join(cache, f"base-{builtin.recipe_key(other)}")
+    assert (builtin.base_model(other, cache, quiet, ship_dir=shipped)
+            == os.path.join(cache, f"base-{builtin.recipe_key(other)}"))
     assert (builtin.ship(other, cache, shipped, log=quiet) == shipped
             and builtin.shipped_key(shipped) == builtin.recipe_key(other))
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
@@ -2489,7 +2508,8 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
     want = [{"prompt": r["question"], "answer": r["solution"],
              "columns": {"solution": r["solution"], "level": r["level"]}}
             for r in train]
-    load = lambda path, **kw: data.load_rows(str(tmp_path / path), "train", "question", "solution", **kw)  # noqa: E731
+    load = lambda path, **kw: data.load_rows(  # noqa: E731
+        str(tmp_path / path), "train", "question", "solution", **kw)
     assert load("train.parquet") == want and load("train.parquet", limit=2) == want[:2]
     assert load("splits") == want and load("splits", hf_split="test")[0]["prompt"] == "9x=0"
     assert load("saved") == want and load("saved", hf_split="test")[0]["answer"] == "9"
@@ -2956,7 +2976,8 @@ def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkey
     assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4,
                                  ks) == pytest.approx(m1, abs=1e-12)
     scores = [[s["score"] for s in r["samples"]] for r in r1]
-    assert m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48) == pytest.approx(m1["eval/pass@1"])
+    assert (m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48)
+            == pytest.approx(m1["eval/pass@1"]))
     assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
     # samples differ between problems
     assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12
@@ -2969,7 +2990,8 @@ def test_eval_flags_are_shared_and_checked(capsys):
     import evaluate
     mine = {f.name: f for f in dc.fields(flags.TrainArgs)}
     for f in dc.fields(flags.EvalArgs):  # one definition: same type, default and help in train.py
-        assert (mine[f.name].type, mine[f.name].default, mine[f.name].metadata) == (f.type, f.default, f.metadata), f.name
+        assert ((mine[f.name].type, mine[f.name].default, mine[f.name].metadata)
+                == (f.type, f.default, f.metadata)), f.name
     for parse in (flags.parse_train_args, evaluate.main):
         for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"],
                     ["--max-new-tokens", "0"]):
@@ -3101,7 +3123,8 @@ def test_step_metrics_worked_by_hand():
     # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip
     # keys
     row = metrics.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
-    assert (row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"]) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert ((row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"])
+            == (0.0, 0.0, 0.0, 0.0, 0.0))
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
 
 
@@ -3153,13 +3176,15 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
         roll.rewards = part
         halves.append(roll)
     # n - 1
-    assert train.reward_std(halves[0], parallel.Dist("cpu")) == pytest.approx(float(r.double().std()), abs=1e-12)
+    assert (train.reward_std(halves[0], parallel.Dist("cpu"))
+            == pytest.approx(float(r.double().std()), abs=1e-12))
     # rank k - 1 of 2: its own rewards, and the other rank's count, sum and sum of squares
     for k in (1, 2):
         other = r[4:].double() if k == 1 else r[:4].double()
         sums = torch.stack([torch.tensor(4.0, dtype=torch.float64), other.sum(),
                             (other * other).sum()])
-        assert train.reward_std(halves[k], _TwoRanks(sums)) == pytest.approx(float(r.double().std()), abs=1e-12)
+        assert (train.reward_std(halves[k], _TwoRanks(sums))
+                == pytest.approx(float(r.double().std()), abs=1e-12))
     assert train.reward_std(Rollout.empty(4, 0), parallel.Dist("cpu")) == 0.0
 
 
@@ -3849,7 +3874,8 @@ def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
 
 
 def test_no_learning_signal_is_said_once_with_its_likely_causes():
-    grpo_args, dapo_args = flags.parse_train_args(["--algo", "grpo"]), flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"])
+    grpo_args, dapo_args = (flags.parse_train_args(["--algo", "grpo"]),
+                            flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"]))
     # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing
     # right in 3 steps
     check = metrics.SignalCheck(grpo_args)
@@ -4060,8 +4086,9 @@ def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny
     with torch.no_grad():
         want = model(input_ids=ids).logits
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "final")(input_ids=ids).logits
-        alone = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model"),
-                                               tmp_path / "adapter")(input_ids=ids).logits
+        alone = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model"),
+            tmp_path / "adapter")(input_ids=ids).logits
     assert torch.allclose(plain, want, atol=1e-5) and torch.allclose(alone, want, atol=1e-5)
 
 

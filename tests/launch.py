@@ -59,7 +59,8 @@ _KILL_DRIVER = r"""
 import builtins, json, os, random, signal, sys, time, traceback
 import torch
 import checkpoint, test_grpo, train
-checkpoint.load_model(sys.argv[1])  # what transformers and torch import on first use: the model, AdamW
+# what transformers and torch import on first use: the model, AdamW
+checkpoint.load_model(sys.argv[1])
 param = torch.zeros(1, requires_grad=True)
 param.grad = torch.ones(1)
 torch.optim.AdamW([param]).step()

@@ -204,17 +204,21 @@ def test_docs_name_only_functions_flags_tests_and_files_that_exist():
 
 def test_docs_check_finds_a_stale_name_argument_flag_choice_test_link_and_anchor():
     # one right and one wrong of each kind; file names (train.py, curves.png) are not module names
-    page = """# Quickstart (CPU, nothing downloaded)
-`grpo.policy_loss` `grpo.no_such_fn` `sampler.Rollout.lengths` `sampler.Rollout.no_field` `train.py` `runs/curves.png`
+    page = ("""# Quickstart (CPU, nothing downloaded)
+`grpo.policy_loss` `grpo.no_such_fn` `sampler.Rollout.lengths` `sampler.Rollout.no_field` """
+    """`train.py` `runs/curves.png`
 `grpo.token_weights(mask, "token", num_tokens=...)` `grpo.token_weights(mask, num_tokenz=...)`
---algo dapo --algo dapi --no-dynamic-sampling --no-such-flag --nproc_per_node 8 --adv-scale group/batch/nine
+--algo dapo --algo dapi --no-dynamic-sampling --no-such-flag --nproc_per_node 8 --adv-scale """
+    """group/batch/nine
 `test_token_weights_by_hand` `test_no_such_test` `test_sigkill_then_resume_logs_each_step_once`
-[ok](docs/metrics.md) [gone](docs/gone.md) [here](#quickstart-cpu-nothing-downloaded) [there](#no-such-heading)
-[ok](docs/metrics.md#logged-metrics-outmetricsjsonl) [no](docs/metrics.md#quickstart-cpu-nothing-downloaded)
+[ok](docs/metrics.md) [gone](docs/gone.md) [here](#quickstart-cpu-nothing-downloaded) """
+    """[there](#no-such-heading)
+[ok](docs/metrics.md#logged-metrics-outmetricsjsonl) """
+    """[no](docs/metrics.md#quickstart-cpu-nothing-downloaded)
 `bench.vs_trl.main` `bench.vs_trl.no_such_fn` `bench.gone.x` --init random --init nothing
 `bench/common.py` `bench.py` `grpo_config.py` `bench/gone.py` `tests/test_docs.py`
 `ablate.rows.extra_row` `ablate.rows.variant_row` --add-row --variant `ablate/habits.py` `ablate.py`
-"""
+""")
     assert _docs_problems({"README.md": page}) == [
         "README.md:2: grpo.no_such_fn: no no_such_fn",
         "README.md:2: sampler.Rollout.no_field: no no_field",

@@ -45,9 +45,11 @@ def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path,
                     "--reward-weights", "1", "0.5")
     # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 *
     # trl_length
-    assert row["reward/correct"] == pytest.approx(row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
-    assert row["reward/trl_length"] < 0 and json.loads((tmp_path / "run" / "config.json").read_text())["reward"] == \
-        ["test_grpo:has_x", "test_grpo:trl_length"]
+    assert row["reward/correct"] == pytest.approx(
+        row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
+    assert (row["reward/trl_length"] < 0
+            and json.loads((tmp_path / "run" / "config.json").read_text())["reward"]
+            == ["test_grpo:has_x", "test_grpo:trl_length"])
     with pytest.raises(SystemExit) as e:
         flags.parse_train_args(["--reward", "a:b", "--reward", "c:d", "--reward-weights", "1"])
     assert e.value.code == 2 and "one weight per --reward" in capsys.readouterr().err
@@ -474,7 +476,8 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
 
 
 @pytest.mark.slow
-def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_no_lock(tiny_run_inputs, tmp_path, capsys):
+def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_no_lock(
+        tiny_run_inputs, tmp_path, capsys):
     import checkpoint
     import parallel
     import train
@@ -559,8 +562,8 @@ def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
     proc.wait()
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     target = ckpt["step"] + 2
-    subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(target)] + cmd[cmd.index("--steps") + 2:] + ["--resume"],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(target)] + cmd[cmd.index("--steps") + 2:]
+                   + ["--resume"], cwd=ROOT, check=True, capture_output=True, timeout=300)
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
              if "loss" in x]
     assert steps == list(range(1, target + 1))
@@ -742,7 +745,8 @@ def test_report_to_tensorboard_holds_the_metrics_rows(tiny_run_inputs, tmp_path)
     # float32 there
     assert (got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-6)
                                               for k in want))
-    assert '"run_name": "tb"' in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"run_name": "tb"' in (
+        acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode())
 
 
 @pytest.mark.slow
@@ -802,5 +806,7 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
               "--steps", "2", *tb)
     w2 = _weights(tmp_path / "w2" / "final")
     assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
-    assert len(list((tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*"))) == (1 if tb else 0)
-    assert (AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final").config.num_hidden_layers == 2)
+    events = (tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*")
+    assert len(list(events)) == (1 if tb else 0)
+    assert (AutoModelForCausalLM.from_pretrained(tmp_path / "w2" / "final")
+            .config.num_hidden_layers == 2)

@@ -55,9 +55,10 @@ def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
     # an --add-row row is DAPO plus its flags
     rows = ablate.rows.ROWS + [ablate.rows.extra_row("+ CISPO=--loss cispo --tis-cap 2")]
     v = flags.parse_train_args(ablate.rows.row_flags(len(rows) - 1, rows))
-    assert {**vars(v), "algo": None, "loss": None, "tis_cap": None, "eps_low": None, "eps_high": None} == \
-        {**vars(last), "algo": None, "loss": None, "tis_cap": None, "eps_low": None,
-         "eps_high": None}
+    assert ({**vars(v), "algo": None, "loss": None, "tis_cap": None, "eps_low": None,
+             "eps_high": None}
+            == {**vars(last), "algo": None, "loss": None, "tis_cap": None, "eps_low": None,
+                "eps_high": None})
     # ROWS set --eps-high 0.28 on the command line
     assert (v.loss, v.tis_cap, v.eps_high) == ("cispo", 2.0, 0.28)
     with pytest.raises(SystemExit):
@@ -104,8 +105,8 @@ def test_experiment_arms_change_only_their_fix():
 
 def test_experiment_measures_by_hand():
     from ablate import experiments, measures
-    c = lambda resp, trunc=False, prompt="3x+5=x+9\n", step=1: {"prompt": prompt, "response": resp, "truncated": trunc,  # noqa: E731
-                                                               "length": len(resp), "step": step}
+    c = lambda resp, trunc=False, prompt="3x+5=x+9\n", step=1: {  # noqa: E731
+        "prompt": prompt, "response": resp, "truncated": trunc, "length": len(resp), "step": step}
     assert experiments.solution("3x+5=x+9\n") == 2 and experiments.solution("2x-4=-10") == -3
     assert experiments.solution("4x+1=2x-5\n") == -3
     assert (experiments.right(c("3x-x=9-5\n2x=4\nx=4/2\nAnswer: 2"))
@@ -194,11 +195,13 @@ def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs,
             and "mean ± sd over 2 seeds per arm." in md)
     assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == \
         ["off-seed0", "off-seed1", "on-dynamic-sampling-seed0", "on-dynamic-sampling-seed1"]
-    metrics = measures.load_run(str(tmp_path / "runs" / "tiny" / "on-dynamic-sampling-seed1")).metrics
+    metrics = measures.load_run(
+        str(tmp_path / "runs" / "tiny" / "on-dynamic-sampling-seed1")).metrics
     assert all("sampling/groups_kept" in r for r in metrics if "loss" in r)
-    assert not any("sampling/groups_kept" in r
-                   for r in measures.load_run(str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
-    assert ("tiny.png" in os.listdir(tmp_path / "res")) == ("figure:" in capsys.readouterr().out)
+    assert not any("sampling/groups_kept" in r for r in measures.load_run(
+        str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
+    assert (("tiny.png" in os.listdir(tmp_path / "res"))
+            == ("figure:" in capsys.readouterr().out))
     with pytest.raises(SystemExit):
         # a --rows flag without --rows
         ablate_main.main(["--train-flags", "--mu 2"])
@@ -240,7 +243,8 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
     assert habits.habit_key(h) == key                     # the defaults: habits.py, builtin.py
     for f in dataclasses.fields(h):
         x = getattr(h, f.name)
-        assert (habits.habit_key(dataclasses.replace(h, **{f.name: x + 1 if isinstance(x, int) else x / 2}), cfg, src) != key)
+        changed = {f.name: x + 1 if isinstance(x, int) else x / 2}
+        assert habits.habit_key(dataclasses.replace(h, **changed), cfg, src) != key
     assert habits.habit_key(h, dataclasses.replace(cfg, seed=1), src) != key
     # stuttered
     for old, new in (("[line] * (1 + (rng.randint(1, 3)", "[line] * (1 + (rng.randint(1, 2)"),
@@ -273,5 +277,6 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
     monkeypatch.setattr(habits, "habit_model", lambda h: folder)
     exp = next(e for e in experiments.EXPERIMENTS if e.name == "token-level-loss")
     args = flags.parse_train_args([*exp.model_flags(), *exp.flags])
-    assert (args.model, args.lr, args.max_new_tokens, args.steps) == (folder, flags.BUILTIN_DEFAULTS["lr"], 96, 16)
+    assert ((args.model, args.lr, args.max_new_tokens, args.steps)
+            == (folder, flags.BUILTIN_DEFAULTS["lr"], 96, 16))
     assert experiments.Experiment("x", "", ("--steps", "2"), (), (), ()).model_flags() == ()

@@ -109,7 +109,8 @@ class _RecordingLLM:
 def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
     import vllm_rollout
     engine = object.__new__(vllm_rollout.Engine)
-    engine.llm, engine.cuda, engine.dtype, engine.asleep = _RecordingLLM(), cuda, torch.bfloat16, False
+    engine.llm, engine.cuda, engine.dtype, engine.asleep = (_RecordingLLM(), cuda, torch.bfloat16,
+                                                            False)
     model = _tiny("qwen2", torch.float32)
     engine.sleep()
     engine.push(model)
