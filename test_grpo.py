@@ -3662,7 +3662,8 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
     for a in actions:
         for s in a.option_strings if a.choices is not None else []:
             choices.setdefault(s, set()).update(map(str, a.choices))
-    tests = set(re.findall(r"^def (test_\w+)\(", _read(os.path.join(HERE, "test_grpo.py")), re.M))
+    test_files = sorted(n[:-3] for n in os.listdir(HERE) if n.startswith("test_") and n.endswith(".py"))
+    tests = {t for f in test_files for t in re.findall(r"^def (test_\w+)\(", _read(os.path.join(HERE, f + ".py")), re.M)}
     # grpo.fn, grpo.fn(kw=...), sampler.Rollout.field; --flag, --flag value, --flag a/b
     name_re = r"(?<![\w./-])(" + "|".join(modules) + r")((?:\.\w+)+)(\(([^()`]*)\))?"
     flag_re = r"(?<![\w-])(--[a-z][\w-]*)(?:[ =]([a-z0-9][\w.-]*(?:/[\w.-]+)*))?"
@@ -3689,8 +3690,8 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
                 problems += [f"{_at(page, text, m)}: no choice {v}"
                              for v in m.group(2).split("/") if v not in choices[m.group(1)]]
         for m in re.finditer(r"\btest_\w+", text):
-            if m.group(0) != "test_grpo" and m.group(0) not in tests:
-                problems.append(f"{_at(page, text, m)}: no such test in test_grpo.py")
+            if m.group(0) not in test_files and m.group(0) not in tests:
+                problems.append(f"{_at(page, text, m)}: no such test in test_grpo.py")  # or test_*.py
         for m in re.finditer(r"\]\(([^)\s]+)\)", text):
             target, _, anchor = m.group(1).partition("#")
             path = os.path.normpath(os.path.join(HERE, os.path.dirname(page), target))

@@ -102,6 +102,9 @@ def test_real_model_sums_split_and_the_rewards_by_hand(tmp_path):
                          ("The answer is 6", 0.0), ("Answer: six", 0.0), ("4 + 2 = 6", 0.0), ("answer: 6", 0.0)]:
         assert s.answer_marker(text, "6") == marked, text
     assert verifier.verify("4 + 2 = 6.\nAnswer: 6", "6") == 1.0 and verifier.verify("Answer: 7", "6") == 0.0
+    # --format-weight's term as a --reward function (logged with weight 0): any answer the verifier reads
+    for text, stated in [("Answer: 7", 1.0), ("The answer is 6.", 1.0), ("6", 1.0), ("4 + 2 = 6.", 0.0)]:
+        assert s.states_answer(text, "6") == stated == verifier.format_reward(text), text
     assert data.load_reward("real_model.sums:last_number") is s.last_number   # the --reward spec form
 
 
@@ -233,7 +236,7 @@ def test_real_model_two_grpo_steps_through_train_py_then_evaluate_py_on_what_it_
     assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
     assert all(math.isfinite(v) for r in steps for v in r.values() if isinstance(v, float))
     assert all(r["samples"] == 8 * r["step"] for r in steps)
-    assert steps[0]["entropy/mean"] > 0.3                     # a real model's sampling entropy at T = 1
+    assert steps[0]["entropy"] > 0.3                     # a real model's sampling entropy at T = 1
     saved = AutoTokenizer.from_pretrained(out / "final")
     base = AutoTokenizer.from_pretrained(real_model_dir)
     assert saved.eos_token == END and saved.chat_template == base.chat_template
@@ -283,6 +286,7 @@ def test_real_model_vllm_engine_agrees_with_the_builtin_sampler(real_engine, rea
         assert eng.response_ids.tolist() == hf.response_ids.tolist()
         assert eng.lengths.tolist() == hf.lengths.tolist() and eng.truncated.tolist() == hf.truncated.tolist()
         torch.testing.assert_close(eng.logprobs, hf.logprobs, atol=1e-3, rtol=0)
+    print(f"greedy: max |engine - sampler| log-prob {(eng.logprobs - hf.logprobs).abs().max().item():.2e}")
     assert not all(eng.truncated.tolist())                    # the engine stops at <|im_end|> too
     gens = [data.prompt_generator(0, j) for j in range(len(prompts))]
     roll = real_engine.sample_groups(model, prompts, 4, 16, end, pad, 1.0, generator=gens)
@@ -290,3 +294,4 @@ def test_real_model_vllm_engine_agrees_with_the_builtin_sampler(real_engine, rea
     with torch.no_grad():
         trainer, _, valid = rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)
     torch.testing.assert_close(roll.logprobs, trainer * valid, atol=1e-3, rtol=0)
+    print(f"T = 1: max |engine - trainer| log-prob {(roll.logprobs - trainer * valid).abs().max().item():.2e}")

@@ -11,7 +11,9 @@ with no answer marker, which the verifier scores 0 by design (the last number of
 not its answer), so:
 - `last_number` scores the last number of the response, the task's reward for that model;
 - `answer_marker` is a format term: 1 when the response states `Answer: <number>`, whatever the number
-  (the format lesson: the verifier alone, or the verifier plus a format term, with a prompt asking for it).
+  (the format lesson: the verifier alone, or the verifier plus a format term, with a prompt asking for it);
+- `states_answer` is `verifier.format_reward` (any final answer the verifier reads) with the signature of a
+  --reward function, so that a run can log it with weight 0 beside the reward it trains on.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import json
 import os
 import random
 import re
+
+import verifier
 
 TRAIN, HELD_OUT, SEED = 49, 32, 0
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -48,6 +52,12 @@ def last_number(response: str, answer: str) -> float:
 def answer_marker(response: str, answer: str) -> float:
     """1.0 if the response states `Answer: <number>` (right or wrong), else 0.0: a format term."""
     return float(isinstance(response, str) and _MARKER.search(response) is not None)
+
+
+def states_answer(response: str, answer: str) -> float:
+    """verifier.format_reward as a --reward function: 1.0 if the verifier reads a final answer in the
+    response (`Answer: 6`, `the answer is 6`, a box, a bare number), right or wrong; what --format-weight adds."""
+    return verifier.format_reward(response)
 
 
 def write(out: str) -> tuple[str, str]:
