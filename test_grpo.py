@@ -3584,7 +3584,7 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
 # Flags of other programs that the pages' commands pass (torchrun's launcher, python -m venv), and a
 # flag the pages name to say it is not offered.
 FOREIGN_FLAGS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--master_addr",
-                 "--master_port", "--system-site-packages", "--lora-dropout"}
+                 "--master_port", "--system-site-packages", "--lora-dropout", "--no-deps"}
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "txt", "pt", "toml", "lock"}  # `train.py`, not train.<name>
 
 
