@@ -4,18 +4,27 @@ Development only, like real_model/build.py.
 
     python -m real_model.table runs/real-sums                        # one run: a markdown table per step
     python -m real_model.table verifier=runs/fmt-verifier format=runs/fmt-format --out results/x.png
+    python -m real_model.table per-problem.jsonl                    # evaluate.py --out's records, tallied
 
 Each row is a training step: the sampled responses' mean of every reward component train.py logs
 (`reward/<function>`: a component passed with weight 0 is logged and not trained on), the truncated share,
 the mean length and the entropy (nats/token at the sampling temperature), and the held-out greedy
 accuracy where the step was evaluated (step 0: before training). `--out` draws the same columns, one
 panel each, the runs side by side (needs matplotlib).
+
+A file of evaluate.py's per-problem records (`--out`) is tallied instead: per model, the share of its
+responses that the verifier scores right, that state `Answer: <number>` (`sums.answer_marker`), that
+state any answer the verifier reads (`sums.states_answer`), whose last number is the answer
+(`sums.last_number`), and that were truncated.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+
+import verifier
+from real_model import sums
 
 SKIP = ("reward/mean", "reward/frac_zero_std")
 
@@ -68,11 +77,31 @@ def plot(runs: dict[str, tuple[list[dict], dict[int, float]]], out: str) -> None
     fig.savefig(out, dpi=110)
 
 
+def tally(path: str) -> str:
+    """A markdown table of evaluate.py's per-problem records: per model, what its responses state."""
+    with open(path, encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    scorers = {"verifier": verifier.verify, "answer_marker": sums.answer_marker,
+               "states_answer": sums.states_answer, "last_number": sums.last_number}
+    lines = ["| model | responses | " + " | ".join(scorers) + " | truncated |", "|" + " --- |" * (len(scorers) + 3)]
+    for model in dict.fromkeys(r["model"] for r in records):
+        got = [(s, r["reference"]) for r in records if r["model"] == model for s in r["samples"]]
+        cells = [sum(fn(s["response"], ref) for s, ref in got) / len(got) for fn in scorers.values()]
+        trunc = sum(s["truncated"] for s, _ in got) / len(got)
+        lines.append(f"| {model} | {len(got)} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {trunc:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run folders, or label=folder")
     ap.add_argument("--out", help="also draw the columns to this PNG")
     args = ap.parse_args(argv)
+    if len(args.runs) == 1 and os.path.isfile(args.runs[0]):
+        with open(args.runs[0], encoding="utf-8") as fh:
+            if "samples" in json.loads(fh.readline()):
+                print(tally(args.runs[0]))
+                return
     runs = {}
     for spec in args.runs:
         label, _, folder = spec.rpartition("=")
