@@ -39,6 +39,8 @@ def read(folder: str) -> tuple[list[dict], dict[int, float]]:
 
 def columns(steps: list[dict]) -> list[str]:
     keys = [k for k in steps[0] if k.startswith("reward/") and k not in SKIP]
+    same = [k for k in keys if k != "reward/correct" and all(r[k] == r["reward/correct"] for r in steps)]
+    keys = [k for k in keys if k != "reward/correct" or not same]  # the one component trained on: once
     return [*keys, "len/truncated_frac", "len/mean", "entropy"]
 
 
@@ -61,8 +63,12 @@ def plot(runs: dict[str, tuple[list[dict], dict[int, float]]], out: str) -> None
     import matplotlib.pyplot as plt
     cols = list(dict.fromkeys(c for steps, _ in runs.values() for c in columns(steps)))
     cols.append("eval/accuracy")
-    fig, axes = plt.subplots(1, len(cols), figsize=(3.2 * len(cols), 3.0), squeeze=False)
-    for ax, c in zip(axes[0], cols):
+    ncols = min(4, len(cols))
+    nrows = -(-len(cols) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.9 * nrows), squeeze=False)
+    for ax in axes.flat[len(cols):]:
+        ax.axis("off")
+    for ax, c in zip(axes.flat, cols):
         for label, (steps, evals) in runs.items():
             if c == "eval/accuracy":
                 xs = sorted(evals)
