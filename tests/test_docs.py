@@ -18,10 +18,10 @@ from test_grpo import _read
 # docs: every `module.name`, --flag, test name and relative link in README.md and docs/ exists
 # ---------------------------------------------------------------------------------------------
 
-# Flags of other programs that the pages' commands pass (torchrun's launcher, python -m venv), and a
-# flag the pages name to say it is not offered.
+# Flags of other programs that the pages' commands pass (torchrun's launcher, python -m venv, pip),
+# and a flag the pages name to say it is not offered.
 FOREIGN_FLAGS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--master_addr",
-                 "--master_port", "--system-site-packages", "--lora-dropout"}
+                 "--master_port", "--system-site-packages", "--lora-dropout", "--no-deps"}
 
 
 # `train.py`, not train.<name>
