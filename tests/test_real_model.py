@@ -320,6 +320,15 @@ def _rows(out) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _evaluate(real_model_dir, d, *more) -> dict:
+    """evaluate.py on the built model (and `more` folders) over 4 held-out sums, as _train_flags
+    evaluates: {model: its metrics}."""
+    return dict(evaluate.main(["--model", str(real_model_dir), *more,
+                               "--data", str(d / "test.jsonl"), "--eval-size", "4",
+                               "--reward", "real_model.sums:last_number",
+                               "--max-new-tokens", "16", "--device", "cpu"]))
+
+
 @pytest.mark.slow
 def test_real_model_two_grpo_steps_through_train_py_then_evaluate_py_on_what_it_saved(
     real_model_dir, tmp_path
@@ -349,25 +358,7 @@ def test_real_model_two_grpo_steps_through_train_py_then_evaluate_py_on_what_it_
     after = load_file(str(out / "final" / "model.safetensors"))
     moved = max((after[k] - before[k]).abs().max().item() for k in before)
     assert 0 < moved < 1e-4  # AdamW: at most ~lr per step (2 x 3e-6)
-    results = dict(
-        evaluate.main(
-            [
-                "--model",
-                str(real_model_dir),
-                str(out / "final"),
-                "--data",
-                str(d / "test.jsonl"),
-                "--eval-size",
-                "4",
-                "--reward",
-                "real_model.sums:last_number",
-                "--max-new-tokens",
-                "16",
-                "--device",
-                "cpu",
-            ]
-        )
-    )
+    results = _evaluate(real_model_dir, d, str(out / "final"))
     for spec, e in ((str(real_model_dir), evals[0]), (str(out / "final"), evals[1])):
         assert results[spec]["eval/accuracy"] == e["eval/accuracy"], spec
         assert results[spec]["eval/len_mean"] == pytest.approx(e["eval/len_mean"]), spec
@@ -455,23 +446,6 @@ def test_real_model_two_grpo_steps_with_rollout_vllm(real_model_dir, tmp_path):
         [r["mismatch/logp_abs_mean"] for r in steps],
     )
     assert all(r["mismatch/logp_abs_mean"] < 1e-4 for r in steps)
-    hf = dict(
-        evaluate.main(
-            [
-                "--model",
-                str(real_model_dir),
-                "--data",
-                str(d / "test.jsonl"),
-                "--eval-size",
-                "4",
-                "--reward",
-                "real_model.sums:last_number",
-                "--max-new-tokens",
-                "16",
-                "--device",
-                "cpu",
-            ]
-        )
-    )
+    hf = _evaluate(real_model_dir, d)
     assert hf[str(real_model_dir)]["eval/accuracy"] == evals[0]["eval/accuracy"]
     assert hf[str(real_model_dir)]["eval/len_mean"] == pytest.approx(evals[0]["eval/len_mean"])
