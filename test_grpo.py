@@ -2182,6 +2182,20 @@ def test_verifier_agrees_with_hand_labels():
     assert len(report["false_positives"]) <= report["n"] / 300, report["false_positives"]
 
 
+def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
+    # `python verifier.py CASES.jsonl` (docs/verifier.md); --help and a missing argument answer
+    # with argparse's usage, not a traceback
+    import subprocess
+    run = [sys.executable, os.path.join(HERE, "verifier.py")]
+    cases = os.path.join(HERE, "results", "verifier_cases.jsonl")
+    out = subprocess.run([*run, cases], capture_output=True, text=True, cwd=HERE)
+    assert out.returncode == 0 and " cases: agreement " in out.stdout, out.stderr[-500:]
+    assert subprocess.run([*run, "--help"], capture_output=True, text=True).stdout.startswith(
+        "usage: python verifier.py")
+    missing = subprocess.run(run, capture_output=True, text=True)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # builtin.py: the task and the tokenizer round trip
 # ---------------------------------------------------------------------------------------------

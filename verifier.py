@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from fractions import Fraction
 
@@ -398,9 +397,12 @@ def agreement(cases: list[dict], fn=verify) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python verifier.py CASES.jsonl")
-    with open(sys.argv[1], encoding="utf-8") as fh:
+    import argparse
+    cli = argparse.ArgumentParser(prog="python verifier.py",
+                                  description="verify() against a labelled case file")
+    cli.add_argument("cases", help="JSONL rows of response, reference, expected (e.g. "
+                     "results/verifier_cases.jsonl)")
+    with open(cli.parse_args().cases, encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     r = agreement(rows)
     print(f"{r['n']} cases: agreement {r['agree'] / r['n']:.1%}, false positives "
