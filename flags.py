@@ -305,6 +305,9 @@ class TrainArgs(EvalArgs):
                                 "--out folder)")
     log_completions: int = flag(2, "append this many sampled completions per step (prompt, "
                                 "response, reward) to OUT/completions.jsonl (0: off)")
+    peak_tflops: float | None = flag(None, "peak TFLOP/s of one device, what perf/mfu divides by "
+                                     "(default: a known GPU's bf16 dense peak by name; CPU: a "
+                                     "matmul probe at start)")
 
 
 ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
@@ -364,6 +367,7 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
         (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
         (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
         (ns.tis_cap >= 0, "--tis-cap must be >= 0 (0: off)"),
+        (ns.peak_tflops is None or ns.peak_tflops > 0, "--peak-tflops must be > 0"),
         (ns.beta >= 0, "--beta must be >= 0 (0: no KL term, no reference model)"),
         (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),
         (0 < ns.overlong_cache <= ns.max_new_tokens,

@@ -3878,6 +3878,171 @@ def flip_x(response: str, answer: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# perf.py: model FLOPs by hand and as torch's FLOP counter sees the code run, the peak, MFU rows
+# ---------------------------------------------------------------------------------------------
+
+def _tiny_qwen2(**kw):
+    """2 layers, d_model 16, 4 query heads of 4 over 2 KV heads (GQA), MLP 24, V 50, tied."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None, **kw)).eval()
+
+
+def _hand_rollout() -> Rollout:
+    """2 prompts of 3 and 5 tokens, G = 2, responses of 2, 4 and 1, 3 tokens padded to 4."""
+    lengths = torch.tensor([2, 4, 1, 3])
+    mask = (torch.arange(4)[None] < lengths[:, None]).float()                 # [4, 4]
+    return Rollout(prompts=[[5, 6, 7], [8, 9, 10, 11, 12]], G=2, pad_token_id=0,
+                   response_ids=torch.where(mask > 0, 3, 0), mask=mask, lengths=lengths,
+                   truncated=torch.zeros(4, dtype=torch.bool), logprobs=torch.zeros(4, 4))
+
+
+def test_flops_of_a_tiny_qwen2_with_gqa_and_lora_by_hand():
+    import perf
+    sh = perf.model_shape(_tiny_qwen2())
+    # a layer's matmuls (multiply-accumulates a token): q 16x16, k and v 16x(2 KV heads x 4), o,
+    # gate, up, down 16x24; the LM head is the tied embedding, 16 x 50; d_attn 4 heads x 4
+    layer = 16 * 16 + 16 * 8 + 16 * 8 + 16 * 16 + 3 * 16 * 24
+    assert sh == perf.Shape(body=2 * layer, trained=2 * layer, adapters=0, head=16 * 50,
+                            head_trained=True, layers=2, d_attn=16)
+    roll = _hand_rollout()
+    # Step 1: each prompt prefilled once (contexts 1..3, 1..5), then every response token but the
+    # last fed at contexts p+1.. (L = 2: 4; L = 4: 4, 5, 6; L = 1: none; L = 3: 6, 7); a logit per
+    # prefill and per fed token
+    tokens, context, logits = 3 + 5 + 1 + 3 + 0 + 2, 6 + 15 + 4 + 15 + 0 + 13, 2 + 1 + 3 + 0 + 2
+    assert perf.forward_flops(sh, perf.rollout_work(roll)) == (
+        2 * 2 * layer * tokens + 4 * 2 * 16 * context + 2 * 16 * 50 * logits)
+    # the training forward, one micro-batch: the prompts but their last token once (contexts 1..2,
+    # 1..4), each response from that token on (contexts 3..4, 3..6, 5, 5..7); a logit per response
+    # token. Split after row 0, group 0's prompt runs twice; per response, each its own prompt.
+    one, split, own = [slice(0, 4)], [slice(0, 1), slice(1, 4)], [slice(0, 4)]
+    assert perf.forward_work(roll, one, True) == perf.Work(2 + 4 + 2 + 4 + 1 + 3,
+                                                           3 + 10 + 7 + 18 + 5 + 18, 10)
+    assert perf.forward_work(roll, split, True) == perf.Work(2 + 2 + (2 + 4 + 4 + 1 + 3),
+                                                             3 + 7 + (3 + 10 + 18 + 5 + 18), 10)
+    assert perf.forward_work(roll, own, False) == perf.Work(4 + 6 + 5 + 7, 10 + 21 + 15 + 28, 10)
+    # full fine-tuning: the backward is 2x the forward, the update 3x
+    w = perf.forward_work(roll, one, True)
+    assert perf.train_flops(sh, w) == 3 * perf.forward_flops(sh, w)
+    # LoRA r = 2 on q and v: A [2, 16] and B [16, 2] on q, B [8, 2] on v, a layer; the base weights
+    # and the tied head frozen: 2x their forward (activation gradients), the adapters and attention
+    # 3x; the reference pass runs without the adapters
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    import lora
+    model = _tiny_qwen2()
+    lora.add_adapters(model, 2, 4.0, "q_proj,v_proj", "tiny")
+    ad = 2 * (16 * 2 + 2 * 16 + 16 * 2 + 2 * 8)
+    sl = perf.model_shape(model)
+    assert sl == perf.Shape(2 * layer + ad, ad, ad, 16 * 50, False, 2, 16)
+    assert perf.train_flops(sl, w) == (2 * (2 * layer + ad) * 16 + 2 * (2 * layer + ad) * 16
+                                       + 2 * ad * 16 + 3 * 4 * 2 * 16 * 61 + 2 * 2 * 800 * 10)
+    assert perf.forward_flops(sl, w, adapters=False) == perf.forward_flops(sh, w)
+
+
+def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
+    # torch's FLOP counter on the code itself (eager attention: QK^T and AV as bmm), prompts of 143
+    # tokens sharing 140 (equal lengths: no left-padding): Step 1's matmuls are exactly the count
+    # (finished rows leave the batch; a decode step's rows attend exactly their own context), but
+    # for the prefill, whose causal mask hides half of the p x p scores it computes
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import perf
+    model = _tiny_qwen2(attn_implementation="eager")
+    sh, p = perf.model_shape(model), len(LONG_PROMPTS[0])
+    prompts = [INSTRUCTION + [5, 6, 7], INSTRUCTION + [8, 9, 10]]
+
+    def counted(fn) -> tuple[float, float]:
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            out = fn()
+        c = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+        return out, c.pop("aten.bmm"), sum(c.values())               # attention, the weights'
+
+    roll, attn, weights = counted(lambda: sample_groups(
+        model, prompts, 4, 6, 1, 0, generator=torch.Generator().manual_seed(0)))
+    w = perf.rollout_work(roll)
+    assert roll.lengths.unique().numel() > 1 and p == 143
+    assert weights == 2 * sh.body * w.tokens + 2 * sh.head * w.logits
+    assert attn == 4 * sh.layers * sh.d_attn * (w.context + 2 * (p * p - p * (p + 1) // 2))
+    # the training forward on 8 responses of 5 tokens (no padding) in micro-batches of 3 and 5
+    # rows: the weights' matmuls are the count plus what the code computes and drops: one logit
+    # per group and micro-batch at the prompt's end (3), or per response (8) its last token and
+    # one logit
+    T, g = 5, torch.Generator().manual_seed(1)
+    full = Rollout(prompts=prompts, G=4, pad_token_id=0,
+                   response_ids=torch.randint(2, 50, (8, T), generator=g), mask=torch.ones(8, T),
+                   lengths=torch.full((8,), T), truncated=torch.ones(8, dtype=torch.bool),
+                   logprobs=torch.zeros(8, T))
+    micro = [slice(0, 3), slice(3, 8)]
+    for shared, dropped in ((True, 3 * 2 * sh.head), (False, 8 * (2 * sh.body + 2 * sh.head))):
+        _, _, weights = counted(lambda shared=shared: [
+            rollout_logprobs(model, full, s, 1.0, shared_prefix=shared) for s in micro])
+        w = perf.forward_work(full, micro, shared)
+        assert weights == 2 * sh.body * w.tokens + 2 * sh.head * w.logits + dropped, shared
+
+
+def test_peak_from_the_device_name_a_cpu_probe_or_peak_tflops():
+    import perf
+    assert [perf.peak_tflops_of(n) for n in (
+        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+        "NVIDIA A100 80GB PCIe", "NVIDIA A10", "NVIDIA L40S")] == [989.4, 756.5, 989.4, 312.0,
+                                                                   312.0, 125.0, 362.0]
+    said = []
+    # an unknown GPU (A10G is not an A10): one line said, no peak, so no MFU; --peak-tflops wins
+    assert perf.peak_tflops_of("NVIDIA A10G") is None
+    assert perf.peak_flops("cuda", torch.bfloat16, None, "NVIDIA A10G", said.append) is None
+    assert len(said) == 1 and "NVIDIA A10G" in said[0] and "--peak-tflops" in said[0]
+    assert perf.peak_flops("cuda", torch.bfloat16, 2.5, "NVIDIA A10G", said.append) == 2.5e12
+    assert perf.peak_flops("cuda:0", torch.bfloat16, None, "NVIDIA H100 PCIe") == 756.5e12
+    t0 = time.time()
+    probe = perf.peak_flops("cpu", torch.float32, None)
+    assert 1e8 < probe < 1e13 and time.time() - t0 < 5 and len(said) == 1
+    assert perf.peak_flops("cpu", torch.float32, 0.01) == 1e10                 # no probe
+    with pytest.raises(SystemExit) as e:
+        flags.parse_train_args(["--peak-tflops", "0"])
+    assert e.value.code == 2
+    # no FLOPs in a phase (no old or reference pass: one update, beta 0): no MFU for it
+    m = perf.Meter(perf.model_shape(_tiny_qwen2()), 1e9, world=2)
+    d = {"length": 30.0, "perf:rollout": 4e9, "perf:logprob": 0.0, "perf:update": 8e9}
+    row = {"time/sample_s": 1.0, "time/logprob_s": 1e-4, "time/update_s": 2.0, "time/step_s": 4.0}
+    assert m.metrics(d, row) == {"perf/tokens_per_s": 7.5, "perf/flops": 12e9,
+                                 "perf/mfu_rollout": 2.0, "perf/mfu_update": 2.0,
+                                 "perf/mfu": 1.5}
+
+
+def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, monkeypatch,
+                                                   capsys):
+    # one step of train.py in this process, with an old-policy pass (--mu 2), a reference pass
+    # (beta), 2 mini-batches in micro-batches of 3 rows (groups of 4 split) and --peak-tflops: the
+    # row's FLOPs are the step's counts, its MFU those over the phase's seconds and that peak
+    import perf
+    updates = _spy(monkeypatch, update, "update_policy")
+    peak = 0.02e12
+    row = _one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
+                    "--beta", "0.04", "--mini-batches", "2", "--micro-batch-size", "3")
+    (_, roll, *_), stats = updates.pop()
+    sh = perf.model_shape(checkpoint.load_model(str(tiny_run_inputs / "model"))[2])
+    assert stats.micro == [slice(a, b) for a, b in ((0, 3), (3, 6), (6, 8), (8, 11), (11, 14),
+                                                    (14, 16))]       # 2 mini-batches of 8 rows
+    nograd = perf.forward_flops(sh, perf.forward_work(roll, stats.micro, True))
+    flops = {"rollout": perf.forward_flops(sh, perf.rollout_work(roll)),  # one round, all kept
+             "logprob": 2 * nograd,                                       # old and reference
+             "update": 2 * perf.train_flops(sh, perf.forward_work(roll, stats.micro, True))}
+    assert row["perf/flops"] == pytest.approx(sum(flops.values()), rel=1e-6)
+    for phase, t in (("rollout", "sample"), ("logprob", "logprob"), ("update", "update")):
+        assert row[f"perf/mfu_{phase}"] == pytest.approx(flops[phase] / row[f"time/{t}_s"] / peak,
+                                                         rel=1e-6)
+    assert 0 < row["perf/mfu"] == pytest.approx(row["perf/flops"] / row["time/step_s"] / peak)
+    # tokens/s: the step's sampled response tokens (4 prompts x G 4) over the step's seconds
+    assert row["perf/tokens_per_s"] * row["time/step_s"] == pytest.approx(row["len/mean"] * 16)
+    assert f"mfu={100 * row['perf/mfu']:.3g}%" in capsys.readouterr().err  # the progress bar
+    glossary = _read(os.path.join(os.path.dirname(__file__), "docs", "metrics.md"))
+    assert all(f"`{k}`" in glossary for k in row if k.startswith("perf/"))
+
+
+# ---------------------------------------------------------------------------------------------
 # metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
 # ---------------------------------------------------------------------------------------------
 

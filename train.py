@@ -47,6 +47,7 @@ import grpo
 import lora
 import metrics
 import parallel
+import perf
 import sampler
 import update
 import verifier
@@ -107,8 +108,10 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
         if s.engine:
             s.engine.push(s.model)                   # the updated weights, for what samples next
 
-        # ---- metrics, summed over ranks; rank 0's files ----
-        d = ranks.sum_named(metrics.drawn_sums([r for r, _ in rounds]))
+        # ---- metrics, summed over ranks (perf: the phases' model FLOPs); rank 0's files ----
+        drawn = [r for r, _ in rounds]
+        d = ranks.sum_named({**metrics.drawn_sums(drawn),
+                             **s.perf.flops(roll, drawn, stats, args, ranks)})
         state["samples"] += int(d["samples"])
         row = step_row(s, args, step, d, stats, sstats, rounds, state["samples"], t0)
         if s.out:
@@ -220,7 +223,7 @@ def step_row(s: Setup, args: flags.TrainArgs, step: int, d: dict[str, float],
              stats: update.UpdateStats, sstats: dict[str, float], rounds: list, samples: int,
              t0: float) -> dict:
     """The step's metrics.jsonl row: drawn_sums `d` and the update's `stats` (both over all ranks)
-    as metrics.step_metrics, the learning rate, the sampling/*, time/* and memory/* keys."""
+    as metrics.step_metrics, the learning rate, the sampling/*, time/*, memory/* and perf/* keys."""
     row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c),
            "lr": s.sched.get_last_lr()[0], "samples": samples, **sstats,
            "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
@@ -229,6 +232,7 @@ def step_row(s: Setup, args: flags.TrainArgs, step: int, d: dict[str, float],
            "time/step_s": time.time() - t0}
     own_ref = None if s.ref is s.model else s.ref  # the bytes rank 0 holds (--fsdp: its shards)
     row["memory/state_bytes"] = parallel.state_bytes(s.model, s.learner.opt, own_ref)
+    row.update(s.perf.metrics(d, row))           # MFU and tokens/s: d's FLOPs over the times
     return row
 
 
@@ -267,10 +271,12 @@ def save_checkpoint(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state
 
 
 def show_progress(bar, row: dict, acc: float | None, silent: bool) -> None:
-    """Rank 0's progress bar: the step's reward and length, the last held-out accuracy, and
-    signal=none when the step trained nothing."""
+    """Rank 0's progress bar: the step's reward and length, the last held-out accuracy, the MFU
+    and tokens/s, and signal=none when the step trained nothing."""
     bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
                     **({"eval": f"{acc:.2f}"} if acc is not None else {}),
+                    **({"mfu": f"{100 * row['perf/mfu']:.3g}%"} if "perf/mfu" in row else {}),
+                    **{"tok/s": f"{row['perf/tokens_per_s']:.0f}"},
                     **({"signal": "none"} if silent else {}))
 
 
@@ -319,6 +325,7 @@ class Setup:
     sched: torch.optim.lr_scheduler.LambdaLR
     ckpt_path: str                      # OUT/checkpoint.pt, or OUT/checkpoint/ with --fsdp
     out: metrics.RunLog | None          # rank 0's run files; None on the other ranks
+    perf: perf.Meter                    # the policy's FLOPs per token and the peak: perf/*
 
 
 def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
@@ -331,6 +338,7 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
     reward_fn, train_rows, eval_rows = load_data(args)
     ckpt_path = find_checkpoint(args)
     path, tokenizer, model, lora_config = load_policy(args, ranks)
+    meter = perf.Meter.start(model, args, ranks)  # --peak-tflops, a GPU's by name, or a probe
     task = make_task(args, tokenizer, model, train_rows, eval_rows, reward_fn)
     ref = make_reference(args, model, ranks)
     engine = start_engine(args, path, ranks)
@@ -344,7 +352,7 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
         engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
     out = open_run_log(args, ranks, path, state) if ranks.master else None  # rank 0 writes OUT/
     return Setup(task, eval_rows, tokenizer, model, lora_config, ref, engine, learner, sched,
-                 ckpt_path, out), state
+                 ckpt_path, out, meter), state
 
 
 def load_data(args: flags.TrainArgs) -> tuple[data.Reward, list[dict], list[dict]]:

@@ -15,7 +15,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,7 @@ class UpdateStats:
     mismatch_max: float             # max |sampler - old log-prob| over the step's tokens, all ranks
     logprob_s: float                # seconds of the no-grad old and reference log-prob passes
     update_s: float                 # seconds of the gradient passes and optimizer steps after them
+    micro: list[slice] = field(default_factory=list)  # this rank's micro-batches run (perf.py)
 
 
 def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
@@ -125,7 +126,8 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     abs_max = torch.tensor([abs_max], dtype=torch.float64)
     abs_max = torch.cat(ranks.gather(abs_max)).max()                   # over all ranks
     return UpdateStats(ranks.sum_named(first), ranks.sum_named(rest), float(abs_max), t_logprob,
-                       time.time() - t0)
+                       time.time() - t0, [s for mb in minibatches for s in mb.micro
+                                          if s.start < s.stop])
 
 
 # ---------------------------------------------------------------------------------------------
