@@ -90,7 +90,8 @@ def test_experiment_arms_change_only_their_fix():
     fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
              "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}],
              "token-level-loss": [{"reduction"}],
-             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
+             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}],
+             "clip-higher-paths": [{"eps_high"}]}
     assert [e.name for e in experiments.EXPERIMENTS] == list(fixes)
     for e in experiments.EXPERIMENTS:
         base = vars(flags.parse_train_args([*e.flags, *e.arms[0][1]]))
@@ -120,6 +121,10 @@ def test_experiment_measures_by_hand():
     cs = [c("Answer: 1"), c("Answer: 2"), c("Answer: 1"), c("Answer: 5", prompt="2x=4\n")]
     # 2 answers in one group, 1 in the other
     assert experiments.distinct_answers(cs) == 1.5
+    # the same path in another spacing is one path; another path to the same answer is two
+    paths = [c("2x=4\nAnswer: 2"), c("2x = 4\nAnswer: 2"), c("4=2x\nAnswer: 2"),
+             c("x=1", prompt="")]
+    assert experiments.distinct_paths(paths) == 1.5 and experiments.distinct_answers(paths) == 1
     assert experiments.share(experiments.right)(cs) == 0.25
     assert experiments.share(experiments.right, lambda c: False)(cs) is None
     assert experiments.mean_length(lambda c: c["prompt"] == "2x=4\n")(cs) == 9
@@ -138,6 +143,7 @@ def test_experiment_measures_by_hand():
             and measures.final("eval/accuracy")(run) == 0.75)
     assert measures.by_step(experiments.mean_length(lambda c: True))(run) == [(1, 9), (2, 9)]
     assert measures.end(measures.logged("reward/frac_zero_std"), k=1)(run) == 0.5
+    assert experiments.first(measures.logged("reward/frac_zero_std"))(run) == 0.25
     assert measures.over_run(experiments.informative_groups)(run) == 14.0
     d, se = experiments.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
     # sd 1 on each side, 3 seeds
