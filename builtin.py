@@ -29,7 +29,8 @@ the code, and builds into the cache otherwise; a test fails while the shipped ke
 so a changed recipe cannot ship old weights.
 
 Habit models for the experiments of `python -m ablate` (ablate/habits.py: `Habit`, `habit_model`):
-a short fine-tune of the base model, built into the cache on first use and keyed by `habit_key`;
+a short fine-tune of the base model, keyed by `habit_key` and shipped the same way
+(ablate/habit_models/, `python -m ablate.habits --ship`), else built into the cache on first use;
 their code is outside the base recipe, so its key and the shipped weights stay as they are.
 
     # find (shipped or cached) or build the base model and print its folder

@@ -59,6 +59,19 @@ def distinct_answers(cs: list[dict]) -> float:
         for p in {c["prompt"] for c in cs})
 
 
+def distinct_paths(cs: list[dict]) -> float:
+    """The mean number of distinct responses in a step's groups, spaces dropped: the paths taken,
+    whatever their spacing."""
+    return statistics.mean(
+        len({c["response"].replace(" ", "") for c in cs if c["prompt"] == p})
+        for p in {c["prompt"] for c in cs})
+
+
+def first(points: Callable[[Run], list[tuple[float, float]]]) -> Callable[[Run], float | None]:
+    """Run -> a curve's first point (step 1: the model before training, as far as its rollout)."""
+    return lambda run: points(run)[0][1] if points(run) else None
+
+
 def share(pred: Callable[[dict], bool], among: Callable[[dict], bool] = lambda c: True):
     """completions -> the share of those `among` that `pred` holds for (None if there are none)."""
     return lambda cs: sum(pool) / len(pool) if (pool := [pred(c) for c in cs if among(c)]) else None
@@ -165,6 +178,8 @@ ENTROPY_PANELS = (("entropy (nats/token)", "step", logged("entropy")),
 CLIP_ARMS = (("eps_high 0.2", ()), ("eps_high 0.28", ("--eps-high", str(dapo.EPS_HIGH))))
 # off-policy updates; a sampling temperature with spread
 CLIP_REGIME = ("--mini-batches", "4", "--temperature", "1.5")
+# the habit model with several paths per answer: 16 off-policy updates per rollout step, T = 1
+PATHS_REGIME = ("--mini-batches", "16", "--temperature", "1.0", "--max-new-tokens", "64")
 G4 = ("--group-size", "4")
 
 
@@ -219,7 +234,7 @@ EXPERIMENTS = (
          ("wrong responses that repeat a line", "step", by_step(share(repeats, WRONG))),
          ("length of right responses", "step", by_step(mean_length(right))), *SAMPLED),
         # the shipped model's wrong answers are all ~15-token shortcuts: nothing to dilute
-        habits.Habit()),
+        habits.STUTTER),
     Experiment(
         "clip-higher",
         "问题: with symmetric clipping a low-probability token's ratio is capped at 1 + eps early, "
@@ -232,4 +247,18 @@ EXPERIMENTS = (
         "is published to lower entropy (arXiv 2509.26114); clip-higher should lower it less.",
         NAIVE + SMALL + CLIP_REGIME + ("--reward", "ablate.experiments:random_reward"), CLIP_ARMS,
         ENTROPY, ENTROPY_PANELS),
+    Experiment(
+        "clip-higher-paths",
+        "问题 as clip-higher's, on a policy with entropy to lose: a habit model that writes each "
+        "answer along one of several equally valid paths (~0.3 nats/token at T = 1), 16 "
+        "off-policy updates per rollout step, where symmetric clipping should bite.",
+        NAIVE + SMALL + PATHS_REGIME, CLIP_ARMS,
+        (("entropy at step 1", first(logged("entropy"))), *ENTROPY[:2],
+         ("distinct paths per group (spaces dropped), last 5 steps", end(by_step(distinct_paths))),
+         ENTROPY[2], ("tokens clipped at the lower bound", over_run(logged("clip/low_frac"))),
+         ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
+         *HELD_OUT),
+        ENTROPY_PANELS + (("distinct paths per group", "step", by_step(distinct_paths)),
+                          *SAMPLED),
+        habits.PATHS),
 )

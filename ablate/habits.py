@@ -1,15 +1,23 @@
 """Habits: base models for the experiments whose problem the shipped base model is too tidy to show,
 each a short supervised fine-tune of builtin.py's base model on its own kind of demonstrations with
-one habit added (`Habit`; so far a stutter: lines written again).
+one habit added (`Habit`): a stutter (lines written again, `stuttered`), or several equally valid
+paths to each answer (`path_solution`).
 
 Article section: "DAPO：四项修正", token-level loss (问题: long wrong responses, rambling and
 repetition, are diluted by the per-response mean): the shipped model's wrong answers are all short
-shortcuts.
+shortcuts (STUTTER); clip-higher (问题: entropy collapses): the shipped model writes one path to
+each answer, with ~0.05 nats/token of entropy at T = 1, so there is little to collapse (PATHS).
 
-A habit model is built into builtin.py's cache on first use (`habit_model`, seconds) and keyed by
-`habit_key`: the base recipe's key, the Habit's fields and the code a build runs here (HABIT_ROOTS,
-canonical as builtin.recipe_code makes it). This code is outside the base recipe, so editing it
-leaves the base model's key and the shipped weights as they are.
+A habit model is keyed by `habit_key`: the base recipe's key, the Habit's fields and the code a
+build runs here (HABIT_ROOTS, canonical as builtin.recipe_code makes it). This code is outside the
+base recipe, so editing it leaves the base model's key and the shipped weights as they are. Builds
+differ slightly from one CPU to another, so the experiments' habits (SHIPPED_HABITS) ship their
+weights as base_model/ does: ablate/habit_models/NAME/ with recipe.json, whose key is the habit_key
+that built them. `habit_model` returns a shipped folder whose key matches, else builds into
+builtin.py's cache on first use (seconds); a test fails while a shipped key is stale.
+
+    python -m ablate.habits          # find (shipped or cached) or build each shipped habit
+    python -m ablate.habits --ship   # build if needed and write them to ablate/habit_models/
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ import torch
 from builtin import (
     CACHE_DIR,
     BaseModelConfig,
+    _signed,
+    _split_linear,
     base_model,
     demonstration,
     is_heldout,
@@ -33,6 +43,8 @@ from builtin import (
     prompt_text,
     recipe_code,
     recipe_key,
+    shipped_key,
+    shortcut_steps,
 )
 
 
@@ -41,6 +53,7 @@ class Habit:
     """A short supervised fine-tune of the base model on its own kind of demonstrations with one
     habit added, for an experiment whose problem the base model is too tidy to show."""
     stutter: float = 0.3       # chance a line (careful or shortcut) is written again, 1-3 times
+    paths: bool = False        # careful solutions along one of several valid paths (path_solution)
     steps: int = 60            # supervised steps, each on fresh demonstrations
     batch_size: int = 32       # demonstrations per step
     lr: float = 1e-3           # AdamW learning rate, constant
@@ -49,6 +62,12 @@ class Habit:
 
 HABIT_ROOTS = ("habit_demos", "fine_tune")  # what a habit's build runs on top of the base model
 SHIPPED = BaseModelConfig()  # the settings of the shipped base model, the habits' default base
+SHIP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "habit_models")
+STUTTER = Habit()  # the token-level loss experiment's
+# the clip-higher-paths experiment's: no stutter; 10x the steps at half the rate (of 300 x 1e-3,
+# 600 x 1e-3, 600 x 5e-4: the most entropy, 0.32 nats/token at T = 1, and the most accuracy)
+PATHS = Habit(stutter=0.0, paths=True, steps=600, lr=5e-4)
+SHIPPED_HABITS = {"stutter": STUTTER, "paths": PATHS}  # SHIP_DIR/NAME
 
 
 def stuttered(solution: str, rng: random.Random, p: float) -> str:
@@ -62,15 +81,65 @@ def stuttered(solution: str, rng: random.Random, p: float) -> str:
     return "\n".join(out + [answer])
 
 
+def _xs(k: int) -> str:
+    """'3x', 'x' or '-x': the term k*x."""
+    return {1: "x", -1: "-x"}.get(k, f"{k}x")
+
+
+def spaced(line: str, rng: random.Random) -> str:
+    """line with each '=' and each operator between two terms (+, -, /) written with a space on
+    either side or without, at random: the same line in another hand."""
+    out = []
+    for i, ch in enumerate(line):
+        between = ch == "=" or (ch in "+-/" and i > 0 and line[i - 1] not in "=(")
+        out.append(f" {ch} " if between and rng.random() < 0.5 else ch)
+    return "".join(out)
+
+
+def path_solution(equation: str, x: int, rng: random.Random) -> str:
+    """A careful worked solution of `equation` (as builtin.make_problem writes it) along one of
+    several equally valid paths, chosen at random: the x terms moved left or right (two-sided),
+    the constant moved in one of three ways or at once, 'kx=m' or 'm=kx', the division written,
+    then its value, or both, a check by substitution or not, each line spaced at random
+    (`spaced`); every path ends in 'Answer: x'."""
+    lhs, rhs = equation.split("=")
+    a, b = (int(v) for v in _split_linear(lhs))
+    c, d = (int(v) for v in _split_linear(rhs)) if "x" in rhs else (0, int(rhs))
+    pick = lambda *options: options[rng.randrange(len(options))]  # noqa: E731
+    if c and rng.random() < 0.5:  # the x terms to the right: b - d = (c - a)x
+        k, m = c - a, b - d
+        right = f"{_xs(c)}-{_xs(a)}"
+        lines = pick([f"{b}{_signed(-d)}={right}"], [f"{-d}{_signed(b)}={right}"], [])
+        k_text = f"({k})"
+    else:                         # the x terms (if any) to the left: (a - c)x = d - b
+        k, m = a - c, d - b
+        left = f"{_xs(a)}-{_xs(c)}" if c else _xs(a)
+        lines = pick([f"{left}={d}{_signed(-b)}"], [f"{left}={-b}{_signed(d)}"],
+                     [f"{_xs(a)}{_signed(b)}{_signed(-b)}-{_xs(c)}={d}{_signed(-b)}" if c else
+                      f"{_xs(a)}{_signed(b)}{_signed(-b)}={d}{_signed(-b)}"], [])
+        k_text = f"{k}"
+    lines.append(pick(f"{_xs(k)}={m}", f"{m}={_xs(k)}"))
+    lines += pick([f"x={m}/{k_text}"], [f"x={m}/{k_text}", f"x={x}"], [f"x={x}"])
+    if rng.random() < 0.25:
+        lines.append(f"check: {equation.replace('x', f'({x})')}")
+    return "\n".join([spaced(line, rng) for line in lines] + [f"Answer: {x}"])
+
+
 def habit_demos(h: Habit, cfg: BaseModelConfig) -> list[tuple[str, str]]:
     """h.steps * h.batch_size (prompt, solution) of training problems: the base model's
-    demonstrations (builtin.demonstration, same mix), stuttered (`stuttered`)."""
+    demonstrations (builtin.demonstration, same mix of careful and shortcut), with h.paths each
+    careful one replaced by a `path_solution` and the shortcut's line spaced at random, then
+    stuttered (`stuttered`)."""
     rng = random.Random(h.seed + 7)
     demos = []
     while len(demos) < h.steps * h.batch_size:
         eq, x = make_problem(rng)
         if not is_heldout(eq):
             solution = demonstration(eq, x, rng, cfg)
+            if h.paths:
+                short = solution == shortcut_steps(eq)
+                solution = (spaced(solution.split("\n")[0], rng) + "\n" + solution.split("\n")[1]
+                            if short else path_solution(eq, x, rng))
             demos.append((prompt_text(eq), stuttered(solution, rng, h.stutter)))
     return demos
 
@@ -118,12 +187,17 @@ def habit_key(h: Habit, cfg: BaseModelConfig = SHIPPED, source: str | None = Non
 
 
 def habit_model(h: Habit, cfg: BaseModelConfig = SHIPPED, cache_dir: str = CACHE_DIR,
-                log=print) -> str:
-    """The folder of a habit model (h fine-tuned onto the base model of cfg), built into the cache
-    on first use (seconds: h.steps small steps)."""
+                log=print, ship_dir: str | None = SHIP_DIR) -> str:
+    """The folder of a habit model (h fine-tuned onto the base model of cfg): a shipped one
+    (ship_dir/NAME) if it was built by this habit's recipe, else the cached build, built on first
+    use (seconds: h.steps small steps)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = os.path.join(cache_dir, f"habit-{habit_key(h, cfg)}")
+    key = habit_key(h, cfg)
+    for name in sorted(os.listdir(ship_dir)) if ship_dir and os.path.isdir(ship_dir) else []:
+        if shipped_key(os.path.join(ship_dir, name)) == key:
+            return os.path.join(ship_dir, name)
+    folder = os.path.join(cache_dir, f"habit-{key}")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     t0, base = time.time(), base_model(cfg, cache_dir, log)
@@ -138,3 +212,38 @@ def habit_model(h: Habit, cfg: BaseModelConfig = SHIPPED, cache_dir: str = CACHE
     os.replace(tmp, folder)
     log(f"built the habit model {h} in {folder} ({time.time() - t0:.0f}s)", flush=True)
     return folder
+
+
+def ship(name: str, h: Habit, cfg: BaseModelConfig = SHIPPED, cache_dir: str = CACHE_DIR,
+         ship_dir: str = SHIP_DIR, log=print) -> str:
+    """Write h's build (found in the cache or built there) to ship_dir/name, with recipe.json (its
+    habit_key, the Habit, the base recipe's key)."""
+    import transformers
+
+    key, folder = habit_key(h, cfg), os.path.join(ship_dir, name)
+    if shipped_key(folder) == key:
+        log(f"{folder} is already this habit's build ({key})")
+        return folder
+    built = habit_model(h, cfg, cache_dir, log, ship_dir=None)
+    tmp = folder.rstrip(os.sep) + f".tmp{os.getpid()}"
+    shutil.copytree(built, tmp)
+    with open(os.path.join(tmp, "recipe.json"), "w") as fh:
+        json.dump({"key": key, "habit": asdict(h), "base": recipe_key(cfg),
+                   "torch": torch.__version__, "transformers": transformers.__version__},
+                  fh, indent=1)
+        fh.write("\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    log(f"shipped {built} to {folder} (habit {key})")
+    return folder
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="Find (shipped or cached) or build each habit of "
+                                            "SHIPPED_HABITS; print its folder.")
+    p.add_argument("--ship", action="store_true",
+                   help=f"write their builds to {SHIP_DIR}/NAME (git add them then)")
+    ship_them = p.parse_args().ship
+    for name, habit in SHIPPED_HABITS.items():
+        print(name, ship(name, habit) if ship_them else habit_model(habit))

@@ -281,6 +281,9 @@ _DS, _OS, _TL = "dynamic-sampling.md", "overlong-shaping.md", "token-level-loss.
 _CH, _CHR, _AB = "clip-higher.md", "clip-higher-random-reward.md", "ablation-mb4.md"
 
 
+_CHP = "clip-higher-paths.md"
+
+
 P1, P2, _RR = "README.md", "results/README.md", "README.md"  # the pages; results/README.md's table
 
 
@@ -399,6 +402,25 @@ DOC_FIGURES = [
                 max(abs(t.read((r, "fix off"))[0] - t.read((r, "fix on"))[0])
                     for r in ("shipped, 16", HABIT))]),
     (P2, "reached by at most [0.3]% of tokens", _RR, _clipped_high_tries),
+    # clip-higher on the paths habit model
+    (P2, "It starts at [0.323] ± [0.023] nats/token", _CHP, [("at step 1", E2, 2)]),
+    (P2, "entropy over the last 5 steps is [0.263] ± [0.084] under eps_high 0.2 vs [0.324] ± "
+     "[0.064] under 0.28 ([+0.062] ± [0.12], within noise)", _CHP,
+     [("entropy, last 5", c, 2) for c in (E2, E28, D28)]),
+    (P2, "Distinct paths per group of 8 (spaces dropped) [5.7] vs [7.0] and distinct answers "
+     "[3.7] vs [4.4], both within", _CHP,
+     [("distinct paths", E2), ("distinct paths", E28), ("distinct answers", E2),
+      ("distinct answers", E28)]),
+    (P2, "clipped at the upper bound is [0.004] vs [0.003] and at the lower bound [0.018] under "
+     "both", _CHP, [("upper bound", E2), ("upper bound", E28), ("lower bound", E2)]),
+    (P2, "sampled accuracy over the last 5 steps [0.139] vs [0.149] and held-out greedy accuracy "
+     "[0.167] vs [0.164]", _CHP,
+     [("accuracy of the sampled", E2), ("accuracy of the sampled", E28), ("held-out", E2),
+      ("held-out", E28)]),
+    (P2, "| entropy, last 5 (from [0.323]) | [0.263] ± [0.084] | [0.324] ± [0.064] | no "
+     "([+0.062] ± [0.12]); clipped high [0.004] vs [0.003] |", _CHP,
+     [("at step 1", E2)] + [("entropy, last 5", c, 2) for c in (E2, E28, D28)]
+     + [("upper bound", E2), ("upper bound", E28)]),
     (P2, "under both bounds (accuracy [0], [86]-[93]% truncated)", _RR,
      [("lr 1e-3, T 1.5", TRY, 3)]),
     # the article's ablation in miniature

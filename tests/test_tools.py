@@ -90,7 +90,8 @@ def test_experiment_arms_change_only_their_fix():
     fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
              "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}],
              "token-level-loss": [{"reduction"}],
-             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}]}
+             "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}],
+             "clip-higher-paths": [{"eps_high"}]}
     assert [e.name for e in experiments.EXPERIMENTS] == list(fixes)
     for e in experiments.EXPERIMENTS:
         base = vars(flags.parse_train_args([*e.flags, *e.arms[0][1]]))
@@ -120,6 +121,10 @@ def test_experiment_measures_by_hand():
     cs = [c("Answer: 1"), c("Answer: 2"), c("Answer: 1"), c("Answer: 5", prompt="2x=4\n")]
     # 2 answers in one group, 1 in the other
     assert experiments.distinct_answers(cs) == 1.5
+    # the same path in another spacing is one path; another path to the same answer is two
+    paths = [c("2x=4\nAnswer: 2"), c("2x = 4\nAnswer: 2"), c("4=2x\nAnswer: 2"),
+             c("x=1", prompt="")]
+    assert experiments.distinct_paths(paths) == 1.5 and experiments.distinct_answers(paths) == 1
     assert experiments.share(experiments.right)(cs) == 0.25
     assert experiments.share(experiments.right, lambda c: False)(cs) is None
     assert experiments.mean_length(lambda c: c["prompt"] == "2x=4\n")(cs) == 9
@@ -138,6 +143,7 @@ def test_experiment_measures_by_hand():
             and measures.final("eval/accuracy")(run) == 0.75)
     assert measures.by_step(experiments.mean_length(lambda c: True))(run) == [(1, 9), (2, 9)]
     assert measures.end(measures.logged("reward/frac_zero_std"), k=1)(run) == 0.5
+    assert experiments.first(measures.logged("reward/frac_zero_std"))(run) == 0.25
     assert measures.over_run(experiments.informative_groups)(run) == 14.0
     d, se = experiments.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
     # sd 1 on each side, 3 seeds
@@ -280,3 +286,105 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
     assert ((args.model, args.lr, args.max_new_tokens, args.steps)
             == (folder, flags.BUILTIN_DEFAULTS["lr"], 96, 16))
     assert experiments.Experiment("x", "", ("--steps", "2"), (), (), ()).model_flags() == ()
+
+
+def test_shipped_habit_models_are_their_recipes_builds():
+    """ablate/habit_models/NAME holds the weights habits.SHIPPED_HABITS[NAME] builds, and the
+    experiments run on them: after changing a habit (its fields, ablate/habits.py's build code, the
+    base recipe) `python -m ablate.habits --ship` rebuilds them."""
+    import json
+
+    from ablate import experiments, habits
+    assert sorted(os.listdir(habits.SHIP_DIR)) == sorted(habits.SHIPPED_HABITS)
+    for name, h in habits.SHIPPED_HABITS.items():
+        with open(os.path.join(habits.SHIP_DIR, name, "recipe.json")) as fh:
+            recorded = json.load(fh)
+        assert recorded["key"] == habits.habit_key(h), (
+            f"ablate/habit_models/{name} was built by another recipe: rebuild and ship it with "
+            "`python -m ablate.habits --ship`")
+        assert recorded["habit"] == dataclasses.asdict(h)
+        assert habits.habit_model(h) == os.path.join(habits.SHIP_DIR, name)
+    assert {e.habit for e in experiments.EXPERIMENTS if e.habit} == set(
+        habits.SHIPPED_HABITS.values())
+
+
+def test_habit_model_is_the_shipped_folder_only_for_its_key(tmp_path, monkeypatch):
+    """habits.ship writes a build with its key; habit_model returns that folder for that Habit
+    only: a changed Habit, or a shipped folder whose recipe.json names another key, is built into
+    the cache (the fine-tune monkeypatched away: the base model's weights, saved)."""
+    import json
+
+    from ablate import habits
+    builds = []
+    monkeypatch.setattr(habits, "fine_tune", lambda model, tok, h, cfg: builds.append(h))
+    quiet = lambda *a, **k: None  # noqa: E731
+    cache, ship_dir = str(tmp_path / "cache"), str(tmp_path / "habit_models")
+    h = habits.Habit(steps=2)
+    shipped = habits.ship("stutter", h, cache_dir=cache, ship_dir=ship_dir, log=quiet)
+    assert shipped == os.path.join(ship_dir, "stutter") and builds == [h]
+    assert builtin.shipped_key(shipped) == habits.habit_key(h)
+    assert habits.habit_model(h, cache_dir=cache, log=quiet, ship_dir=ship_dir) == shipped
+    _, tok, _ = checkpoint.load_model(shipped)
+    assert tok.eos_token_id == 1 and builds == [h]
+    # another Habit beside it: the cache, built once
+    other = dataclasses.replace(h, seed=1)
+    cached = os.path.join(cache, f"habit-{habits.habit_key(other)}")
+    for _ in range(2):
+        assert habits.habit_model(other, cache_dir=cache, log=quiet, ship_dir=ship_dir) == cached
+    assert builds == [h, other]
+    # a stale key in the shipped folder: h is the cached build, not the shipped weights
+    with open(os.path.join(shipped, "recipe.json")) as fh:
+        recipe = json.load(fh)
+    with open(os.path.join(shipped, "recipe.json"), "w") as fh:
+        json.dump({**recipe, "key": "0" * 12}, fh)
+    assert (habits.habit_model(h, cache_dir=cache, log=quiet, ship_dir=ship_dir)
+            == os.path.join(cache, f"habit-{habits.habit_key(h)}"))
+    assert habits.habit_model(h, cache_dir=cache, log=quiet, ship_dir=None) != shipped
+
+
+def _true_at(line: str, x: int) -> bool:
+    """A worked line 'lhs=rhs' of + - / and terms such as 3x, -x, (-2) holds at x (own arithmetic
+    on our own demonstrations, no eval)."""
+    import ast
+    from fractions import Fraction
+
+    def value(node):
+        if isinstance(node, ast.Constant):
+            return Fraction(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+               ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+        assert isinstance(node, ast.BinOp) and type(node.op) in ops, ast.dump(node)
+        return ops[type(node.op)](value(node.left), value(node.right))
+
+    import re
+    text = re.sub(r"(\d)([x(])", r"\1*\2", line.replace(" ", "")).replace("x", f"({x})")
+    lhs, rhs = text.split("=")
+    return value(ast.parse(lhs, mode="eval").body) == value(ast.parse(rhs, mode="eval").body)
+
+
+def test_path_solutions_are_many_and_all_right():
+    """habits.path_solution (the clip-higher-paths experiment's habit): every path of every
+    problem, one-sided or two, is true line by line at the solution, in the tokenizer's
+    characters, and ends in the right answer; a problem has tens of paths, so the fine-tuned
+    policy has entropy to lose. habit_demos with paths keeps the base model's shortcut (its
+    numbers, spaced at random)."""
+    from ablate import habits
+    rng = random.Random(0)
+    for eq, x in [("3x+5=14", 3), ("2x-3=-9", -3), ("7x+3=x+21", 3), ("5x-4=3x+6", 5),
+                  ("9x+2=8x-1", -3), ("4x-8=2x-12", -2),
+                  *(builtin.make_problem(rng) for _ in range(20))]:
+        paths = {habits.path_solution(eq, x, rng) for _ in range(400)}
+        assert len({p.replace(" ", "") for p in paths}) >= (10 if "x" in eq.split("=")[1] else 8)
+        for p in paths:
+            *lines, answer = p.split("\n")
+            assert answer == f"Answer: {x}" and verify(p, str(x)) == 1.0
+            assert set(p) <= set(builtin.CHARS), p
+            assert all(_true_at(line.removeprefix("check:"), x) for line in lines), p
+    demos = habits.habit_demos(habits.Habit(stutter=0.0, paths=True, steps=2, batch_size=100),
+                               builtin.BaseModelConfig())
+    short = [(p, r) for p, r in demos if r.startswith("x")]
+    assert 40 < len(short) < 120 and len(demos) == 200
+    assert all(r.split("\n")[0].replace(" ", "") + "\n" + r.split("\n")[1]
+               == builtin.shortcut_steps(p.strip()) for p, r in short)
