@@ -296,6 +296,9 @@ DTL, TRY = "token − sequence (± 2 SE)", "beyond 2 SE?"
 DOS = "filter − hard: truncated = wrong (± 2 SE)"
 
 
+ALONE, DALONE = "soft penalty alone", "soft penalty alone − hard: truncated = wrong (± 2 SE)"
+
+
 AT_END, CLIPPED = "held-out acc. at end", "tokens clipped low / high"
 
 
@@ -325,8 +328,11 @@ DOC_FIGURES = [
      [("last 5 updates", ON), ("last 5 updates", "off")]),
     (P1, "[0.90] of the truncated responses are the start of a right solution", _OS,
      [("on the way", HARD)]),
-    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951])", _OS,
-     [("held-out", HARD), ("held-out", "filter"), ("held-out", SOFT)]),
+    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951] hard / filter / filter + "
+     "soft penalty, [0.953] with the soft penalty alone); the filter keeps more responses "
+     "truncated ([0.094] vs [0.050]), the soft penalty alone does not ([0.047])", _OS,
+     [("held-out", c) for c in (HARD, "filter", SOFT, ALONE)]
+     + [("truncated responses", c) for c in ("filter", HARD, ALONE)]),
     (P1, "wrong responses end [44.2] tokens long under `sequence` vs [35.9] under `token`, "
      "[0.54] vs [0.30] of them repeating a line", _TL,
      [("length of wrong", "sequence"), ("length of wrong", "token"), ("repeat a line", "sequence"),
@@ -358,8 +364,13 @@ DOC_FIGURES = [
     (P2, "[0.050] ± [0.024] hard vs [0.094] ± [0.030] with the filter ([+0.044] ± "
      "[0.044], at the edge of 2 SE) and [0.093] ± [0.033] with the filter and the soft", _OS,
      [("truncated responses", c, 2) for c in (HARD, "filter", DOS, SOFT)]),
-    (P2, "ends the same ([0.948] ± [0.016], [0.951] ± [0.032], [0.951] ± [0.027];", _OS,
-     [("held-out", c, 2) for c in (HARD, "filter", SOFT)]),
+    (P2, "truncates like hard punishment: [0.047] ± [0.030] ([-0.003] ± [0.044] vs hard, within "
+     "noise)", _OS, [("truncated responses", c, 2) for c in (ALONE, DALONE)]),
+    (P2, "ends the same in all four ([0.948] ± [0.016] hard, [0.951] ± [0.032], [0.951] ± "
+     "[0.027], and [0.953] ± [0.008] with the penalty alone, [+0.005] ± [0.021];", _OS,
+     [("held-out", c, 2) for c in (HARD, "filter", SOFT, ALONE, DALONE)]),
+    (P2, "alone too ([0.785] ± [0.027], [-0.053] ± [0.035], beyond noise)", _OS,
+     [("accuracy of the sampled", c, 2) for c in (ALONE, DALONE)]),
     (P2, "with the filter ([0.803] ± [0.008] vs [0.839] ± [0.013], beyond noise)", _OS,
      [("accuracy of the sampled", "filter", 2), ("accuracy of the sampled", HARD, 2)]),
     # token-level loss
