@@ -83,9 +83,11 @@ def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = RO
         lines.append(f"| {name} | " + " | ".join([*cells[:2], reached, *cells[2:]])
                      + f" | {'-' if paper is None else paper} |")
     dapo_row = len(ROWS) - 1
-    pairs = [(f"{rows[i][0]} (− the row above)", i, i - 1) for i in range(1, len(ROWS))]
-    pairs += [(f"{rows[i][0]} (− DAPO)", i, dapo_row) for i in range(len(ROWS), len(values))]
-    pairs.append(("DAPO − naive GRPO", dapo_row, 0))
+    pairs = [(f"{rows[i][0]} (− the row above)", i, i - 1)
+             for i in range(1, min(len(ROWS), len(values)))]
+    if dapo_row < len(values):  # all of ROWS
+        pairs += [(f"{rows[i][0]} (− DAPO)", i, dapo_row) for i in range(len(ROWS), len(values))]
+        pairs.append(("DAPO − naive GRPO", dapo_row, 0))
     lines += ["", "Each row's difference from the row above (an added row's: from DAPO), and "
               "DAPO's from naive GRPO: mean difference ± 2 SE (Welch), beyond noise when it "
               "exceeds 2 SE.", "", "| difference | " + " | ".join(names) + " |",
