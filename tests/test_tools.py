@@ -101,7 +101,7 @@ def test_ablation_table_and_curves_from_metrics():
     assert md[-1] == "mean ± sd over 2 seeds per row."
     # rows cut short (the first two): the one difference there is, no DAPO line
     md = ablate.rows.table(dict(list(runs.items())[:2]), 200, ablate.rows.ROWS[:2]).splitlines()
-    assert [line[:24] for line in md if "(−" in line or "DAPO −" in line] == [
+    assert [line[:25] for line in md if "(−" in line or "DAPO −" in line] == [
         "| + overlong filtering (−"]
 
 
