@@ -151,7 +151,7 @@ SMALL = ("--prompts-per-step", "16", "--steps", "16",
 WRONG = lambda c: not right(c)  # noqa: E731
 ACCURACY = "accuracy (share right)"
 SAMPLED = (("accuracy of the sampled responses", "step", logged("reward/correct"), ACCURACY),)
-HELD_OUT_PANEL = ("held-out greedy accuracy, before and after", "step", logged("eval/accuracy"),
+HELD_OUT_PANEL = ("held-out greedy accuracy", "step", logged("eval/accuracy"),
                   "accuracy (share right, greedy)")
 HELD_OUT = (("held-out greedy accuracy at the end", final("eval/accuracy")),)
 ENTROPY = (("entropy, last 5 steps", end(logged("entropy"))),
@@ -261,6 +261,6 @@ DEFAULTS = Experiment(
 
 def figure_panels(exp: Experiment, runs: dict[str, list[Run]]) -> list[tuple]:
     """An experiment's figure: its panels, each {arm: one curve per seed}, then the held-out greedy
-    accuracy (the runs evaluate before and after, so two points)."""
+    accuracy at each evaluation (the experiments' runs evaluate before and after: two points)."""
     return [(title, x, {label: [points(r) for r in rs] for label, rs in runs.items()}, *ylabel)
             for title, x, points, *ylabel in (*exp.panels, HELD_OUT_PANEL)]
