@@ -109,7 +109,8 @@ class Experiment:
     claim: str                    # the article's problem and its fix, in a sentence
     flags: tuple[str, ...]        # train.py flags of every arm: the regime
     arms: tuple[tuple[str, tuple[str, ...]], ...]  # (label, flags); the first: the fix off
-    measures: tuple[tuple[str, Callable[[Run], float | None]], ...]  # the table: one value per run
+    # the table: (name, one value per run[, decimals (default: fmt's)])
+    measures: tuple[tuple, ...]
     # the figure: (title, x label, curve[, y label with its unit (default: the title)]); a
     # held-out accuracy panel is added to every figure (figure_panels)
     panels: tuple[tuple, ...]
@@ -131,9 +132,9 @@ def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
     lines = ["| measure | " + " | ".join(labels) + " | "
              + " | ".join(f"{x} − {labels[0]} (± 2 SE)" for x in labels[1:]) + " |",
              "|" + " --- |" * (2 * len(labels))]
-    for name, fn in exp.measures:
+    for name, fn, *digits in exp.measures:
         values = {x: [v for v in map(fn, runs[x]) if v is not None] for x in labels}
-        cells = [fmt(v) for v in values.values()]
+        cells = [fmt(v, *digits) for v in values.values()]
         cells += [fmt_difference(values[labels[0]], values[x]) for x in labels[1:]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     seeds = {len(v) for v in runs.values()}
@@ -249,7 +250,7 @@ DEFAULTS = Experiment(
      ("held-out greedy accuracy at step 20", lambda r: dict(logged("eval/accuracy")(r)).get(20)),
      ("held-out greedy accuracy at the end", final("eval/accuracy")),
      ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
-     ("entropy (nats/token), last 5 steps", end(logged("entropy"))),
+     ("entropy (nats/token), last 5 steps", end(logged("entropy")), 4),
      ("length of the sampled responses (tokens), last 5 steps", end(logged("len/mean"))),
      ("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
      ("responses sampled", final("samples"))),
