@@ -11,7 +11,7 @@ import shlex
 import statistics
 
 import dapo
-from ablate.measures import fmt, fmt_difference
+from ablate.measures import at_samples, fmt, fmt_difference
 from curves import curve
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
@@ -53,8 +53,9 @@ def row_measures(seeds: list[list[dict]], budget: int) -> dict[str, list[float |
         return [100 * statistics.mean(v for _, v in curve(r, key)) for r in seeds]
 
     return {AT_END: [curve(r, "eval/accuracy")[-1][1] for r in seeds],
-            "acc. at 1/4 budget": [max((v for s, v in curve(r, "eval/accuracy") if s <= budget / 4),
-                                       default=None) for r in seeds],
+            # the last evaluation within a quarter of the budget (the best one, before)
+            "acc. at 1/4 budget": [at_samples(lambda r: curve(r, "eval/accuracy"),
+                                              lambda r: budget / 4)(r) for r in seeds],
             "entropy (last 5 steps)": tail("entropy"), "length (last 5)": tail("len/mean"),
             "truncated (last 5)": tail("len/truncated_frac"),
             "tokens clipped low (%)": percent("clip/low_frac"),

@@ -67,19 +67,22 @@ def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
 
 def test_ablation_table_and_curves_from_metrics():
     import ablate.rows
-    # one run: eval 0.5 at step 0, two steps of 100 samples, eval 0.95 at step 2
+    # one run: eval 0.5 at step 0, two steps of 100 samples (eval 0.7, 0.6 at step 1), eval 0.95
+    # at step 2
     run = [{"step": 0, "eval/accuracy": 0.5},
            {"step": 1, "loss": 0.0, "samples": 100, "entropy": 0.2, "len/mean": 10.0,
             "len/truncated_frac": 0.5, "clip/low_frac": 0.01, "clip/high_frac": 0.0},
+           {"step": 1, "eval/accuracy": 0.7}, {"step": 1, "eval/accuracy": 0.6},
            {"step": 2, "loss": 0.0, "samples": 200, "entropy": 0.1, "len/mean": 8.0,
             "len/truncated_frac": 0.0, "clip/low_frac": 0.03, "clip/high_frac": 0.001},
            {"step": 2, "eval/accuracy": 0.95}]
-    assert curves.curve(run, "eval/accuracy") == [(0, 0.5), (200, 0.95)]
+    assert curves.curve(run, "eval/accuracy") == [(0, 0.5), (100, 0.7), (100, 0.6), (200, 0.95)]
     assert (ablate.rows.samples_to_reach(run, 0.9) == 200
             and ablate.rows.samples_to_reach(run, 0.99) is None)
-    md = ablate.rows.table({name: [run, run] for name, _, _ in ablate.rows.ROWS}, budget=200)
+    # a quarter of 400: the last evaluation within 100 responses
+    md = ablate.rows.table({name: [run, run] for name, _, _ in ablate.rows.ROWS}, budget=400)
     first = md.splitlines()[2]
-    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.500 ± 0.000 | 200 (2/2 seeds) | "
+    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.600 ± 0.000 | 200 (2/2 seeds) | "
                             "0.1500 ± 0.0000 | 9.0 ± 0.0 |"
                             " 0.250 ± 0.000 | 2.00 ± 0.00 | 0.05 ± 0.00 | 2 ± 0 | 30 |")
     # the differences: DAPO's seeds end at 0.97 and 0.99 (2 SE 0.02), the others' at 0.95 twice
