@@ -72,7 +72,8 @@ def rows_main(a) -> None:
     with open(os.path.join(a.out, "ablation.md"), "w") as fh:
         fh.write(md + "\n")
     print(md)
-    title = (f"python -m ablate --rows {a.train_flags}: each row adds one fix to the row above, "
+    extra = f" --train-flags {shlex.quote(a.train_flags)}" if a.train_flags else ""
+    title = (f"python -m ablate --rows{extra}: each row adds one fix to the row above, "
              f"{a.budget} responses per run")
     if plot_runs(runs, os.path.join(a.out, "ablation.png"), title):
         print(f"plots: {os.path.join(a.out, 'ablation.png')}")
