@@ -14,6 +14,7 @@ RESULTS/NAME.png (needs matplotlib); results/README.md reads them. Run from the 
     python -m ablate                              # every experiment, 3 seeds per arm
     python -m ablate --quick                      # one seed per arm: a look, no spread
     python -m ablate --only dynamic-sampling      # one experiment
+    python -m ablate --defaults                   # train.py --algo grpo vs --algo dapo, as they are
 
 `python -m ablate --rows` is the progressive ablation instead (ablate/rows.py): ROWS, each adding
 one fix to the row above, the last exactly `train.py --algo dapo`, all at beta 0 and +-1 rewards and
@@ -71,30 +72,35 @@ def rows_main(a) -> None:
     with open(os.path.join(a.out, "ablation.md"), "w") as fh:
         fh.write(md + "\n")
     print(md)
-    if plot_runs(runs, os.path.join(a.out, "ablation.png")):
+    extra = f" --train-flags {shlex.quote(a.train_flags)}" if a.train_flags else ""
+    title = (f"python -m ablate --rows{extra}: each row adds one fix to the row above, "
+             f"{a.budget} responses per run")
+    if plot_runs(runs, os.path.join(a.out, "ablation.png"), title):
         print(f"plots: {os.path.join(a.out, 'ablation.png')}")
 
 
 def experiments_main(a) -> None:
-    """The experiments (EXPERIMENTS, or --only some): runs, then results/NAME.md and
-    results/NAME.png each."""
+    """The experiments (EXPERIMENTS, or --only some; --defaults: DEFAULTS): runs, then
+    results/NAME.md and results/NAME.png each."""
     seeds = [0] if a.quick else a.seeds
-    for exp in (e for e in experiments.EXPERIMENTS if not a.only or e.name in a.only):
+    chosen = ([experiments.DEFAULTS] if a.defaults else
+              [e for e in experiments.EXPERIMENTS if not a.only or e.name in a.only])
+    for exp in chosen:
         arms = [(label, [*exp.model_flags(), *exp.flags, *f]) for label, f in exp.arms]
         runs = run_arms(exp.name, arms, seeds, a.out)
         model = ("" if exp.habit is None else
                  f" on the habit model ablate.habits.{exp.habit} (`--model` its folder)")
         per_arm = "; ".join(f"{x}: `{' '.join(f) or '(nothing)'}`" for x, f in exp.arms)
-        md = (f"# {exp.name}\n\n{exp.claim}\n\n`python -m ablate --only {exp.name}`: train.py "
-              f"{' '.join(exp.flags)}{model}, then per arm: {per_arm}"
+        command = "--defaults" if a.defaults else f"--only {exp.name}"
+        md = (f"# {exp.name}\n\n{exp.claim}\n\n`python -m ablate {command}`: "
+              f"{' '.join(('train.py', *exp.flags))}{model}, then per arm: {per_arm}"
               f"; seeds {' '.join(map(str, seeds))}.\n\n"
               f"{experiments.experiment_table(exp, runs)}\n")
         os.makedirs(a.results, exist_ok=True)  # --results may name a new folder: keep the tables
         with open(os.path.join(a.results, f"{exp.name}.md"), "w") as fh:
             fh.write(md)
         print(md)
-        panels = [(title, x, {label: [points(r) for r in rs] for label, rs in runs.items()})
-                  for title, x, points in exp.panels]
+        panels = experiments.figure_panels(exp, runs)
         if plot_panels(panels, os.path.join(a.results, f"{exp.name}.png"), exp.name):
             print(f"figure: {os.path.join(a.results, exp.name + '.png')}")
 
@@ -111,6 +117,9 @@ def main(argv=None) -> None:
                    help="where the experiments' tables and figures go")
     p.add_argument("--out", default=None,
                    help="the runs' folder (default: runs/experiments, with --rows runs/ablation)")
+    p.add_argument("--defaults", action="store_true",
+                   help="the built-in default runs instead, train.py --algo grpo vs --algo dapo: "
+                        "RESULTS/default-dapo-vs-grpo.md and .png")
     p.add_argument("--rows", action="store_true",
                    help="the progressive ablation instead: ROWS, one fix added per row")
     p.add_argument("--budget", type=int, default=10240,
@@ -130,7 +139,10 @@ def main(argv=None) -> None:
                  if getattr(a, k) != p.get_default(k)]
     if rows_only and not a.rows:
         p.error(f"{', '.join(rows_only)}: for --rows only")
-    a.out = a.out or ("runs/ablation" if a.rows else "runs/experiments")
+    if a.rows and (a.defaults or a.only) or a.defaults and a.only:
+        p.error("--rows, --defaults and --only are one each")
+    a.out = a.out or ("runs/ablation" if a.rows else "runs/defaults" if a.defaults
+                      else "runs/experiments")
     rows_main(a) if a.rows else experiments_main(a)
 
 

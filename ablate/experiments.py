@@ -7,7 +7,6 @@ Article section: "DAPO：四项修正" (each fix a 问题 and its DAPO 修正).
 """
 from __future__ import annotations
 
-import math
 import random
 import statistics
 from collections.abc import Callable
@@ -18,8 +17,18 @@ import dapo
 import flags
 import verifier
 from ablate import habits
-from ablate.measures import Run, at_samples, by_step, end, final, fmt, logged, over_run
-from curves import curve
+from ablate.measures import (
+    Run,
+    at_samples,
+    by_step,
+    end,
+    final,
+    fmt,
+    fmt_difference,
+    logged,
+    over_run,
+)
+from curves import CURVES, curve
 
 
 def solution(prompt: str) -> int:
@@ -113,9 +122,11 @@ class Experiment:
     claim: str                    # the article's problem and its fix, in a sentence
     flags: tuple[str, ...]        # train.py flags of every arm: the regime
     arms: tuple[tuple[str, tuple[str, ...]], ...]  # (label, flags); the first: the fix off
-    measures: tuple[tuple[str, Callable[[Run], float | None]], ...]  # the table: one value per run
-    # the figure: (title, x label, curve)
-    panels: tuple[tuple[str, str, Callable[[Run], list[tuple[float, float]]]], ...]
+    # the table: (name, one value per run[, decimals (default: fmt's)])
+    measures: tuple[tuple, ...]
+    # the figure: (title, x label, curve[, y label with its unit (default: the title)]); a
+    # held-out accuracy panel is added to every figure (figure_panels)
+    panels: tuple[tuple, ...]
     habit: habits.Habit | None = None  # the base model: this habit model (None: the shipped one)
 
     def model_flags(self) -> tuple[str, ...]:
@@ -127,14 +138,6 @@ class Experiment:
                 "--lr", str(flags.BUILTIN_DEFAULTS["lr"]), "--max-new-tokens", "40")
 
 
-def difference(base: list[float], other: list[float]) -> tuple[float, float | None]:
-    """mean(other) - mean(base) and its standard error (Welch: sqrt(s1^2/n1 + s2^2/n2); None with
-    one seed)."""
-    se = (math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other))
-          if min(len(base), len(other)) > 1 else None)
-    return statistics.mean(other) - statistics.mean(base), se
-
-
 def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
     """Each measure: mean ± sd over seeds per arm, and each arm's difference from the baseline with
     2 SE."""
@@ -142,17 +145,10 @@ def experiment_table(exp: Experiment, runs: dict[str, list[Run]]) -> str:
     lines = ["| measure | " + " | ".join(labels) + " | "
              + " | ".join(f"{x} − {labels[0]} (± 2 SE)" for x in labels[1:]) + " |",
              "|" + " --- |" * (2 * len(labels))]
-    for name, fn in exp.measures:
+    for name, fn, *digits in exp.measures:
         values = {x: [v for v in map(fn, runs[x]) if v is not None] for x in labels}
-        cells = [fmt(v) for v in values.values()]
-        for x in labels[1:]:
-            if not values[x] or not values[labels[0]]:
-                cells.append("-")
-                continue
-            d, se = difference(values[labels[0]], values[x])
-            noise = "**beyond noise**" if se is not None and abs(d) > 2 * se else "within noise"
-            cells.append(f"{d:+.3g} (one seed: no spread)" if se is None else
-                         f"{d:+.3g} ± {2 * se:.2g}: {noise}")
+        cells = [fmt(v, *digits) for v in values.values()]
+        cells += [fmt_difference(values[labels[0]], values[x]) for x in labels[1:]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     seeds = {len(v) for v in runs.values()}
     per_arm = "/".join(map(str, sorted(seeds)))
@@ -167,7 +163,10 @@ SMALL = ("--prompts-per-step", "16", "--steps", "16",
 
 
 WRONG = lambda c: not right(c)  # noqa: E731
-SAMPLED = (("accuracy of the sampled responses", "step", logged("reward/correct")),)
+ACCURACY = "accuracy (share right)"
+SAMPLED = (("accuracy of the sampled responses", "step", logged("reward/correct"), ACCURACY),)
+HELD_OUT_PANEL = ("held-out greedy accuracy", "step", logged("eval/accuracy"),
+                  "accuracy (share right, greedy)")
 HELD_OUT = (("held-out greedy accuracy at the end", final("eval/accuracy")),)
 ENTROPY = (("entropy, last 5 steps", end(logged("entropy"))),
            ("distinct answers per group, last 5 steps", end(by_step(distinct_answers))),
@@ -198,11 +197,12 @@ EXPERIMENTS = (
           at_samples(lambda r: curve(r.metrics, "reward/correct"), equal_budget)),
          ("responses sampled in 16 updates", final("samples")),
          ("held-out greedy accuracy after 16 updates", final("eval/accuracy"))),
-        (("sampled groups all right / all wrong", "step", logged("reward/frac_zero_std")),
-         ("groups with a gradient per update", "step", informative_groups),
-         ("sampled accuracy per update", "optimizer update", logged("reward/correct")),
+        (("sampled groups all right / all wrong", "step", logged("reward/frac_zero_std"),
+          "share of the step's groups"),
+         ("groups with a gradient per update", "step", informative_groups, "groups (of 16)"),
+         ("sampled accuracy per update", "optimizer update", logged("reward/correct"), ACCURACY),
          ("sampled accuracy per sampled response", "responses sampled",
-          lambda r: curve(r.metrics, "reward/correct")))),
+          lambda r: curve(r.metrics, "reward/correct"), ACCURACY))),
     Experiment(
         "overlong-shaping",
         "问题: a truncated response gets the reward of a wrong one, though its reasoning may be "
@@ -210,14 +210,18 @@ EXPERIMENTS = (
         "(overlong filtering), and punish length softly over the last L_cache tokens (Eq. 13).",
         NAIVE + SMALL + G4 + ("--max-new-tokens", "40"),
         (("hard: truncated = wrong", ()), ("filter", ("--overlong-filter",)),
-         ("filter + soft penalty", ("--overlong-filter", "--overlong-penalty"))),
+         ("filter + soft penalty", ("--overlong-filter", "--overlong-penalty")),
+         # the article's soft punishment alone: truncated responses stay in the loss
+         ("soft penalty alone", ("--overlong-penalty",))),
         (("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
          ("truncated on the way to a right answer, share of the truncated",
           over_run(by_step(share(on_the_way, lambda c: c["truncated"])))),
          ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
          *HELD_OUT),
-        (("truncated responses", "step", logged("len/truncated_frac")),
-         ("truncated on the way to right (of all)", "step", by_step(share(on_the_way))),
+        (("truncated responses", "step", logged("len/truncated_frac"),
+          "share of sampled responses"),
+         ("truncated on the way to right (of all)", "step", by_step(share(on_the_way)),
+          "share of sampled responses"),
          *SAMPLED)),
     Experiment(
         "token-level-loss",
@@ -262,3 +266,31 @@ EXPERIMENTS = (
                           *SAMPLED),
         habits.PATHS),
 )
+
+
+# The two built-in default runs (`python -m ablate --defaults`): not a fix but the whole of each
+DEFAULTS = Experiment(
+    "default-dapo-vs-grpo",
+    "The built-in default runs of each algorithm, `train.py --algo grpo` and `--algo dapo` "
+    "(40 steps of 32 prompts x 8 on the shipped base model; DAPO's dynamic sampling draws more "
+    "responses per step), nothing else changed.",
+    (), (("grpo", ("--algo", "grpo")), ("dapo", ("--algo", "dapo"))),
+    (("held-out greedy accuracy before", lambda r: logged("eval/accuracy")(r)[0][1]),
+     ("held-out greedy accuracy at step 20", lambda r: dict(logged("eval/accuracy")(r)).get(20)),
+     ("held-out greedy accuracy at the end", final("eval/accuracy")),
+     ("accuracy of the sampled responses, last 5 steps", end(logged("reward/correct"))),
+     ("entropy (nats/token), last 5 steps", end(logged("entropy")), 4),
+     ("length of the sampled responses (tokens), last 5 steps", end(logged("len/mean"))),
+     ("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
+     ("responses sampled", final("samples"))),
+    (("accuracy of the sampled responses", "responses sampled",
+      lambda r: curve(r.metrics, "reward/correct"), ACCURACY),
+     *((title, "responses sampled", lambda r, k=key: curve(r.metrics, k), ylabel)
+       for key, title, ylabel in CURVES[1:])))
+
+
+def figure_panels(exp: Experiment, runs: dict[str, list[Run]]) -> list[tuple]:
+    """An experiment's figure: its panels, each {arm: one curve per seed}, then the held-out greedy
+    accuracy at each evaluation (the experiments' runs evaluate before and after: two points)."""
+    return [(title, x, {label: [points(r) for r in rs] for label, rs in runs.items()}, *ylabel)
+            for title, x, points, *ylabel in (*exp.panels, HELD_OUT_PANEL)]

@@ -7,6 +7,7 @@ Not an article section: what the experiments (ablate/experiments.py) and the pro
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable
@@ -85,3 +86,24 @@ def fmt(values: list[float], digits: int | None = None) -> str:
     mean, sd = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
     digits = (1 if abs(mean) >= 10 else 3) if digits is None else digits
     return f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+
+def difference(base: list[float], other: list[float]) -> tuple[float, float | None]:
+    """mean(other) - mean(base) and its standard error (Welch: sqrt(s1^2/n1 + s2^2/n2); None with
+    one seed)."""
+    se = (math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other))
+          if min(len(base), len(other)) > 1 else None)
+    return statistics.mean(other) - statistics.mean(base), se
+
+
+def fmt_difference(base: list[float], other: list[float]) -> str:
+    """A table cell: mean(other) - mean(base) ± 2 SE and whether that is beyond noise ('-' where a
+    side has no value)."""
+    base, other = [v for v in base if v is not None], [v for v in other if v is not None]
+    if not base or not other:
+        return "-"
+    d, se = difference(base, other)
+    if se is None:
+        return f"{d:+.3g} (one seed: no spread)"
+    noise = "**beyond noise**" if abs(d) > 2 * se else "within noise"
+    return f"{d:+.3g} ± {2 * se:.2g}: {noise}"

@@ -11,7 +11,7 @@ import shlex
 import statistics
 
 import dapo
-from ablate.measures import fmt
+from ablate.measures import at_samples, fmt, fmt_difference
 from curves import curve
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
@@ -44,30 +44,57 @@ def samples_to_reach(rows: list[dict], target: float) -> float | None:
     return hits[0] if hits else None
 
 
+def row_measures(seeds: list[list[dict]], budget: int) -> dict[str, list[float | None]]:
+    """A row's measures, one value per seed (from its metrics.jsonl rows): the columns of table."""
+    def tail(key):
+        return [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]
+
+    def percent(key):
+        return [100 * statistics.mean(v for _, v in curve(r, key)) for r in seeds]
+
+    return {AT_END: [curve(r, "eval/accuracy")[-1][1] for r in seeds],
+            # the last evaluation within a quarter of the budget (the best one, before)
+            "acc. at 1/4 budget": [at_samples(lambda r: curve(r, "eval/accuracy"),
+                                              lambda r: budget / 4)(r) for r in seeds],
+            "entropy (last 5 steps)": tail("entropy"), "length (last 5)": tail("len/mean"),
+            "truncated (last 5)": tail("len/truncated_frac"),
+            "tokens clipped low (%)": percent("clip/low_frac"),
+            "tokens clipped high (%)": percent("clip/high_frac"),
+            "steps": [max(x["step"] for x in r if "loss" in x) for r in seeds]}
+
+
+AT_END = "held-out acc. at end"
+DIGITS = {"entropy (last 5 steps)": 4, "length (last 5)": 1, "tokens clipped low (%)": 2,
+          "tokens clipped high (%)": 2, "steps": 0}
+
+
 def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = ROWS) -> str:
-    """--rows: one line per row, from each seed's metrics.jsonl rows."""
-    lines = ["| row | held-out acc. at end | acc. at 1/4 budget | samples to 90% | "
-             "entropy (last 5 steps) | length (last 5) | truncated (last 5) | "
-             "tokens clipped low / high | steps | paper AIME24 |", "|" + " --- |" * 10]
-    for (name, _, paper), seeds in zip(rows, runs.values()):
-        quarter = [max((v for s, v in curve(r, "eval/accuracy") if s <= budget / 4), default=None)
-                   for r in seeds]
+    """--rows: one line per row (each measure's mean ± sd over seeds), then each row's difference
+    from the row above (an --add-row row's from DAPO) and DAPO's from naive GRPO, with 2 SE."""
+    values = [row_measures(seeds, budget) for seeds in runs.values()]
+    names = list(values[0])
+    lines = ["| row | " + " | ".join([names[0], names[1], "samples to 90%", *names[2:]])
+             + " | paper AIME24 |", "|" + " --- |" * (len(names) + 3)]
+    for (name, _, paper), v, seeds in zip(rows, values, runs.values()):
         reach = [samples_to_reach(r, 0.9) for r in seeds]
-
-        def tail(key, seeds=seeds):
-            return [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]
-
-        def clip(key, seeds=seeds):
-            return statistics.mean(statistics.mean(v for _, v in curve(r, key)) for r in seeds)
-
-        steps = [max(r["step"] for r in rs if "loss" in r) for rs in seeds]
         hit = [x for x in reach if x is not None]
         reached = (f"{statistics.mean(hit):.0f} ({len(hit)}/{len(reach)} seeds)" if hit
                    else f"never (0/{len(reach)})")
-        at_end = [curve(r, "eval/accuracy")[-1][1] for r in seeds]
-        lines.append(f"| {name} | {fmt(at_end, 3)} | {fmt(quarter, 3)} | {reached} | "
-                     f"{fmt(tail('entropy'), 4)} | {fmt(tail('len/mean'), 1)} | "
-                     f"{fmt(tail('len/truncated_frac'), 3)} | "
-                     f"{clip('clip/low_frac'):.2%} / {clip('clip/high_frac'):.2%} | "
-                     f"{statistics.mean(steps):.0f} | {'-' if paper is None else paper} |")
-    return "\n".join(lines)
+        cells = [fmt(v[k], DIGITS.get(k, 3)) for k in names]
+        lines.append(f"| {name} | " + " | ".join([*cells[:2], reached, *cells[2:]])
+                     + f" | {'-' if paper is None else paper} |")
+    dapo_row = len(ROWS) - 1
+    pairs = [(f"{rows[i][0]} (− the row above)", i, i - 1)
+             for i in range(1, min(len(ROWS), len(values)))]
+    if dapo_row < len(values):  # all of ROWS
+        pairs += [(f"{rows[i][0]} (− DAPO)", i, dapo_row) for i in range(len(ROWS), len(values))]
+        pairs.append(("DAPO − naive GRPO", dapo_row, 0))
+    lines += ["", "Each row's difference from the row above (an added row's: from DAPO), and "
+              "DAPO's from naive GRPO: mean difference ± 2 SE (Welch), beyond noise when it "
+              "exceeds 2 SE.", "", "| difference | " + " | ".join(names) + " |",
+              "|" + " --- |" * (len(names) + 1)]
+    for label, i, j in pairs:
+        lines.append(f"| {label} | "
+                     + " | ".join(fmt_difference(values[j][k], values[i][k]) for k in names) + " |")
+    seeds = sorted({len(s) for s in runs.values()})
+    return "\n".join(lines) + f"\n\nmean ± sd over {'/'.join(map(str, seeds))} seeds per row."

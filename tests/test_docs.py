@@ -299,6 +299,12 @@ DTL, TRY = "token − sequence (± 2 SE)", "beyond 2 SE?"
 DOS = "filter − hard: truncated = wrong (± 2 SE)"
 
 
+_DEF, DDEF = "default-dapo-vs-grpo.md", "dapo − grpo (± 2 SE)"
+
+
+ALONE, DALONE = "soft penalty alone", "soft penalty alone − hard: truncated = wrong (± 2 SE)"
+
+
 AT_END, CLIPPED = "held-out acc. at end", "tokens clipped low / high"
 
 
@@ -328,8 +334,11 @@ DOC_FIGURES = [
      [("last 5 updates", ON), ("last 5 updates", "off")]),
     (P1, "[0.90] of the truncated responses are the start of a right solution", _OS,
      [("on the way", HARD)]),
-    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951])", _OS,
-     [("held-out", HARD), ("held-out", "filter"), ("held-out", SOFT)]),
+    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951] hard / filter / filter + "
+     "soft penalty, [0.953] with the soft penalty alone); the filter keeps more responses "
+     "truncated ([0.094] vs [0.050]), the soft penalty alone does not ([0.047])", _OS,
+     [("held-out", c) for c in (HARD, "filter", SOFT, ALONE)]
+     + [("truncated responses", c) for c in ("filter", HARD, ALONE)]),
     (P1, "wrong responses end [44.2] tokens long under `sequence` vs [35.9] under `token`, "
      "[0.54] vs [0.30] of them repeating a line", _TL,
      [("length of wrong", "sequence"), ("length of wrong", "token"), ("repeat a line", "sequence"),
@@ -361,8 +370,13 @@ DOC_FIGURES = [
     (P2, "[0.050] ± [0.024] hard vs [0.094] ± [0.030] with the filter ([+0.044] ± "
      "[0.044], at the edge of 2 SE) and [0.093] ± [0.033] with the filter and the soft", _OS,
      [("truncated responses", c, 2) for c in (HARD, "filter", DOS, SOFT)]),
-    (P2, "ends the same ([0.948] ± [0.016], [0.951] ± [0.032], [0.951] ± [0.027];", _OS,
-     [("held-out", c, 2) for c in (HARD, "filter", SOFT)]),
+    (P2, "truncates like hard punishment: [0.047] ± [0.030] ([-0.003] ± [0.044] vs hard, within "
+     "noise)", _OS, [("truncated responses", c, 2) for c in (ALONE, DALONE)]),
+    (P2, "ends the same in all four ([0.948] ± [0.016] hard, [0.951] ± [0.032], [0.951] ± "
+     "[0.027], and [0.953] ± [0.008] with the penalty alone, [+0.005] ± [0.021];", _OS,
+     [("held-out", c, 2) for c in (HARD, "filter", SOFT, ALONE, DALONE)]),
+    (P2, "alone too ([0.785] ± [0.027], [-0.053] ± [0.035], beyond noise)", _OS,
+     [("accuracy of the sampled", c, 2) for c in (ALONE, DALONE)]),
     (P2, "with the filter ([0.803] ± [0.008] vs [0.839] ± [0.013], beyond noise)", _OS,
      [("accuracy of the sampled", "filter", 2), ("accuracy of the sampled", HARD, 2)]),
     # token-level loss
@@ -423,6 +437,24 @@ DOC_FIGURES = [
      + [("upper bound", E2), ("upper bound", E28)]),
     (P2, "under both bounds (accuracy [0], [86]-[93]% truncated)", _RR,
      [("lr 1e-3, T 1.5", TRY, 3)]),
+    # the default runs
+    (P1, "held-out accuracy [0.977] vs [0.970] (within noise), entropy over the last 5 steps "
+     "[0.0127] vs [0.0073] nats/token (beyond noise), with [3.0]x the responses", _DEF,
+     lambda t: [t.read(spec)[0] for spec in (("at the end", "dapo"), ("at the end", "grpo"),
+                                             ("entropy", "dapo"), ("entropy", "grpo"))]
+     + [t.read(("responses sampled", "dapo"))[0] / t.read(("responses sampled", "grpo"))[0]]),
+    (P2, "Held-out greedy accuracy ends [0.977] ± [0.008] under DAPO vs [0.970] ± [0.008] under "
+     "GRPO ([+0.007] ± [0.013], within noise; [0.958] ± [0.002] vs [0.957] ± [0.008] at step 20), "
+     "and DAPO draws [30,293] ± [391] responses for it vs [10,240]", _DEF,
+     [("at the end", c, 2) for c in ("dapo", "grpo", DDEF)]
+     + [("step 20", c, 2) for c in ("dapo", "grpo")]
+     + [("responses sampled", "dapo", 2), ("responses sampled", "grpo")]),
+    (P2, "[0.0127] ± [0.0008] vs [0.0073] ± [0.0011] nats/token over the last 5 steps "
+     "([+0.0054] ± [0.0015]), and keeps more responses truncated, [0.007] ± [0.001] vs [0.003] ± "
+     "[0.002] ([+0.004] ± [0.002]); the length ends the same ([33.4] ± [0.1] vs [33.3] ± [0.2] "
+     "tokens)", _DEF,
+     [(r, c, 2) for r in ("entropy", "truncated") for c in ("dapo", "grpo", DDEF)]
+     + [("length", c, 2) for c in ("dapo", "grpo")]),
     # the article's ablation in miniature
     (P2, "[0.09]-[0.11]% of tokens hit the lower bound ([0.22]% with dynamic sampling) "
      "and [0.02]-[0.06]% the upper one", _AB,

@@ -67,28 +67,95 @@ def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
 
 def test_ablation_table_and_curves_from_metrics():
     import ablate.rows
-    # one run: eval 0.5 at step 0, two steps of 100 samples, eval 0.95 at step 2
+    # one run: eval 0.5 at step 0, two steps of 100 samples (eval 0.7, 0.6 at step 1), eval 0.95
+    # at step 2
     run = [{"step": 0, "eval/accuracy": 0.5},
            {"step": 1, "loss": 0.0, "samples": 100, "entropy": 0.2, "len/mean": 10.0,
             "len/truncated_frac": 0.5, "clip/low_frac": 0.01, "clip/high_frac": 0.0},
+           {"step": 1, "eval/accuracy": 0.7}, {"step": 1, "eval/accuracy": 0.6},
            {"step": 2, "loss": 0.0, "samples": 200, "entropy": 0.1, "len/mean": 8.0,
             "len/truncated_frac": 0.0, "clip/low_frac": 0.03, "clip/high_frac": 0.001},
            {"step": 2, "eval/accuracy": 0.95}]
-    assert curves.curve(run, "eval/accuracy") == [(0, 0.5), (200, 0.95)]
+    assert curves.curve(run, "eval/accuracy") == [(0, 0.5), (100, 0.7), (100, 0.6), (200, 0.95)]
     assert (ablate.rows.samples_to_reach(run, 0.9) == 200
             and ablate.rows.samples_to_reach(run, 0.99) is None)
-    md = ablate.rows.table({name: [run, run] for name, _, _ in ablate.rows.ROWS}, budget=200)
+    # a quarter of 400: the last evaluation within 100 responses
+    md = ablate.rows.table({name: [run, run] for name, _, _ in ablate.rows.ROWS}, budget=400)
     first = md.splitlines()[2]
-    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.500 ± 0.000 | 200 (2/2 seeds) | "
+    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.600 ± 0.000 | 200 (2/2 seeds) | "
                             "0.1500 ± 0.0000 | 9.0 ± 0.0 |"
-                            " 0.250 ± 0.000 | 2.00% / 0.05% | 2 |")
+                            " 0.250 ± 0.000 | 2.00 ± 0.00 | 0.05 ± 0.00 | 2 ± 0 | 30 |")
+    # the differences: DAPO's seeds end at 0.97 and 0.99 (2 SE 0.02), the others' at 0.95 twice
+    low, high = ([*r[:-1], {**r[-1], "eval/accuracy": a}] for r, a in ((run, 0.97), (run, 0.99)))
+    runs = {name: [run, run] for name, _, _ in ablate.rows.ROWS[:-1]}
+    md = ablate.rows.table({**runs, "dapo": [low, high], "+ X": [run, run]}, 200,
+                           ablate.rows.ROWS + [("+ X", [], None)]).splitlines()
+    assert md[7].startswith("| + dynamic sampling (= DAPO) | 0.980 ± 0.014 |")
+    diffs = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in md if "(−" in line
+             or line.startswith("| DAPO −")}
+    beyond = "+0.03 ± 0.02: **beyond noise**"
+    assert diffs == {"+ overlong filtering (− the row above)": "+0 ± 0: within noise",
+                     "+ clip-higher (− the row above)": "+0 ± 0: within noise",
+                     "+ soft overlong punishment (− the row above)": "+0 ± 0: within noise",
+                     "+ token-level loss (− the row above)": "+0 ± 0: within noise",
+                     "+ dynamic sampling (= DAPO) (− the row above)": beyond,
+                     "+ X (− DAPO)": "-0.03 ± 0.02: **beyond noise**",
+                     "DAPO − naive GRPO": beyond}
+    assert md[-1] == "mean ± sd over 2 seeds per row."
+    # rows cut short (the first two): the one difference there is, no DAPO line
+    md = ablate.rows.table(dict(list(runs.items())[:2]), 200, ablate.rows.ROWS[:2]).splitlines()
+    assert [line[:25] for line in md if "(−" in line or "DAPO −" in line] == [
+        "| + overlong filtering (−"]
+
+
+def test_figures_read_alone(tmp_path):
+    """Every figure has x and y labels in each panel, one shared legend, and a caption that gives
+    the seeds per line and the band (lowest to highest seed); a line of two points (an evaluation
+    before and after) is drawn as its points with bars; every experiment's figure ends with the
+    held-out accuracy."""
+    pytest.importorskip("matplotlib")
+    from ablate import experiments, measures
+    seeds = [[(s, 0.1 * s + k) for s in range(6)] for k in (0.0, 0.2, 0.4)]        # 3 seeds
+    two = [[(0, 0.5), (16, 0.9)], [(0, 0.5), (16, 0.8)], [(0, 0.5), (16, 0.7)]]
+    panels = [("truncated", "step", {"off": seeds, "on": seeds[:2]}, "share of responses"),
+              ("held-out", "step", {"off": two, "on": two})]
+    fig = curves.panels_figure(panels, "name")
+    assert [(ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes] == [
+        ("step", "share of responses"), ("step", "held-out")]                # default: the title
+    assert ([t.get_text() for t in fig.legends[0].get_texts()] == ["off", "on"]
+            and len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes))
+    assert fig.get_suptitle() == ("name\nline: mean over 2-3 seeds; band: lowest to highest seed "
+                                  "at each point")
+    band = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]                # off's band
+    assert (band.min(), band.max()) == pytest.approx((0.0, 0.9))
+    bars = fig.axes[1].containers[0]                                  # off: points with bars
+    assert list(bars.lines[0].get_ydata()) == pytest.approx([0.5, 0.8])
+    assert [y for s in bars.lines[2][0].get_segments() for y in s[:, 1]] == pytest.approx(
+        [0.5, 0.5, 0.7, 0.9])                                           # min to max of the seeds
+    # train.py --plot's figure: one run, the four CURVES with their units
+    run = [{"step": 0, "eval/accuracy": 0.5},
+           *({"step": s, "loss": 0, "samples": 64 * s, "entropy": 0.1, "len/mean": 30.0,
+              "len/truncated_frac": 0.1} for s in range(1, 6)), {"step": 5, "eval/accuracy": 0.9}]
+    fig = curves.panels_figure(curves.runs_panels({"dapo": [run]}), "dapo")
+    assert [ax.get_ylabel() for ax in fig.axes] == [y for _, _, y in curves.CURVES]
+    assert (fig.get_suptitle() == "dapo\none seed per line: no band"
+            and {ax.get_xlabel() for ax in fig.axes} == {"responses sampled"})
+    assert curves.plot_runs({"dapo": [run]}, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    # an experiment's figure: its panels, then the held-out accuracy before and after
+    exp = next(e for e in experiments.EXPERIMENTS if e.name == "overlong-shaping")
+    r = measures.Run({}, run, [])
+    drawn = experiments.figure_panels(exp, {"hard": [r, r]})
+    assert [p[0] for p in drawn] == [p[0] for p in exp.panels] + [experiments.HELD_OUT_PANEL[0]]
+    assert drawn[-1][2] == {"hard": [[(0, 0.5), (5, 0.9)]] * 2}
 
 
 def test_experiment_arms_change_only_their_fix():
     """Each experiment's arms are the baseline plus the one fix they test (all flags parse)."""
     from ablate import experiments
     fixes = {"dynamic-sampling": [{"dynamic_sampling"}],
-             "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"}],
+             "overlong-shaping": [{"overlong_filter"}, {"overlong_filter", "overlong_penalty"},
+                                  {"overlong_penalty"}],
              "token-level-loss": [{"reduction"}],
              "clip-higher": [{"eps_high"}], "clip-higher-random-reward": [{"eps_high"}],
              "clip-higher-paths": [{"eps_high"}]}
@@ -145,10 +212,10 @@ def test_experiment_measures_by_hand():
     assert measures.end(measures.logged("reward/frac_zero_std"), k=1)(run) == 0.5
     assert experiments.first(measures.logged("reward/frac_zero_std"))(run) == 0.25
     assert measures.over_run(experiments.informative_groups)(run) == 14.0
-    d, se = experiments.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
+    d, se = measures.difference([1.0, 2.0, 3.0], [2.0, 3.0, 4.0])
     # sd 1 on each side, 3 seeds
     assert d == 1.0 and se == pytest.approx(math.sqrt(1 / 3 + 1 / 3))
-    assert experiments.difference([1.0], [2.0, 3.0]) == (1.5, None)
+    assert measures.difference([1.0], [2.0, 3.0]) == (1.5, None)
     random.seed(0)
     coins = [experiments.random_reward("x", "1") for _ in range(2000)]
     random.seed(0)
