@@ -358,6 +358,11 @@ DOC_FIGURES = [
       ("repeat a line", "token")]),
     (P1, "(entropy [0.056] vs [0.055];", _CH, [("entropy", E2), ("entropy", E28)]),
     (P1, "random-reward control [0.105] vs [0.114];", _CHR, [("entropy", E2), ("entropy", E28)]),
+    (P1, "several valid paths per answer ([0.323] nats/token at the start), entropy over the last "
+     "5 steps is [0.263] under eps_high 0.2 vs [0.324] under 0.28, the paper's direction but "
+     "within noise ([+0.062] ± [0.12], 3 seeds)", _CHP,
+     [("entropy at step 1", E2), ("entropy, last 5", E2), ("entropy, last 5", E28),
+      ("entropy, last 5", D28, 2)]),
     (P1, "clipped at the upper bound is [0.000] to three decimals in the experiment", _CH,
      lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
     (P1, "at most [0.30]% in the one-seed tries, except [1.4]-[4]% in a random-reward try", _RR,
