@@ -69,6 +69,10 @@ class EvalArgs:
     max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; "
                                     "continuous batching): the KV cache holds N x (P + T) "
                                     "positions (default: as many as --kv-cache-gb holds)")
+    compile: bool = flag(False, "decode with static shapes (--max-num-seqs slots x P + T "
+                         "positions, masks) through torch.compile, a CUDA graph on CUDA: the same "
+                         "rollout, compiled once per shape (~45 s on CPU, where it does not pay: "
+                         "docs/speed.md); without a compiler, a warning and the eager loop")
     kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: "
                               "layers x KV heads x head_dim x 2 x bytes x N x (P + T) <= this, N a "
                               "multiple of G and at least G")
