@@ -2078,6 +2078,9 @@ def test_compile_flag_reaches_the_sampler_in_train_and_evaluate(tiny_run_inputs,
     evaluate.main(["--model", str(d / "model"), "--data", str(d / "eval.jsonl"), "--eval-size",
                    "4", "--max-new-tokens", "6", "--device", "cpu", "--compile"])
     assert shapes and {s[0][0] for s in shapes} == {4}
+    with pytest.raises(SystemExit) as e:                     # the engine's rollout never reads it
+        flags.parse_train_args(["--compile", "--rollout", "vllm"])
+    assert e.value.code == 2
 
 
 @pytest.mark.slow
