@@ -17,8 +17,9 @@ captures it as a graph (`mode="reduce-overhead"`, untested on hardware here). Th
 eager loop's up to float rounding: the same uniforms per row, the same sampler.sample_token.
 
 `can_compile` says whether it runs (else a one-line warning and the eager loop); `decode` is the
-loop; `compiled_step` the compiled forward. On CPU it does not pay (docs/speed.md, `python -m bench
---only compile`).
+loop; `compiled_step` the compiled forward. On CPU it pays little (1.02x the eager loop at the bench
+config, 1.26x with a long tail of lengths, a compile of 20-30 s per shape: docs/speed.md, `python -m
+bench --only compile`), so --compile is off by default.
 """
 from __future__ import annotations
 
@@ -157,16 +158,15 @@ def _run_step(step, model, cache, tok, pos, mask, graphs: bool) -> torch.Tensor:
 
 
 def decode(model, ids, pmask, plen, G: int, S: int, T: int, u, eos, temperature: float,
-           top_p: float, continuous: bool, response, logprobs, lengths, truncated,
-           compiled: bool = True) -> None:
+           top_p: float, continuous: bool, response, logprobs, lengths, truncated) -> None:
     """sample_groups' loop with static shapes (the module docstring): ids, pmask [B, P] the
     left-padded prompts, plen [B] their lengths, u [B*G, T] the uniforms, eos [E]; fills response,
-    logprobs [B*G, T], lengths, truncated [B*G] in place, as the eager loop does. compiled=False:
-    the same loop with the step eager (the tests' reference for the loop itself)."""
+    logprobs [B*G, T], lengths, truncated [B*G] in place, as the eager loop does. The step is
+    compiled_step's (the tests and the bench swap decode_step in: the loop alone, eager)."""
     device, (B, P) = ids.device, ids.shape
     C = -(-(P + T) // STATIC_ROUND) * STATIC_ROUND
-    step = compiled_step(device) if compiled else decode_step
-    compiled = step is not decode_step                           # (the tests swap the eager in)
+    step = compiled_step(device)
+    compiled = step is not decode_step
     graphs = compiled and uses_graphs(device)
     cache, _ = sampler._make_cache(model, C)
     at = torch.zeros(S, dtype=torch.long, device=device)                      # [S] write column

@@ -1,10 +1,11 @@
 """Speed of --compile (static_decode.py) in "Step 1: Rollout 采样": the same rollout decoded by
 sample_groups' eager loop, by the static-shape loop with its step eager and compiled, by HF
-generate, and by vLLM (when it imports), beside the model's matmuls alone at the slots' rows, at the
-rollouts section's config and at a long-tail one. A section of `python -m bench`, which runs it.
+generate, and by vLLM (where it is installed, in a process of its own), beside the model's matmuls
+alone at the slots' rows, at the rollouts section's config and at a long-tail one. A section of
+`python -m bench`, which runs it.
 
     python -m bench --only compile                          # vLLM skipped where it cannot import
-    /work/venv-vllm/bin/python -m bench --only compile      # with the vLLM line
+    .venv-vllm/bin/python -m bench --only compile   # with vLLM's line (the README's vLLM venv)
 
 Each config prints, from one run: tokens/s and seconds per rollout of each way, the decode forward
 per step of the static loop (eager and compiled) against the matmuls alone, the compile time and the
@@ -13,15 +14,18 @@ decode steps it takes to pay it back, and a profile of one compiled rollout (its
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import torch
 
 import static_decode
-from bench.common import qwen_39m, sync, timed
+from bench.common import ROOT, qwen_39m, sync, timed
 from bench.rollouts import decode_matmuls
 from sampler import _left_padded, sample_groups
 
@@ -79,34 +83,65 @@ def eager_step():
         static_decode.compiled_step = compiled
 
 
-def _vllm_engine(model, device: str):
-    """A vLLM engine on the model's weights (float32), or the reason there is none."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        return None, f"skipped, vllm cannot be imported ({e})"
+def _prompts(c: dict, V: int) -> list[list[int]]:
+    """A config's prompts: random ids that never end a response, of its lengths."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(len(c["ends"]) + 1, V, (n,), generator=g).tolist() for n in c["plens"]]
+
+
+def vllm_child(c: dict, repeats: int, device: str) -> None:
+    """Run in a fresh process (vLLM binds the threads of the process it starts in): a vLLM engine
+    (vllm_rollout.Engine, float32, the config's slots as its max_num_seqs) on MODEL's weights draws
+    the config's rollout; prints 'vllm TOKENS SECONDS_PER_ROLLOUT START_SECONDS TORCH_THREADS'."""
     import vllm_rollout
-    threads = torch.get_num_threads()
+    model = MODEL().eval()
+    prompts = _prompts(c, model.config.vocab_size)
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")                 # GiB on CPU
         t0 = time.perf_counter()
-        engine = vllm_rollout.Engine(folder, device, bf16=False, seed=0, gpu_memory_utilization=0.3)
-    start = time.perf_counter() - t0
-    torch.set_num_threads(threads)                  # the same threads for every way (vLLM's too)
-    return engine, f"vLLM {vllm.__version__}, started in {start:.0f} s, {threads} torch threads"
+        engine = vllm_rollout.Engine(folder, device, bf16=False, seed=0,
+                                     gpu_memory_utilization=0.3, max_num_seqs=c["S"])
+        start = time.perf_counter() - t0
+
+    def run():
+        return engine.sample_groups(model, prompts, c["G"], c["T"], c["ends"], 0,
+                                    generator=[torch.Generator().manual_seed(i)
+                                               for i in range(c["B"])])
+    run()                                                                     # warm-up
+    times = []
+    for _ in range(repeats):
+        dt, roll = timed(run, device)
+        times.append(dt)
+    print(f"vllm {int(roll.lengths.sum())} {statistics.median(times)} {start} "
+          f"{torch.get_num_threads()}")
+
+
+def _vllm(c: dict, repeats: int, device: str):
+    """(tokens, seconds per rollout, a note) of vllm_child in a fresh process, or (None, None,
+    why there is no figure)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None, None, "skipped: vllm is not installed here (it runs in the vLLM venv)"
+    env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")                            # GiB on CPU
+    call = f"from bench import compiled; compiled.vllm_child({c!r}, {repeats}, {device!r})"
+    res = subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, cwd=ROOT,
+                         env=env)
+    found = [line.split() for line in res.stdout.splitlines() if line.startswith("vllm ")]
+    if res.returncode or not found:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, None, f"failed in its process (exit {res.returncode}): {last}"
+    _, tokens, seconds, start, threads = found[-1]
+    return int(tokens), float(seconds), (f"a fresh process, started in {float(start):.0f} s, "
+                                         f"max_num_seqs {c['S']}, {threads} torch threads")
 
 
 def bench_compile(device: str, repeats: int) -> None:
     from torch.profiler import ProfilerActivity, profile
     model = MODEL().to(device).eval()
-    engine, vllm_note = _vllm_engine(model, device)
-    model.to(device)
     V = model.config.vocab_size
     for c in CONFIGS:
         B, G, T, ends, S = c["B"], c["G"], c["T"], c["ends"], c["S"]
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(len(ends) + 1, V, (n,), generator=g).tolist() for n in c["plens"]]
+        prompts = _prompts(c, V)
         gens = lambda B=B: [torch.Generator().manual_seed(i) for i in range(B)]  # noqa: E731
         clock = StepClock(device)
 
@@ -138,11 +173,10 @@ def bench_compile(device: str, repeats: int) -> None:
         dlp = float((comp.logprobs - ref.logprobs)[same].abs().max())
         fns = {"eager": lambda: ours(False), "static": static_eager, "compiled": lambda: ours(True),
                "generate": hf}
-        if engine is not None:
-            fns["vllm"] = lambda prompts=prompts, G=G, T=T, ends=ends, gens=gens: (
-                engine.sample_groups(model, prompts, G, T, ends, 0, generator=gens()))
         times, tokens, fwd = {k: [] for k in fns}, {}, {"static": [], "compiled": []}
+        mms = []                                       # s per step of the matmuls, every slot busy
         for _ in range(repeats):
+            mms.append(decode_matmuls(model, S, device, steps=5))
             for name, fn in fns.items():                                      # interleaved
                 clock.seconds, clock.calls = 0.0, 0
                 with clock.on():
@@ -152,8 +186,11 @@ def bench_compile(device: str, repeats: int) -> None:
                 if name in fwd:
                     fwd[name].append(clock.seconds / max(clock.calls, 1))
         med = {k: statistics.median(v) for k, v in times.items()}
+        tokens["vllm"], med["vllm"], vllm_note = _vllm(c, repeats, device)  # its own process
+        if tokens["vllm"] is None:
+            del tokens["vllm"], med["vllm"]
         tps = {k: tokens[k] / med[k] for k in med}
-        mm = decode_matmuls(model, S, device)                    # s per step, every slot busy
+        mm = statistics.median(mms)
         step = {k: statistics.median(v) for k, v in fwd.items()}
         lens, R = ref.lengths.float(), static_decode.STATIC_ROUND
         print(f"\n## --compile, {c['title']}, float32, {device}")
@@ -169,12 +206,11 @@ def bench_compile(device: str, repeats: int) -> None:
                   "compiled": "static loop, compiled (--compile)",
                   "generate": "model.generate(num_return_sequences=G)",
                   "vllm": "vLLM engine (--rollout vllm)"}
-        for name in fns:
+        for name in med:
             f = f"{step[name] * 1e3:12.1f}" if name in step else ""
             print(f"{labels[name]:44s}{tps[name]:9.0f}{med[name]:12.2f}"
                   f"{tps[name] / tps['generate']:10.2f}x{f}")
-        if engine is None:
-            print(f"{labels['vllm']:44s}{vllm_note}")
+        print(f"{labels['vllm'] if 'vllm' not in med else '  (vLLM)':44s}{vllm_note}")
         print(f"{f'matmuls alone, {S}-row decode steps':44s}{S / mm:9.0f}{'':23s}{mm * 1e3:12.1f}"
               f"   (every slot busy)")
         print(f"compiled decode forward / matmuls alone: {mm / step['compiled']:.2f} (eager step "
@@ -193,5 +229,3 @@ def bench_compile(device: str, repeats: int) -> None:
             ours(True)
         print("profile of one compiled rollout, top ops by self CPU time:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    if engine is not None:
-        print(f"({vllm_note}, in this process, its own scheduler; float32, eager on CPU)")
