@@ -87,8 +87,8 @@ class EvalArgs:
                              "kept in float32 (default: on with CUDA)")
     compile: bool = flag(False, "decode with static shapes (--max-num-seqs slots x P + T "
                          "positions, masks) through torch.compile, a CUDA graph on CUDA: the same "
-                         "rollout, compiled once per shape (~45 s on CPU, where it does not pay: "
-                         "docs/speed.md); without a compiler, a warning and the eager loop")
+                         "rollout, compiled once per shape (20-30 s on CPU, where it gains "
+                         "1.0-1.3x: docs/speed.md); without a compiler, a warning and eager")
 
 
 class Parser(argparse.ArgumentParser):
