@@ -15,7 +15,7 @@ The sections (each prints both sides of its comparison from one run):
   GRPOTrainer (TRL in its own venv).
 The shared timers and memory probes are in bench/common.py.
 
-    python -m bench               # every section: ~9 min on 2 CPU cores, one torch thread; or CUDA
+    python -m bench               # every section: ~25 min on 2 CPU cores (compile: 16), or CUDA
     python -m bench --threads 0   # torch's default thread count
     python -m bench --only slots  # one section
     python -m bench --only compile   # --compile (static_decode.py): eager vs compiled decoding
