@@ -85,6 +85,10 @@ class EvalArgs:
     device: str | None = flag(None, "cpu or cuda (default: cuda if available)")
     bf16: bool | None = flag(None, "bfloat16 autocast for every forward pass, weights and Adam "
                              "kept in float32 (default: on with CUDA)")
+    compile: bool = flag(False, "decode with static shapes (--max-num-seqs slots x P + T "
+                         "positions, masks) through torch.compile, a CUDA graph on CUDA: the same "
+                         "rollout, compiled once per shape (20-30 s on CPU, where it gains "
+                         "1.0-1.3x: docs/speed.md); without a compiler, a warning and eager")
 
 
 class Parser(argparse.ArgumentParser):
@@ -362,6 +366,8 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
          "--group-size must be >= 2 (advantages compare answers within a group)"),
         (ns.max_num_seqs is None or ns.max_num_seqs >= ns.group_size,
          "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
+        (not (ns.compile and ns.rollout == "vllm"),
+         "--compile is for --rollout hf (sampler.py's decode; a vLLM engine compiles its own)"),
         *((getattr(ns, k) >= v, f"--{k.replace('_', '-')} must be >= {v}")
           for k, v in MINIMUMS.items()),
         (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),

@@ -302,7 +302,8 @@ def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int
 def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
-                  max_num_seqs: int | None = None, continuous: bool = True) -> Rollout:
+                  max_num_seqs: int | None = None, continuous: bool = True,
+                  compile: bool = False) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths)
     with the KV cache -> Rollout.
 
@@ -313,7 +314,9 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     slots are free, so max_num_seqs must be >= G. continuous=False: static batches (admit what fits,
     wait until all of it has ended, admit the next), the baseline bench/ measures; a model whose
     sliding window is shorter than P + T always gets it (below). The rollout is the same for every
-    max_num_seqs and either mode: each row's uniforms are drawn up front.
+    max_num_seqs and either mode: each row's uniforms are drawn up front. compile=True (--compile):
+    the decode step with static shapes through torch.compile (static_decode.py; the same rollout
+    up to float rounding), or a one-line warning and this loop where it cannot run.
     """
     if G < 1 or max_new_tokens < 1:
         raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
@@ -342,6 +345,13 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # the model's mask applies a sliding window at one query column for all rows: exact only when
     # the rows are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or P + T <= window)
+    if compile:
+        import static_decode  # it imports this module
+        if static_decode.can_compile(model, device, window, P + T):
+            static_decode.decode(model, ids, pmask, plen, G, S, T, u, eos, temperature, top_p,
+                                 continuous, response, logprobs, lengths, truncated)
+            model.train(was_training)
+            return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
     kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
     attn = torch.zeros(S, P + T,
                        dtype=torch.long, device=device)  # [S, P + T] the columns each slot sees
@@ -404,16 +414,23 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
 
 
-def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
-             start: int, G: int) -> torch.Tensor:
-    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
-    [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
-    last position, [k, V]."""
+def _prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
+    """One forward over k left-padded prompts [k, P] -> (the logits at each prompt's last position
+    [k, V], their cache of _BufferedLayers, columns [0, P))."""
     prompt_cache, _ = _make_cache(model, ids.shape[1])
     pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
     logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
                    logits_to_keep=1,
                    **{_cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
+    return logits, prompt_cache
+
+
+def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
+             start: int, G: int) -> torch.Tensor:
+    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
+    [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
+    last position, [k, V]."""
+    logits, prompt_cache = _prefill_prompts(model, ids, pmask)
     for layer, prompt in zip(cache.layers, prompt_cache.layers):
         layer.put(start, prompt, G)
     return logits
@@ -434,11 +451,11 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
     sample_groups under --bf16 autocast, at most --max-num-seqs rows at once (default: as many as
     --kv-cache-gb holds); or `sample`, a vLLM engine's sample_groups (train.py --rollout vllm),
     which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
-    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16)."""
+    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16, compile)."""
     T = args.max_new_tokens
     if sample is not None:
         return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
     S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
         return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
-                             generator=generator, max_num_seqs=S)
+                             generator=generator, max_num_seqs=S, compile=args.compile)

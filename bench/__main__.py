@@ -15,9 +15,10 @@ The sections (each prints both sides of its comparison from one run):
   GRPOTrainer (TRL in its own venv).
 The shared timers and memory probes are in bench/common.py.
 
-    python -m bench               # every section: ~9 min on 2 CPU cores, one torch thread; or CUDA
+    python -m bench               # every section: ~25 min on 2 CPU cores (compile: 16), or CUDA
     python -m bench --threads 0   # torch's default thread count
     python -m bench --only slots  # one section
+    python -m bench --only compile   # --compile (static_decode.py): eager vs compiled decoding
     python -m bench --only warmstart --threads 0   # the warm start on all cores, as builtin.py does
 
 Every time is the median of --repeats repeats, interleaved (A, B, A, B, ...) so that load from other
@@ -30,14 +31,14 @@ import time
 
 import torch
 
-from bench import ranks, rollouts, training, warm_start
+from bench import compiled, ranks, rollouts, training, warm_start
 from bench.common import header
 
 SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
             "logprobs": training.bench_logprobs, "forward": training.bench_forward,
             "step": training.bench_step, "checkpointing": training.bench_checkpointing,
             "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines,
-            "ranks": ranks.bench_ranks}
+            "ranks": ranks.bench_ranks, "compile": compiled.bench_compile}
 
 
 def main(argv=None) -> None:

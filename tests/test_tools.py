@@ -34,6 +34,40 @@ def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
 
 
+@pytest.mark.slow
+def test_bench_compile_section_prints_every_way_from_one_run(capsys, monkeypatch):
+    """python -m bench --only compile, shrunk to a 2-layer Qwen2 and one config (one real compile,
+    ~30 s): the eager loop, the static loop eager and compiled, generate, the vLLM line (skipped
+    where vllm does not import), the matmuls alone, the compile time, the profile."""
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from bench import compiled
+    if not shutil.which("g++"):
+        pytest.skip("no C++ compiler for inductor")
+
+    def tiny():
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=1, pad_token_id=0))
+    monkeypatch.setattr(compiled, "MODEL", tiny)
+    monkeypatch.setattr(compiled, "CONFIGS", [dict(title="tiny", B=3, plens=[130, 140, 135], G=2,
+                                                   T=12, ends=[1, 2, 3], S=4)])
+    compiled.bench_compile("cpu", 1)
+    out = capsys.readouterr().out
+    for line in ("## --compile, tiny, float32, cpu", "sample_groups, eager loop (the default)",
+                 "static loop, step eager", "static loop, compiled (--compile)",
+                 "model.generate(num_return_sequences=G)", "vLLM engine (--rollout vllm)",
+                 "matmuls alone, 4-row decode steps", "compiled decode forward / matmuls alone: ",
+                 "C = 192 columns", "compile: ", "once per shape and run; ",
+                 "profile of one compiled rollout"):
+        assert line in out, line
+    assert "6 of 6 rows the same ids" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # ablate/ (python -m ablate): the rows, the experiments, the habit models, the tables from metrics
 # ---------------------------------------------------------------------------------------------
