@@ -43,8 +43,12 @@ def _thread_counting_driver(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(
         f"import os, sys\nsys.path.insert(0, {ROOT!r})\nimport train\ntrain.main(sys.argv[1:])\n"
-        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in "
-        "os.listdir('/proc/self/task')]\n"
+        "def comm(t):  # a thread that ended since the listing is not one left running\n"
+        "    try:\n"
+        "        return open(f'/proc/self/task/{t}/comm').read().strip()\n"
+        "    except (FileNotFoundError, ProcessLookupError):\n"
+        "        return ''\n"
+        "names = [comm(t) for t in os.listdir('/proc/self/task')]\n"
         f"open(os.path.join({str(tmp_path)!r}, 'threads' + os.environ['RANK']), 'w').write(\n"
         "    str(sum('gloo' in n for n in names)))\n")
     return driver
@@ -109,11 +113,17 @@ for line in sys.stdin:
 """
 
 
+def _clocked(key: str) -> bool:
+    """A metric read off the wall clock: time/*, perf/'s MFU and tokens/s (not perf/flops)."""
+    return key.startswith(("time/", "perf/mfu")) or key == "perf/tokens_per_s"
+
+
 def _run_record(out):
-    """What a finished run left: its logs without time/*, its final/ byte for byte, config.json
-    without the keys that name the folder or the resume, and the names in OUT."""
+    """What a finished run left: its logs without the wall-clock keys (_clocked), its final/ byte
+    for byte, config.json without the keys that name the folder or the resume, and the names in
+    OUT."""
     def rows(name):
-        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+        return [{k: v for k, v in json.loads(x).items() if not _clocked(k)}
                 for x in (out / name).read_text().splitlines()]
     config = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
               if k not in ("out", "run_name", "resume")}

@@ -604,9 +604,10 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
     the tokenizer of final/), each then resumed with --resume (or started again where no checkpoint
     was written yet), the resumed run perhaps killed again, until one finishes. Every finished run
     equals the unbroken one: the same final/ byte for byte, the same metrics.jsonl and
-    completions.jsonl rows (all keys but time/*), the same config, and no file more (no temporary,
-    no aside copy). Each run is a fork of one process that imported train.py once (a fresh
-    interpreter per run would spend 4 s importing), then runs train.main as `python train.py` would:
+    completions.jsonl rows (all keys but those read off the clock: time/*, perf/mfu*,
+    perf/tokens_per_s), the same config, and no file more (no temporary, no aside copy). Each run
+    is a fork of one process that imported train.py once (a fresh interpreter per run would spend
+    4 s importing), then runs train.main as `python train.py` would:
     44 tries, about 35 kills, in 30-40 s on 2 cores."""
     d = tiny_run_inputs
     flags = _tiny_flags(d, "OUT")
