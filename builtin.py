@@ -402,23 +402,29 @@ def ship(cfg: BaseModelConfig = BaseModelConfig(), cache_dir: str = CACHE_DIR,
          log=print) -> str:
     """Write this recipe's build (found in the cache or built there) to
     ship_dir, with recipe.json."""
-    import transformers
-
     key = recipe_key(cfg)
     if shipped_key(ship_dir) == key:
         log(f"{ship_dir} is already this recipe's build ({key})")
         return ship_dir
     built = base_model(cfg, cache_dir, log, ship_dir=None)
-    tmp = ship_dir.rstrip(os.sep) + f".tmp{os.getpid()}"
-    shutil.copytree(built, tmp)
-    with open(os.path.join(tmp, "recipe.json"), "w") as fh:
-        json.dump({"key": key, "config": asdict(cfg), "torch": torch.__version__,
-                   "transformers": transformers.__version__}, fh, indent=1)
-        fh.write("\n")
-    shutil.rmtree(ship_dir, ignore_errors=True)
-    os.replace(tmp, ship_dir)
+    write_shipped(built, ship_dir, {"key": key, "config": asdict(cfg)})
     log(f"shipped {built} to {ship_dir} (recipe {key})")
     return ship_dir
+
+
+def write_shipped(built: str, dest: str, recipe: dict) -> None:
+    """The model folder `built` copied to `dest` (replacing it whole) with its recipe.json: recipe
+    and the torch and transformers versions that built it."""
+    import transformers
+
+    tmp = dest.rstrip(os.sep) + f".tmp{os.getpid()}"
+    shutil.copytree(built, tmp)
+    with open(os.path.join(tmp, "recipe.json"), "w") as fh:
+        json.dump({**recipe, "torch": torch.__version__,
+                   "transformers": transformers.__version__}, fh, indent=1)
+        fh.write("\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
 
 
 if __name__ == "__main__":

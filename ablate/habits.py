@@ -45,6 +45,7 @@ from builtin import (
     recipe_key,
     shipped_key,
     shortcut_steps,
+    write_shipped,
 )
 
 
@@ -218,22 +219,12 @@ def ship(name: str, h: Habit, cfg: BaseModelConfig = SHIPPED, cache_dir: str = C
          ship_dir: str = SHIP_DIR, log=print) -> str:
     """Write h's build (found in the cache or built there) to ship_dir/name, with recipe.json (its
     habit_key, the Habit, the base recipe's key)."""
-    import transformers
-
     key, folder = habit_key(h, cfg), os.path.join(ship_dir, name)
     if shipped_key(folder) == key:
         log(f"{folder} is already this habit's build ({key})")
         return folder
     built = habit_model(h, cfg, cache_dir, log, ship_dir=None)
-    tmp = folder.rstrip(os.sep) + f".tmp{os.getpid()}"
-    shutil.copytree(built, tmp)
-    with open(os.path.join(tmp, "recipe.json"), "w") as fh:
-        json.dump({"key": key, "habit": asdict(h), "base": recipe_key(cfg),
-                   "torch": torch.__version__, "transformers": transformers.__version__},
-                  fh, indent=1)
-        fh.write("\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    write_shipped(built, folder, {"key": key, "habit": asdict(h), "base": recipe_key(cfg)})
     log(f"shipped {built} to {folder} (habit {key})")
     return folder
 
