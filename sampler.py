@@ -4,8 +4,8 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 "Rollout 与 Advantage 计算" (B prompts x G answers -> [B*G, T_resp]).
 
 `sample_groups` does not call `model.generate`, and is faster (`python -m bench` measures it):
-- each prompt is prefilled once and its KV cache repeated for its G samples
-(generate prefills G copies);
+- each prompt is prefilled once and its KV cache repeated for its G samples (generate prefills G
+  copies);
 - the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it
   with torch.cat at every step);
 - finished rows leave the batch and the cache, so they stop costing compute, and with max_num_seqs
@@ -15,8 +15,8 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
   (torch.multinomial); only top-p sorts.
 Prompts of different lengths are left-padded with position ids counted from each prompt's first real
 token. One generator per prompt if a list is given, so a prompt's samples depend only on its own
-seed, never on which other prompts share the batch (this is what makes 1 rank
-and N ranks draw the same).
+seed, never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the
+same).
 
 `sample_rollout` is Step 1 as train.py and evaluate.py call it: sample_groups under --bf16 autocast
 with --max-num-seqs slots, or a vLLM engine's sample_groups (--rollout vllm).
@@ -34,12 +34,12 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 @dataclass
 class Rollout:
-    """B prompts x G responses; response rows of one prompt are contiguous (row i
-    belongs to prompt i // G).
+    """B prompts x G responses; response rows of one prompt are contiguous (row i belongs to prompt
+    i // G).
 
     The sampler fills the fields up to `logprobs`; Step 2's fields are the trainer's
-    (train.draw_round), None until it scores the rollout.
-    `select_groups` and `cat` carry every field."""
+    (train.draw_round), None until it scores the rollout. `select_groups` and `cat` carry every
+    field."""
     prompts: list[list[int]]            # B token-id lists, unpadded
     G: int                              # responses per prompt
     pad_token_id: int                   # fills response_ids after each response's end
@@ -60,8 +60,8 @@ class Rollout:
 
     @staticmethod
     def empty(G: int, pad_token_id: int) -> Rollout:
-        """No rows (a rank that dynamic sampling left without a group):
-        every per-row field [0] or [0, 0]."""
+        """No rows (a rank that dynamic sampling left without a group): every per-row field [0]
+        or [0, 0]."""
         rows, grid = torch.zeros(0), torch.zeros(0, 0)
         return Rollout(prompts=[], G=G, pad_token_id=pad_token_id, response_ids=grid.long(),
                        mask=grid,
@@ -109,8 +109,8 @@ class Rollout:
 
 
 class _BufferedLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity`
-    positions, allocated once.
+    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity` positions,
+    allocated once.
 
     DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor
     (O(T^2) copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one
@@ -128,8 +128,8 @@ class _BufferedLayer(DynamicLayer):
 
     def _alloc(self, like: torch.Tensor, n: int) -> None:
         self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
-        # zeros, not empty: a column a row never wrote is masked,
-        # and 0 x NaN garbage would still be NaN
+        # zeros, not empty: a column a row never wrote is masked, and 0 x NaN garbage would still
+        # be NaN
         self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
                                                like.shape[-1]) for _ in "kv")
 
@@ -153,9 +153,8 @@ class _BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
     def put(self, start: int, prompt: _BufferedLayer, G: int) -> None:
-        """Rows
-        [start, start + k*G) take the KV of k prefilled prompts (columns [0,
-        P)), each for its G rows."""
+        """Rows [start, start + k*G) take the KV of k prefilled prompts (columns [0, P)), each for
+        its G rows."""
         k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
         if self.kbuf is None:
             self._alloc(prompt.kbuf, k * G)
@@ -175,8 +174,8 @@ def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicC
     """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest
     sliding window.
 
-    A sliding-window layer keeps all positions here: the model's mask applies the
-    window (by column index)."""
+    A sliding-window layer keeps all positions here: the model's mask applies the window (by
+    column index)."""
     cache = DynamicCache(config=model.config)                 # one layer per decoder layer, by type
     other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer",
                                                           "DynamicSlidingWindowLayer"}
@@ -228,8 +227,8 @@ def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
                  top_p: float, work=None):
-    """One token per row from logits [n, V] given uniforms u [n];
-    returns (tokens [n], logprobs [n]).
+    """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs
+    [n]).
 
     Inverse CDF: the first token whose running mass exceeds u * (the kept mass). The log-prob is
     that of the tempered distribution softmax(logits / temperature) (before top-p), the distribution
@@ -258,8 +257,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     if top_p < 1.0:
         p, order = p.sort(dim=-1, descending=True)                            # [n, V]
         cdf = p.cumsum(-1)                                                    # [n, V] running mass
-        # the nucleus ends at the first sorted token where the running mass
-        # reaches top_p of the total
+        # the nucleus ends at the first sorted token where the running mass reaches top_p of the
+        # total
         last = torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(V - 1)  # [n, 1]
         idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
         return (order.gather(-1, idx).squeeze(-1),
@@ -267,8 +266,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
     bcdf = blocks.sum(-1).cumsum(-1)                      # [n, nb] running mass at each block's end
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
-    # a walk never ends on a zero-mass token: clamp to the first block (then token)
-    # where the mass is complete
+    # a walk never ends on a zero-mass token: clamp to the first block (then token) where the
+    # mass is complete
     b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"),
                       torch.searchsorted(bcdf, total))  # [n, 1]
     # mass of the blocks before b
@@ -304,8 +303,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True,
                   compile: bool = False) -> Rollout:
-    """Sample G responses for each prompt (token-id lists of any lengths)
-    with the KV cache -> Rollout.
+    """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache ->
+    Rollout.
 
     eos_token_id: one id or several (chat models end a turn with one token and a document with
     another); a response ends at the first of them, which it keeps. max_num_seqs: at most this many
@@ -364,9 +363,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # lengths (most answers short, a few at max_new_tokens) a static batch spends its last steps on
     # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
     # whatever the number of prompts. Slot i's row writes its token t at column P + t (its prompt,
-    # left-padded, at
-    # [0, P)), and sees only the columns of its own prompt and tokens (attn),
-    # so what an earlier row left in the slot is never read.
+    # left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn), so
+    # what an earlier row left in the slot is never read.
     for step in itertools.count():
         n = rows.shape[0]
         # whole groups that fit now

@@ -54,10 +54,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---------------------------------------------------------------------------------------------
 # The article, step by step: its GRPO walk-through (Steps 1-4 on one prompt, G = 4: rewards [1, 1,
-# 1, 0],
-# advantages [0.5, 0.5, 0.5, -1.5]) carried into the loss update.py runs, then DAPO's four fixes
-# (Eq. 10-13),
-# each worked by hand. The module sections below test the same functions in depth.
+# 1, 0], advantages [0.5, 0.5, 0.5, -1.5]) carried into the loss update.py runs, then DAPO's four
+# fixes (Eq. 10-13), each worked by hand. The module sections below test the same functions in
+# depth.
 # ---------------------------------------------------------------------------------------------
 
 # -- Step 1: Rollout (sampler.sample_groups): G responses per prompt, masks from lengths, old
@@ -86,10 +85,9 @@ def test_sampler_masks_lengths_truncation_and_logprobs(tiny_model, temperature):
 # -- Step 2: Reward (verifier.verify) --
 def test_article_step2_the_verifier_scores_the_four_responses_1_1_1_0():
     # Step 2 on the article's prompt "2x + 5 = 13" (answer 4): o_1..o_3 reach x = 4 (boxed, bare, in
-    # words),
-    # o_4 adds 5 instead of subtracting it (x = 9). verify gives 1 or 0 per response: rewards [1, 1,
-    # 1, 0],
-    # the [B, G] = [1, 4] tensor Step 3 normalises (test_article_example_advantages)
+    # words), o_4 adds 5 instead of subtracting it (x = 9). verify gives 1 or 0 per response:
+    # rewards [1, 1, 1, 0], the [B, G] = [1, 4] tensor Step 3 normalises
+    # (test_article_example_advantages)
     responses = ["2x = 13 - 5 = 8, so x = 8 / 2 = \\boxed{4}", "x = 4",
                  "Subtract 5: 2x = 8. Divide by 2: x = 4. The answer is 4.",
                  "2x = 13 + 5 = 18, x = \\boxed{9}"]
@@ -150,13 +148,10 @@ class _GivenLogprobs(torch.nn.Module):
 @pytest.mark.parametrize("reduction", ["sequence", "token"])
 def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeypatch):
     # The article's G = 4 group (Step 3: advantages [0.5, 0.5, 0.5, -1.5]) with lengths 3, 2, 3, 1
-    # (9 tokens),
-    # through update.update_policy's first update (ratio 1: old = current) in micro-batches of 3 and
-    # 1 rows.
-    # Probabilities of the sampled tokens under pi_theta and pi_ref, chosen so that r = pi_ref / pi
-    # is 1, 1/2
-    # or 2: k3 = r - log r - 1 is 0, log 2 - 1/2 or 1 - log 2. Padding holds garbage (p = 1 vs
-    # 0.01).
+    # (9 tokens), through update.update_policy's first update (ratio 1: old = current) in
+    # micro-batches of 3 and 1 rows. Probabilities of the sampled tokens under pi_theta and pi_ref,
+    # chosen so that r = pi_ref / pi is 1, 1/2 or 2: k3 = r - log r - 1 is 0, log 2 - 1/2 or 1 - log
+    # 2. Padding holds garbage (p = 1 vs 0.01).
     import contextlib
     from types import SimpleNamespace
 
@@ -384,8 +379,8 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]]
 
 
 # prompts at a real run's shape: a shared 140-token instruction (longer than a 128-token KV block),
-# then
-# each prompt's own 3, 6 and 1 tokens, so the prompts still differ in length and are left-padded
+# then each prompt's own 3, 6 and 1 tokens, so the prompts still differ in length and are
+# left-padded
 INSTRUCTION = [int(t) for t in torch.randint(2, 40, (140,),
                                              generator=torch.Generator().manual_seed(4))]
 
@@ -487,9 +482,8 @@ def test_advantages_scales_and_constant_groups():
 
 def test_advantages_keep_their_sign_when_the_std_is_below_eps():
     # rewards 0 and 1e-7: std 7.1e-8 < eps = 1e-6, so std + eps is eps-sized and the advantages are
-    # small, with
-    # the sign of r - mean (std - eps would be negative and flip them: the better answer pushed
-    # down)
+    # small, with the sign of r - mean (std - eps would be negative and flip them: the better answer
+    # pushed down)
     r = torch.tensor([[0.0, 1e-7], [1.0, 0.0]])
     for scale, kw in (("group", {}), ("batch", {"batch_std": 5e-7})):
         adv = grpo.group_advantages(r, scale, **kw)
@@ -550,8 +544,7 @@ def test_reductions_differ_on_unequal_lengths():
 
 def test_filtered_responses_leave_the_denominators():
     # overlong filtering zeroes a truncated response's mask row: it is out of the loss, and out of N
-    # too
-    # (as in verl; TRL keeps counting it, which shrinks the loss of every other response)
+    # too (as in verl; TRL keeps counting it, which shrinks the loss of every other response)
     logp, adv = torch.zeros(2, 2), torch.tensor([1.0, 1.0])
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     for reduction, want in (("sequence", -1.0), ("token", -1.0), ("constant", -1.0)):
@@ -571,8 +564,7 @@ def test_policy_loss_guards_log_ratio_and_dual_clip():
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
     # dual-clip, A = -1: ratio 5 gives a PPO loss of 5, capped at clip_c * |A| = 3, with no gradient
-    # there;
-    # ratio 2 (loss 2 < 3) is left alone
+    # there; ratio 2 (loss 2 < 3) is left alone
     logp = torch.log(torch.tensor([[5.0, 2.0]])).requires_grad_()
     loss, m = grpo.ppo_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), w,
                             clip_c=3.0)
@@ -617,8 +609,7 @@ def _reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_
 # The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
 # PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
 # verl cannot be imported here (it pulls ray, omegaconf, ...); the same inputs were also checked
-# once
-# against the real functions (see the README section "Other objectives").
+# once against the real functions (see the README section "Other objectives").
 # ---------------------------------------------------------------------------------------------
 
 def _verl_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None):
@@ -703,10 +694,8 @@ def test_kl_estimators_equal_verl_kl_penalty(name, mine):
 
 def test_kl_estimators_expected_gradients_on_policy():
     # Exact expectations over a 5-token vocabulary: E_{x ~ pi}[grad k(x)] with pi's weights
-    # detached.
-    # k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's is the
-    # gradient
-    # of the reverse KL(ref || pi), hence biased for KL(pi || ref).
+    # detached. k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's
+    # is the gradient of the reverse KL(ref || pi), hence biased for KL(pi || ref).
     theta, ref = torch.randn(5, dtype=torch.float64,
                              requires_grad=True), torch.log_softmax(torch.randn(5).double(), 0)
 
@@ -771,9 +760,8 @@ def test_gspo_equals_verl_gspo_values_and_gradients(reduction, mode):
 
 def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradient():
     # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The
-    # gradient of
-    # each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token with A_i on
-    # each token.
+    # gradient of each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token
+    # with A_i on each token.
     logp, _, adv, mask = _random_policy_batch(3, 0.0)
     old = logp.detach().clone()
     # [N, T], sequence mean
@@ -824,8 +812,7 @@ def test_cispo_equals_verl_cispo_values_and_gradients(reduction, mode):
 
 def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
     # (per_token * token_weights).sum() is each reduction's formula; policy_loss(beta) is the beta =
-    # 0 loss
-    # plus beta * kl_term(k3), the article's one reduction of surrogate + beta * KL per token
+    # 0 loss plus beta * kl_term(k3), the article's one reduction of surrogate + beta * KL per token
     from functools import partial
     logp, old, adv, mask = _random_policy_batch(4, 0.3)
     ref = torch.randn_like(old) - 2.0
@@ -971,11 +958,9 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
     roll, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
     assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0 and len(drawn) == 2
     # two ranks, each drawing half of each round's prompts, in blocks (groups 0-1, 2-3) or every
-    # other
-    # one (0, 2 and 1, 3, as train.draw_round spreads them): together they keep the same groups
-    # (and with target 1, of informative groups 1 and 2 both keep group 1, the first in prompt
-    # order,
-    # though every other one puts group 2 first in rank order)
+    # other one (0, 2 and 1, 3, as train.draw_round spreads them): together they keep the same
+    # groups (and with target 1, of informative groups 1 and 2 both keep group 1, the first in
+    # prompt order, though every other one puts group 2 first in rank order)
     for share, target, want in [(lambda k: torch.arange(4) // 2 == k, 4, [0, 2, 10, 11]),
                                 (lambda k: torch.arange(4) % 2 == k, 4, [0, 2, 10, 11]),
                                 (lambda k: torch.arange(4) % 2 == k, 1, [1])]:
@@ -1042,9 +1027,9 @@ def test_minibatches_hold_the_same_groups_on_any_number_of_ranks():
 
 def test_every_rank_has_rows_in_every_mini_batch_update():
     # train.draw_round spreads a step's prompts over the ranks every W-th, so each mini-batch (a
-    # K-th of
-    # the step's prompt order) holds as many rows on every rank: with blocks of prompts per rank, at
-    # K >= W each update's rows would sit on one rank while the others ran zero-weight passes
+    # K-th of the step's prompt order) holds as many rows on every rank: with blocks of prompts per
+    # rank, at K >= W each update's rows would sit on one rank while the others ran zero-weight
+    # passes
     from types import SimpleNamespace
 
     import train
@@ -1138,9 +1123,8 @@ def _hand_rolled_update(model, ref, roll, advantages, mask, args):
 def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduction, grad_clip,
                                                               beta, max_new_tokens):
     # 3 groups of 4 in 2 mini-batches (groups 0-1, then group 2), micro-batches of 3 rows that cut
-    # groups, mu 1
-    # (DAPO's recipe): the second update is off-policy, so the ratio leaves 1 and the clip bounds
-    # act
+    # groups, mu 1 (DAPO's recipe): the second update is off-policy, so the ratio leaves 1 and the
+    # clip bounds act
     import contextlib
     import copy
     from types import SimpleNamespace
@@ -1347,9 +1331,8 @@ def test_entropy_is_the_distribution_entropy_not_the_sampled_nll():
     uniform = torch.zeros(1, 1, V)
     assert torch.allclose(logprobs.token_entropy(uniform), torch.tensor([[math.log(V)]]))
     # two equally likely tokens, the rest ~0: entropy log 2, while the NLL of a sampled token is log
-    # 2 too,
-    # but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is 0.105 or
-    # 2.303.
+    # 2 too, but with probabilities [0.9, 0.1] the entropy is 0.325 and a sampled token's NLL is
+    # 0.105 or 2.303.
     logits = torch.log(torch.tensor([[[0.9, 0.1]]]))
     assert (abs(logprobs.token_entropy(logits).item()
                 - (-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))) < 1e-5)
@@ -1371,9 +1354,8 @@ def _naive_logprobs(logits, ids, temperature=1.0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
     # V = 50,000 in blocks of 3 rows; the logits are a slice like `.logits[:, :-1]` (not
-    # contiguous), so each
-    # response's 5 rows make a block of 3 and one of 2. Values and gradients equal log_softmax +
-    # gather's.
+    # contiguous), so each response's 5 rows make a block of 3 and one of 2. Values and gradients
+    # equal log_softmax + gather's.
     torch.manual_seed(0)
     V = 50_000
     monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
@@ -1396,8 +1378,8 @@ def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dtype, monkeypatch):
     # Every storage an aten op returns is recorded: the forward's largest is one float32 block (2
-    # rows x V),
-    # never [N, T, V]; in the backward the only vocabulary-sized one is the gradient itself.
+    # rows x V), never [N, T, V]; in the backward the only vocabulary-sized one is the gradient
+    # itself.
     from torch.utils._python_dispatch import TorchDispatchMode
     V = 1000
     monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 2 * V)
@@ -1490,9 +1472,8 @@ def _micro_batches(N, mb):
                               "mistral-long", "gpt2-long"])
 def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, prompts, monkeypatch):
     # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two
-    # response lengths
-    # is split into two length buckets (0.8, the default, keeps these slices whole); gpt2: absolute
-    # positions;
+    # response lengths is split into two length buckets (0.8, the default, keeps these slices
+    # whole); gpt2: absolute positions;
     # -long: prompts of 141-146 tokens sharing a 140-token prefix
     from functools import partial
 
@@ -1545,8 +1526,7 @@ def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, kee
                                               monkeypatch):
     # the tokens' log-probs under the training forward are the ones the sampler drew them with: an
     # off-by-one position, position ids that ignore the left padding (gpt2: absolute positions), or
-    # a dropped
-    # temperature all break this
+    # a dropped temperature all break this
     from logprobs import rollout_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     model = tiny_model if kind == "llama" else _tiny_gpt2()
@@ -1561,9 +1541,8 @@ def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, kee
 
 def test_length_buckets_split_only_when_it_pays():
     # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20}
-    # and long rows
-    # {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split). 40, 38, 39, 37:
-    # one batch.
+    # and long rows {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split).
+    # 40, 38, 39, 37: one batch.
     short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
     assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
     assert ([b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))]
@@ -1586,10 +1565,9 @@ def test_rollout_logprobs_rejects_bad_slices(tiny_model):
 def test_sample_token_inverse_cdf_by_hand():
     from sampler import sample_token
     # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose
-    # running
-    # mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1. top_p 0.6
-    # keeps
-    # {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the top token only.
+    # running mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1.
+    # top_p 0.6 keeps {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the
+    # top token only.
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     cases = [(0.0, 1.0, 0), (0.49, 1.0, 0), (0.51, 1.0, 1), (0.81, 1.0, 2), (1 - 2 ** -24, 1.0, 2),
              (0.4, 0.6, 0), (0.7, 0.6, 1), (0.99, 0.6, 1), (0.99, 1e-9, 0)]
@@ -1874,8 +1852,7 @@ def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch)
     for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4),
                            (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
         # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all
-        # heads) x 8
-        # the longest of MIXED_PROMPTS, 6, + T = 20
+        # heads) x 8; per row: the longest of MIXED_PROMPTS, 6, + T = 20
         per_row = per_pos * (6 + 20)
         # a multiple of G
         assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9
@@ -1941,8 +1918,8 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
 
 def test_sampler_under_bf16_autocast_gives_the_same_rollout_for_every_n(tiny_model):
     # under CPU autocast a decode step's keys may come out in another dtype than the prefill's: the
-    # write into
-    # the slots' buffer takes the buffer's dtype (an indexed write does not cast), as train.py
+    # write into the slots' buffer takes the buffer's dtype (an indexed write does not cast), as
+    # train.py
     # --bf16 samples
     with torch.autocast("cpu", torch.bfloat16):
         rolls = [sample_groups(tiny_model, PROMPTS, 2, 12, eos_token_id=1, pad_token_id=0,
@@ -2301,8 +2278,7 @@ def test_verifier_never_raises_on_random_latex():
 
 def test_verifier_time_is_bounded_on_megabyte_inputs():
     # adversarial 1 MB inputs, as response and as reference: a superlinear step would take seconds
-    # here;
-    # a linear one takes a few milliseconds (the bound is loose because the CPUs are shared)
+    # here; a linear one takes a few milliseconds (the bound is loose because the CPUs are shared)
     n = 1_000_000
     attacks = ["\\boxed{" * (n // 7), "\\boxed{" + "{" * n, "Answer: " * (n // 8),
                "answer is " * (n // 10),
@@ -3208,9 +3184,8 @@ def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_input
 
 def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tiny_model):
     # Step 2 on the tiny model: a right answer scores 1, a wrong one --wrong-reward, plus DAPO's
-    # soft overlong
-    # penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored advantages would
-    # hide both)
+    # soft overlong penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored
+    # advantages would hide both)
 
     import parallel
     import train
@@ -3243,8 +3218,7 @@ def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
 
 def test_step_metrics_worked_by_hand():
     # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2,
-    # one
-    # mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples,
+    # one mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples,
     # "len" none
     d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0,
          "groups": 2.0, "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
@@ -3419,11 +3393,9 @@ def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
 
 def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp_path, monkeypatch):
     # FSDP2 over a one-rank gloo group in this process. `unsharded` leaves the layers sharded again,
-    # and
-    # freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of
-    # saving
-    # step 2, and load: `latest` still names step 1, whose weights, AdamW moments and scheduler come
-    # back
+    # and freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of
+    # saving step 2, and load: `latest` still names step 1, whose weights, AdamW moments and
+    # scheduler come back
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -176,8 +176,8 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
         assert (0.0 <= r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"] < 1e-4
                 and 0 <= r["mismatch/kl"] < 1e-6)
     # AdamW (no decay) moves an element by lr * |m / sqrt(v)| an update, <= 1.0014 lr in the first
-    # two: the
-    # largest moves are those of steady gradients (lr each time), and every weight tensor moved
+    # two: the largest moves are those of steady gradients (lr each time), and every weight tensor
+    # moved
     before, after = _weights(d / "model"), _weights(tmp_path / "run" / "final")
     moved, lr_sum = {k: (after[k] - before[k]).abs() for k in before}, sum(r["lr"] * r["updates"]
                                                                            for r in train_rows)
@@ -191,8 +191,8 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
 @pytest.mark.slow
 def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_path):
     # 3 new tokens: most responses are truncated. The same samples with the filter on and off (the
-    # filter
-    # changes only the loss mask): on, only the untruncated responses' tokens are in the loss.
+    # filter changes only the loss mask): on, only the untruncated responses' tokens are in the
+    # loss.
     flags = ["--algo", "dapo", "--max-new-tokens", "3", "--overlong-cache", "1",
              "--no-dynamic-sampling",
              "--steps", "2", "--grad-clip", "0", "--mini-batches", "2", "--mu", "2",
@@ -276,9 +276,8 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
 @pytest.mark.slow
 def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, tmp_path):
     # hub models are mostly saved in bfloat16; transformers 5 keeps a checkpoint's dtype unless told
-    # otherwise,
-    # and AdamW updates of ~lr 1e-6 on bf16 weights mostly round away: load float32 master weights
-    # always
+    # otherwise, and AdamW updates of ~lr 1e-6 on bf16 weights mostly round away: load float32
+    # master weights always
     from transformers import AutoModelForCausalLM, AutoTokenizer
     src = tiny_run_inputs / "model"
     AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -315,22 +314,19 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
                 and f[2] - 2 * f[1] + f[0] > 1e-4 * f[0])
 
     # entropy bonus: loss - c * H, H the token mean of the entropy over the loss's tokens (all of
-    # them without the
-    # overlong filter: the metric "entropy"); gradient g - c grad H
+    # them without the overlong filter: the metric "entropy"); gradient g - c grad H
     ent = {c: _one_step(d, tmp_path / f"ent{c}", "--entropy-coef", str(c), "--no-overlong-filter")
            for c in (0, 0.5, 1, 2)}
     g_plus_c_h([r["grad_norm"] for r in ent.values()])
     assert all(r["loss"] == pytest.approx(ent[0]["loss"] - c * r["entropy"], abs=1e-5) for c,
                r in ent.items())
     # GSPO: on-policy (one update) its gradient is the policy gradient, as PPO's; off-policy (a
-    # second pass,
-    # where the paper's 3e-4 / 4e-4 clip most responses) it is not
+    # second pass, where the paper's 3e-4 / 4e-4 clip most responses) it is not
     gspo = _one_step(d, tmp_path / "gspo", "--loss", "gspo")
     assert gspo["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
     # (the same weights after the first, on-policy update): in the second, GSPO's ratio is per
-    # response, the
-    # geometric mean of its tokens' ratios, so its mean is below PPO's (Jensen; equal only if all
-    # are 1)
+    # response, the geometric mean of its tokens' ratios, so its mean is below PPO's (Jensen; equal
+    # only if all are 1)
     tiny = ["--mu", "2", "--eps-low", "3e-4", "--eps-high", "4e-4"]  # GSPO's clip range for both
     ppo2, gspo2 = _one_step(d, tmp_path / "ppo2", *tiny), _one_step(d, tmp_path / "gspo2", "--loss",
                                                                     "gspo", *tiny)
@@ -346,8 +342,8 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     assert (cispo3["grad_norm"] > ppo3["grad_norm"]
             and ppo3["clip/low_frac"] + ppo3["clip/high_frac"] > 0)
     # the KL estimator reaches the loss. On-policy (pi = pi_ref) every estimator is 0, and so is
-    # k3's gradient
-    # ((1 - pi_ref / pi) grad log pi), not k1's (grad log pi): k1's gradient is g + beta h, h != 0
+    # k3's gradient ((1 - pi_ref / pi) grad log pi), not k1's (grad log pi): k1's gradient is g +
+    # beta h, h != 0
     k3_on = _one_step(d, tmp_path / "k3on", "--beta", "0.5")
     assert k3_on["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-6) and k3_on["kl"] < 1e-10
     k1_on = [_one_step(d, tmp_path / f"k1on{b}", "--beta", b, "--kl", "k1")
@@ -681,8 +677,8 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
 @pytest.mark.slow
 def test_a_run_without_learning_signal_says_so_on_stderr(tiny_run_inputs, tmp_path, capsys):
     # the verifier never credits the random model: every group all wrong, dynamic sampling keeps
-    # none, 3 steps
-    # (test_end_to_end_changes_weights_and_writes_metrics: a run that learns prints none of this)
+    # none, 3 steps (test_end_to_end_changes_weights_and_writes_metrics: a run that learns prints
+    # none of this)
     import train
     d = tiny_run_inputs
     train.main(["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--prompts-per-step",

