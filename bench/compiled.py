@@ -26,8 +26,8 @@ import torch
 
 import static_decode
 from bench.common import ROOT, qwen_39m, sync, timed
-from bench.rollouts import decode_matmuls
-from sampler import _left_padded, sample_groups
+from bench.rollouts import decode_matmuls, generate_tokens
+from sampler import sample_groups
 
 
 def _configs() -> list[dict]:
@@ -154,14 +154,7 @@ def bench_compile(device: str, repeats: int) -> None:
                 return ours(True)
 
         def hf(prompts=prompts, G=G, T=T, ends=ends):
-            ids, am = _left_padded(prompts, 0, device)
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=am, do_sample=True, num_return_sequences=G,
-                                     max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,
-                                     eos_token_id=ends, pad_token_id=0)
-            resp = out[:, ids.shape[1]:]                                      # [N, <= T]
-            e = torch.isin(resp, torch.tensor(ends, device=resp.device)).long()
-            return int(((e.cumsum(-1) - e) == 0).sum())               # tokens up to and with EOS
+            return generate_tokens(model, prompts, G, T, ends, device)
 
         ref = ours(False)
         with clock.on():

@@ -17,7 +17,7 @@ import time
 import torch
 
 from bench.common import RSS_READABLE, cuda_peak, in_fresh_process, qwen_39m, rss_peak, sync, timed
-from sampler import sample_groups
+from sampler import _left_padded, sample_groups
 
 
 def matmul_flops(device: str, dtype=torch.float32, seconds: float = 1.0) -> float:
@@ -71,6 +71,21 @@ def decode_matmuls(model, rows: int, device: str, steps: int = 10) -> float:
     return statistics.median(times[1:])
 
 
+def generate_tokens(model, prompts: list[list[int]], G: int, T: int, ends: list[int],
+                    device: str) -> int:
+    """model.generate(num_return_sequences=G) on the prompts, left-padded with id 0, sampling at
+    temperature 1 (no top-k, no top-p): the tokens it drew, each response's up to and with its
+    first id of `ends` (what sample_groups' lengths count)."""
+    ids, am = _left_padded(prompts, 0, device)                                # [B, P]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=am, do_sample=True, num_return_sequences=G,
+                             max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,
+                             eos_token_id=ends, pad_token_id=0)
+    resp = out[:, ids.shape[1]:]                                              # [N, <= T]
+    e = torch.isin(resp, torch.tensor(ends, device=resp.device)).long()      # [N, <= T]
+    return int(((e.cumsum(-1) - e) == 0).sum())          # no end id before it: up to and with one
+
+
 def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
     model = qwen_39m().to(device).eval()
     cfg = model.config
@@ -85,14 +100,7 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
         return int(roll.lengths.sum())
 
     def hf():
-        ids = torch.tensor(prompts, device=device)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 num_return_sequences=G, max_new_tokens=T, temperature=1.0, top_k=0,
-                                 top_p=1.0, eos_token_id=1, pad_token_id=0)
-        resp = out[:, P:]                                                 # [N, <= T]
-        ended = (resp == 1).long().cumsum(-1) - (resp == 1).long()    # EOS seen before this token
-        return int((ended == 0).sum())                                # tokens up to and with EOS
+        return generate_tokens(model, prompts, G, T, [1], device)
 
     print(f"\n## Rollouts: B={B} prompts of {P} tokens, G={G}, {T} new tokens, temperature 1, "
           f"{device}")

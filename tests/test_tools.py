@@ -34,6 +34,23 @@ def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
 
 
+def test_bench_generate_tokens_counts_each_response_up_to_its_first_end_id():
+    """bench.rollouts.generate_tokens (the `generate` line of the rollouts and compile sections):
+    generate gets the prompts left-padded with their mask, and each response counts up to and with
+    its first end id, none after it."""
+    from bench.rollouts import generate_tokens
+
+    class Fake:
+        def generate(self, ids, attention_mask, num_return_sequences, **kw):
+            assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]                       # left-padded
+            assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+            assert num_return_sequences == 2 and kw["eos_token_id"] == [1, 2]
+            resp = [[3, 1, 4, 1], [2, 0, 0, 0], [3, 3, 3, 3], [4, 4, 2, 1]]       # [N, T]
+            return torch.cat([ids.repeat_interleave(2, 0), torch.tensor(resp)], dim=1)
+
+    assert generate_tokens(Fake(), [[5, 6, 7], [8]], 2, 4, [1, 2], "cpu") == 2 + 1 + 4 + 3
+
+
 @pytest.mark.slow
 def test_bench_compile_section_prints_every_way_from_one_run(capsys, monkeypatch):
     """python -m bench --only compile, shrunk to a 2-layer Qwen2 and one config (one real compile,
