@@ -30,10 +30,8 @@ import zlib
 
 import torch
 
-import checkpoint
-import data
-import flags
 import verifier
+from infra import checkpoint, data, flags
 from sampler import sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)

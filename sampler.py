@@ -345,7 +345,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # the rows are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or P + T <= window)
     if compile:
-        import static_decode  # it imports this module
+        from infra import static_decode  # it imports this module
         if static_decode.can_compile(model, device, window, P + T):
             static_decode.decode(model, ids, pmask, plen, G, S, T, u, eos, temperature, top_p,
                                  continuous, response, logprobs, lengths, truncated)

@@ -26,17 +26,12 @@ import warnings
 import pytest
 import torch
 
-import builtin
-import checkpoint
 import dapo
-import data
-import flags
 import grpo
 import logprobs
-import metrics
 import update
-import variants
 import verifier
+from infra import builtin, checkpoint, data, flags, metrics, variants
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from verifier import (
@@ -155,7 +150,7 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
     import contextlib
     from types import SimpleNamespace
 
-    import parallel
+    from infra import parallel
     pi = torch.tensor([[0.5, 0.5, 0.25], [0.5, 0.8, 1.0], [0.9, 0.6, 0.3], [0.25, 1.0, 1.0]])
     pi_ref = torch.tensor([[0.5, 0.25, 0.5], [0.25, 0.4, 0.01], [0.9, 0.6, 0.3], [0.5, 0.01, 0.01]])
     lengths = torch.tensor([3, 2, 3, 1])
@@ -1129,7 +1124,7 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     import copy
     from types import SimpleNamespace
 
-    import parallel
+    from infra import parallel
     t = 0.7
     roll = _mixed_rollout(tiny_model, t)
     N = roll.response_ids.shape[0]
@@ -1956,7 +1951,7 @@ def _same_rollout(a, b, tol=1e-5) -> None:
 
 def _eager_static_step(monkeypatch, shapes: list):
     """static_decode with its step eager (no compile) and the shapes of each step's inputs."""
-    import static_decode
+    from infra import static_decode
 
     def step(model, cache, tok, pos, mask):
         shapes.append((tuple(tok.shape), tuple(pos.shape), tuple(mask.shape)))
@@ -1991,7 +1986,7 @@ def test_compile_where_it_cannot_run_warns_once_and_decodes_eagerly(monkeypatch)
     # the eager loop (the static one is never entered)
     import shutil
 
-    import static_decode
+    from infra import static_decode
     monkeypatch.setattr(static_decode, "decode", lambda *a, **k: pytest.fail("static loop ran"))
     _, rollout = _static_case()
     want = rollout(6, 1.0, compile=False)
@@ -2012,7 +2007,7 @@ def test_compile_on_cuda_is_a_cuda_graph_and_its_path_runs(monkeypatch):
     # loop's CUDA-graph path on CPU with a step that, like a graph replay, returns the same output
     # tensor every time: the inputs and KV buffers marked static, a step begun per replay, the
     # output copied out before the next replay overwrites it. Untested on CUDA hardware.
-    import static_decode
+    from infra import static_decode
     made = []
     monkeypatch.setattr(static_decode, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or fn)
@@ -2404,13 +2399,13 @@ def test_packed_warm_start_is_exact():
 def test_shipped_base_model_is_this_recipes_build():
     """base_model/ holds the weights the current recipe builds: after changing the recipe
     (BaseModelConfig,
-    the task, the demonstrations, the tokenizer, the warm start), `python builtin.py --ship`
+    the task, the demonstrations, the tokenizer, the warm start), `python -m infra.builtin --ship`
     rebuilds it."""
     with open(os.path.join(builtin.SHIP_DIR, "recipe.json")) as fh:
         recorded = json.load(fh)
     assert recorded["key"] == builtin.recipe_key(), (
         "base_model/ was built by another recipe: rebuild and ship it with "
-        "`python builtin.py --ship`")
+        "`python -m infra.builtin --ship`")
     assert recorded["config"] == dataclasses.asdict(builtin.BaseModelConfig())
     assert builtin.base_model() == builtin.SHIP_DIR
 
@@ -3187,8 +3182,8 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     # soft overlong penalty (Eq. 13); reward/mean is their mean over every drawn sample (z-scored
     # advantages would hide both)
 
-    import parallel
     import train
+    from infra import parallel
     args = flags.parse_train_args(["--algo", "dapo", "--wrong-reward", "-0.5", "--prompts-per-step",
                                    "3", "--group-size", "4",
                              "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
@@ -3308,8 +3303,8 @@ class _TwoRanks:
 
 
 def test_batch_std_is_bessel_corrected_over_all_ranks():
-    import parallel
     import train
+    from infra import parallel
     r = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -0.5])
     halves = []
     for part in (r, r[:4], r[4:]):
@@ -3337,7 +3332,7 @@ def test_batch_std_is_bessel_corrected_over_all_ranks():
 def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
     # the CUDA branch of Dist cannot run here: drive it with set_device and init_process_group
     # stubbed out
-    import parallel
+    from infra import parallel
     calls = []
     for k, v in (("WORLD_SIZE", "2"), ("RANK", "3"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(k, v)
@@ -3366,7 +3361,7 @@ def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
     import torch.distributed.device_mesh as device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import parallel
+    from infra import parallel
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2))
@@ -3399,8 +3394,7 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import checkpoint
-    import parallel
+    from infra import checkpoint, parallel
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     ranks = parallel.Dist("cpu", fsdp=True)
@@ -3471,7 +3465,7 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
 def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import parallel
+    from infra import parallel
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2,
@@ -3513,7 +3507,7 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
     import copy
     from types import SimpleNamespace
 
-    import parallel
+    from infra import parallel
     roll = _mixed_rollout(tiny_model, 1.0)
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
@@ -3560,7 +3554,7 @@ class _OtherRank:
 
 
 def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
-    import checkpoint
+    from infra import checkpoint
     # they hold no lock themselves
     assert checkpoint.lock_folder(str(tmp_path / "free"), _OtherRank(1.0)) is None
     assert not (tmp_path / "free").exists()
@@ -3601,8 +3595,8 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
     # train.main in this process as rank 1 of 2, then as rank 0 (DDP's wrap left out: no process
     # group): with a checkpoint every step and completions logged, rank 1 writes nothing under OUT
     # (not even the lock), rank 0 all of it
-    import parallel
     import train
+    from infra import parallel
     monkeypatch.setattr(parallel, "wrap", lambda model, ranks, fsdp: model)
     files = {}
     for rank in (1, 0):
@@ -3621,7 +3615,7 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
     # loads, whole
     import io
 
-    import checkpoint
+    from infra import checkpoint
 
     def state(seed):
         torch.manual_seed(seed)
@@ -3680,7 +3674,7 @@ def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle
     the checkpoint step's own included, byte for byte."""
     import re
 
-    import checkpoint
+    from infra import checkpoint
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # the rewrites' syncs are tested elsewhere
     kept = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "loss": 0.5},
             {"step": 1, "response": "x+1"}, {"step": 2, "loss": -0.25},
@@ -3838,7 +3832,7 @@ def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one
     nothing but OUT/final. A save that fails (a full disk) leaves the old folder, no temporary."""
     import shutil
 
-    import checkpoint
+    from infra import checkpoint
     path = str(tmp_path / "final")
     with checkpoint.atomic(path) as tmp:
         _tagged_folder(tmp, "first")
@@ -3914,7 +3908,7 @@ def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(ti
     """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
     between its two renames, only OUT/final.old is there: checkpoint.load_model (--model OUT/final,
     as evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
-    import checkpoint
+    from infra import checkpoint
     _, tok, model = checkpoint.load_model(str(tiny_run_inputs / "model"))
     out, final = str(tmp_path), str(tmp_path / "final")
     checkpoint.save_final(out, model, tok, model.state_dict())
@@ -3979,7 +3973,7 @@ def test_load_restores_the_global_rng_states_that_a_reward_may_draw_from(tmp_pat
     random_reward draws from `random`): load() puts back the torch and Python RNG states that save()
     found, so a resumed run draws what the unbroken one drew after its checkpoint (the kill test
     below checks it end to end, with flip_x)."""
-    import checkpoint
+    from infra import checkpoint
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -4026,7 +4020,7 @@ def _hand_rollout() -> Rollout:
 
 
 def test_flops_of_a_tiny_qwen2_with_gqa_and_lora_by_hand():
-    import perf
+    from infra import perf
     sh = perf.model_shape(_tiny_qwen2())
     # a layer's matmuls (multiply-accumulates a token): q 16x16, k and v 16x(2 KV heads x 4), o,
     # gate, up, down 16x24; the LM head is the tied embedding, 16 x 50; d_attn 4 heads x 4
@@ -4056,7 +4050,7 @@ def test_flops_of_a_tiny_qwen2_with_gqa_and_lora_by_hand():
     # and the tied head frozen: 2x their forward (activation gradients), the adapters and attention
     # 3x; the reference pass runs without the adapters
     pytest.importorskip("peft", reason="LoRA needs peft")
-    import lora
+    from infra import lora
     model = _tiny_qwen2()
     lora.add_adapters(model, 2, 4.0, "q_proj,v_proj", "tiny")
     ad = 2 * (16 * 2 + 2 * 16 + 16 * 2 + 2 * 8)
@@ -4074,7 +4068,7 @@ def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
     # for the prefill, whose causal mask hides half of the p x p scores it computes
     from torch.utils.flop_counter import FlopCounterMode
 
-    import perf
+    from infra import perf
     model = _tiny_qwen2(attn_implementation="eager")
     sh, p = perf.model_shape(model), len(LONG_PROMPTS[0])
     prompts = [INSTRUCTION + [5, 6, 7], INSTRUCTION + [8, 9, 10]]
@@ -4109,7 +4103,7 @@ def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
 
 
 def test_peak_from_the_device_name_a_cpu_probe_or_peak_tflops():
-    import perf
+    from infra import perf
     assert [perf.peak_tflops_of(n) for n in (
         "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
         "NVIDIA A100 80GB PCIe", "NVIDIA A10", "NVIDIA L40S")] == [989.4, 756.5, 989.4, 312.0,
@@ -4142,7 +4136,7 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     # one step of train.py in this process, with an old-policy pass (--mu 2), a reference pass
     # (beta), 2 mini-batches in micro-batches of 3 rows (groups of 4 split) and --peak-tflops: the
     # row's FLOPs are the step's counts, its MFU those over the phase's seconds and that peak
-    import perf
+    from infra import perf
     updates = _spy(monkeypatch, update, "update_policy")
     peak = 0.02e12
     row = _one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
@@ -4273,7 +4267,7 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
 def _lora_model(d, r=4):
     """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would
     be a no-op)."""
-    import lora
+    from infra import lora
     path, tok, model = checkpoint.load_model(str(d / "model"))
     config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
     g = torch.Generator().manual_seed(0)
@@ -4286,7 +4280,7 @@ def _lora_model(d, r=4):
 
 def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_inputs):
     pytest.importorskip("peft", reason="--lora-r needs peft")
-    import lora
+    from infra import lora
     tok, model, _ = _lora_model(tiny_run_inputs)
     _, _, base = checkpoint.load_model(str(tiny_run_inputs / "model"))
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -4327,8 +4321,7 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     import contextlib
     from types import SimpleNamespace
 
-    import lora
-    import parallel
+    from infra import lora, parallel
     peft = pytest.importorskip("peft", reason="--lora-r needs peft")
     inject = peft.inject_adapter_in_model
 
@@ -4369,7 +4362,7 @@ def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny
     peft = pytest.importorskip("peft", reason="--lora-r needs peft")
     from transformers import AutoModelForCausalLM
 
-    import lora
+    from infra import lora
     tok, model, config = _lora_model(tiny_run_inputs)
     model.save_pretrained(tmp_path / "final", state_dict=lora.merged_state_dict(model))
     lora.save_adapter(model, config, str(tmp_path / "adapter"))

@@ -36,22 +36,24 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import builtin
-import checkpoint
-import curves
 import dapo
-import data
 import evaluate
-import flags
 import grpo
-import lora
-import metrics
-import parallel
-import perf
 import sampler
 import update
 import verifier
-import vllm_rollout
+from infra import (
+    builtin,
+    checkpoint,
+    curves,
+    data,
+    flags,
+    lora,
+    metrics,
+    parallel,
+    perf,
+    vllm_rollout,
+)
 from sampler import Rollout
 
 USER_ERRORS = (data.InputError, checkpoint.CheckpointError, checkpoint.FolderInUse,

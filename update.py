@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 import grpo
-import parallel
-import variants
+from infra import parallel, variants
 from logprobs import rollout_logprobs
 from sampler import Rollout
 

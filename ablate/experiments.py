@@ -12,9 +12,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import builtin
 import dapo
-import flags
 import verifier
 from ablate import habits
 from ablate.measures import (
@@ -28,7 +26,8 @@ from ablate.measures import (
     logged,
     over_run,
 )
-from curves import CURVES, curve
+from infra import builtin, flags
+from infra.curves import CURVES, curve
 
 
 def solution(prompt: str) -> int:

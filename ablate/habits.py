@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from builtin import (
+from infra.builtin import (
     CACHE_DIR,
     BaseModelConfig,
     _signed,

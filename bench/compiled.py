@@ -24,9 +24,9 @@ import time
 
 import torch
 
-import static_decode
 from bench.common import ROOT, qwen_39m, sync, timed
 from bench.rollouts import decode_matmuls, generate_tokens
+from infra import static_decode
 from sampler import sample_groups
 
 
@@ -93,7 +93,7 @@ def vllm_child(c: dict, repeats: int, device: str) -> None:
     """Run in a fresh process (vLLM binds the threads of the process it starts in): a vLLM engine
     (vllm_rollout.Engine, float32, the config's slots as its max_num_seqs) on MODEL's weights draws
     the config's rollout; prints 'vllm TOKENS SECONDS_PER_ROLLOUT START_SECONDS TORCH_THREADS'."""
-    import vllm_rollout
+    from infra import vllm_rollout
     model = MODEL().eval()
     prompts = _prompts(c, model.config.vocab_size)
     with tempfile.TemporaryDirectory() as folder:

@@ -191,9 +191,7 @@ def _passes(fn, model, roll, mb: int, temperature: float, device: str) -> dict:
 
 
 def bench_forward(device: str, repeats: int) -> None:
-    import builtin
-    import checkpoint
-    import data
+    from infra import builtin, checkpoint, data
     print("\n## The training forward: each group's prompt once (shared prefix) vs once per "
           "response, seconds")
     cases = []
@@ -249,7 +247,7 @@ def _gc_setup(device: str, checkpointing: bool, response: int = GC_SHAPE["respon
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    import parallel
+    from infra import parallel
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=8,

@@ -73,7 +73,7 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
     initialised, so nothing is built first) and the same 512 training prompts, each in its own
     process with one thread, interleaved; seconds per step, the first step of each run left out
     (warm-up)."""
-    import builtin
+    from infra import builtin
     flags = ["--algo", "grpo", "--beta", str(VS_TRL["beta"]),
              "--prompts-per-step", str(VS_TRL["prompts"]), "--group-size", str(VS_TRL["G"]),
              "--max-new-tokens", str(VS_TRL["new_tokens"]),

@@ -34,7 +34,7 @@ def _padded(ids, pos, labels):
 def bench_warm_start(device: str, repeats: int, steps: int = 6) -> None:
     import dataclasses
 
-    import builtin
+    from infra import builtin
     cfg = dataclasses.replace(builtin.BaseModelConfig(), sft_steps=steps * repeats + 2)
     tok = builtin.make_tokenizer()
     model = builtin.make_model(cfg, len(tok)).to(device).train()

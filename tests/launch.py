@@ -62,7 +62,9 @@ def _thread_counting_driver(tmp_path):
 _KILL_DRIVER = r"""
 import builtins, json, os, random, signal, sys, time, traceback
 import torch
-import checkpoint, test_grpo, train
+import test_grpo
+import train
+from infra import checkpoint
 # what transformers and torch import on first use: the model, AdamW
 checkpoint.load_model(sys.argv[1])
 param = torch.zeros(1, requires_grad=True)

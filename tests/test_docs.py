@@ -46,10 +46,11 @@ def _at(page: str, text: str, m, what: str | None = None) -> str:
 
 
 def _packages() -> list[str]:
-    """The folders here run as `python -m NAME` (bench, ablate): namespace packages with a
-    __main__.py."""
+    """The folders whose modules the pages name: those run as `python -m NAME` (bench, ablate),
+    with a __main__.py, and infra/, a package (`infra.data.load_rows`)."""
     return sorted(n for n in os.listdir(ROOT)
-                  if os.path.isfile(os.path.join(ROOT, n, "__main__.py")))
+                  if any(os.path.isfile(os.path.join(ROOT, n, f))
+                         for f in ("__main__.py", "__init__.py")))
 
 
 def _test_files() -> list[str]:

@@ -18,10 +18,7 @@ import time
 import pytest
 import torch
 
-import builtin
-import checkpoint
-import data
-import flags
+from infra import builtin, checkpoint, data, flags
 from launch import _KILL_DRIVER, ROOT, _run_record, _run_train, _thread_counting_driver, _torchrun
 from test_grpo import (
     SCHEMA_PROBLEMS,
@@ -474,9 +471,8 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
 @pytest.mark.slow
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_no_lock(
         tiny_run_inputs, tmp_path, capsys):
-    import checkpoint
-    import parallel
     import train
+    from infra import checkpoint, parallel
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
                                *_tiny_flags(tiny_run_inputs, out),

@@ -10,11 +10,7 @@ import random
 import pytest
 import torch
 
-import builtin
-import checkpoint
-import curves
-import data
-import flags
+from infra import builtin, checkpoint, curves, data, flags
 from test_grpo import _tiny_flags
 from verifier import verify
 

@@ -10,9 +10,7 @@ import sys
 import pytest
 import torch
 
-import builtin
-import data
-import flags
+from infra import builtin, data, flags
 from launch import ROOT, _torchrun
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
@@ -54,8 +52,7 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import parallel
-    import vllm_rollout
+    from infra import parallel, vllm_rollout
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     torch.manual_seed(0)
@@ -104,7 +101,7 @@ class _RecordingLLM:
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
-    import vllm_rollout
+    from infra import vllm_rollout
     engine = object.__new__(vllm_rollout.Engine)
     engine.llm, engine.cuda, engine.dtype, engine.asleep = (_RecordingLLM(), cuda, torch.bfloat16,
                                                             False)
@@ -158,7 +155,7 @@ def vllm_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_env, vllm_model):
-    import vllm_rollout
+    from infra import vllm_rollout
     engine = vllm_rollout.Engine(str(vllm_model[0]), "cpu", bf16=False, seed=0,
                                  gpu_memory_utilization=0.05)
     yield engine

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-import data
+from infra import data
 from sampler import Rollout
 
 

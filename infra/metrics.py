@@ -19,14 +19,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import checkpoint
 import grpo
 import update
-from data import InputError
+from infra import checkpoint
+from infra.data import InputError
 from sampler import Rollout
 
 if TYPE_CHECKING:
-    from flags import TrainArgs
+    from infra.flags import TrainArgs
 
 # ---------------------------------------------------------------------------------------------
 # A step's metrics row, and the warnings it calls for

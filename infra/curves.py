@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 
-import checkpoint
+from infra import checkpoint
 
 # (metrics.jsonl key, panel title, y label with its unit)
 CURVES = [("eval/accuracy", "held-out greedy accuracy", "accuracy (share right, greedy)"),

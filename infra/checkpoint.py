@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from data import InputError
+from infra.data import InputError
 
 
 class CheckpointError(ValueError):
@@ -198,7 +198,7 @@ def load_model(spec: str, trust_remote_code: bool = False):
     hf_logging.disable_progress_bar()
     path = loadable(spec)  # OUT/final.old where a save was killed half way
     if spec == "builtin":
-        import builtin
+        from infra import builtin
         path = builtin.base_model()
     elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise InputError(f"--model {path}: no such folder")  # a path, not a hub id

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dapo
-import lora
-import variants
+from infra import lora, variants
 
 # ---------------------------------------------------------------------------------------------
 # Flags as dataclass fields, and argparse from them

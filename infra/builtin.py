@@ -34,9 +34,9 @@ a short fine-tune of the base model, keyed by `habit_key` and shipped the same w
 their code is outside the base recipe, so its key and the shipped weights stay as they are.
 
     # find (shipped or cached) or build the base model and print its folder
-    python builtin.py
+    python -m infra.builtin
     # build if needed and write it to base_model/ (after changing the recipe)
-    python builtin.py --ship
+    python -m infra.builtin --ship
 """
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ import torch
 
 CHARS = "0123456789+-*/=()x\n :Acehknrsw"  # every character the task's prompts and solutions use
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+CACHE_DIR = os.path.join(ROOT, ".cache")
 # the shipped build
-SHIP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base_model")
+SHIP_DIR = os.path.join(ROOT, "base_model")
 # what a build runs, see recipe_key
 RECIPE_ROOTS = ("make_tokenizer", "make_model", "supervised_warm_start")
 

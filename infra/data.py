@@ -49,7 +49,7 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
     messages, as the row holds it, "answer" a text. "columns" keeps every top-level field but the
     prompt's, for reward functions with TRL's signature."""
     if path == "builtin":
-        import builtin
+        from infra import builtin
         # a stream drawn from the task's distribution (repeats allowed), never held-out problems
         if split == "train":
             return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)
