@@ -31,8 +31,9 @@ import zlib
 import torch
 
 import verifier
-from infra import checkpoint, data, flags
-from sampler import sample_rollout
+from infra import data, flags, models
+from infra.errors import USER_ERRORS
+from infra.rollout import sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -173,7 +174,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
     reward_fn = data.as_reward(reward_fn)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                   args.chat_template)
-    eos = checkpoint.end_ids(tokenizer, model)
+    eos = models.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     mine = list(range(ranks.rank, len(rows), ranks.world))
     per = max(1, EVAL_BATCH // n)
@@ -188,7 +189,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
         ids = [roll.response_ids[j, : lengths[j]] for j in range(len(lengths))]  # [L_j] each
         for b, i in enumerate(idx):
             rs = range(b * n, (b + 1) * n)                                    # problem i's rows
-            texts = [tokenizer.decode(ids[j], skip_special_tokens=True) for j in rs]
+            texts = [roll.response_text(j, tokenizer) for j in rs]
             token_ids = lambda rs=rs, ids=ids: [ids[j].tolist() for j in rs]  # noqa: E731
             scores = reward_fn([rows[i]["prompt"]] * n, texts, [rows[i]] * n, token_ids)[0].tolist()
             records.append(problem_record(i, rows[i], texts, scores, [lengths[j] for j in rs],
@@ -208,7 +209,7 @@ def main(argv=None) -> list[tuple[str, dict]]:
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
-            _, tokenizer, model = checkpoint.load_model(spec, args.trust_remote_code)
+            _, tokenizer, model = models.load_model(spec, args.trust_remote_code)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
             m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
@@ -216,7 +217,7 @@ def main(argv=None) -> list[tuple[str, dict]]:
             results.append((spec, m))
             lines += [json.dumps({"model": spec, **r}) for r in records]
             del model
-    except data.InputError as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     keys = list(results[0][1])

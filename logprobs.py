@@ -35,7 +35,7 @@ run once. Responses are trimmed to the slice's own longest response, not the rol
 equals the per-response one: the prompt's activations are the same function of the parameters,
 reached by G paths. Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with
 long prompts and short answers, and little with long reasoning traces (T >> P). With one process, a
-slice whose response lengths are spread runs as two length buckets (`_length_buckets`). Under DDP
+slice whose response lengths are spread runs as two length buckets (`length_buckets`). Under DDP
 the prompt runs on the wrapped module and the responses in one DDP forward (DDP syncs in each
 forward, so every rank runs one per micro-batch); under FSDP2, or when gradient checkpointing would
 drop the cache, the per-response forward runs instead (the caller says which: `rollout_logprobs`'
@@ -49,7 +49,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from sampler import Rollout, _cache_kwarg, _left_padded
+from sampler import Rollout, cache_kwarg, left_padded
 
 # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
 LOGPROB_CHUNK = 1 << 22
@@ -206,7 +206,7 @@ def _new_cache(model) -> DynamicCache:
             else DynamicCache())
 
 
-def _length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
+def length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
     """Rows [n] split in two by length (short ones, long ones) when padding each part to its own
     longest computes at most BUCKET_KEEP of the positions one batch padded to the longest would;
     else one part."""
@@ -255,9 +255,9 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     group = torch.arange(a, b) // G - g0                             # [n] row -> its prompt
     plen = torch.tensor([len(p) for p in prompts])                   # [g]
     last = torch.tensor([p[-1] for p in prompts])                    # [g] each prompt's last token
-    cache, name = None, _cache_kwarg(inner)
+    cache, name = None, cache_kwarg(inner)
     if int(plen.max()) > 1:                                         # 1. the prompts, once per group
-        head_ids, head_mask = _left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1]
+        head_ids, head_mask = left_padded([p[:-1] for p in prompts], roll.pad_token_id)  # [g, P-1]
         head_pos = (head_mask.cumsum(-1) - 1).clamp_min(0)           # [g, P-1] from the first token
         cache = _new_cache(inner)
         # run outside DDP's forward: DDP broadcasts buffers in each forward, so a second DDP forward
@@ -266,7 +266,7 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
         inner(input_ids=head_ids.to(dev), attention_mask=head_mask.to(dev),
               position_ids=head_pos.to(dev), use_cache=True, logits_to_keep=1, **{name: cache})
     out, order = [], []
-    parts = _length_buckets(roll.lengths[a:b].cpu()) if buckets else [torch.arange(b - a)]
+    parts = length_buckets(roll.lengths[a:b].cpu()) if buckets else [torch.arange(b - a)]
     for r in parts:                                                  # rows r [m]
         T = int(roll.lengths[a:b][r].max())                         # this bucket's longest response
         resp = roll.response_ids[a:b][r, :T].cpu()                   # [m, T]
@@ -300,7 +300,7 @@ def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     prompts = [roll.prompts[i // roll.G] for i in range(a, b)]
     resp, rmask = roll.response_ids[a:b], roll.mask[a:b]                     # [n, T]
     n, T = resp.shape
-    pids, pmask = _left_padded(prompts, roll.pad_token_id)                   # [n, P] each
+    pids, pmask = left_padded(prompts, roll.pad_token_id)                   # [n, P] each
     dev = next(model.parameters()).device
     ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
     # pads after EOS are masked by loss

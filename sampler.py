@@ -18,8 +18,8 @@ token. One generator per prompt if a list is given, so a prompt's samples depend
 seed, never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the
 same).
 
-`sample_rollout` is Step 1 as train.py and evaluate.py call it: sample_groups under --bf16 autocast
-with --max-num-seqs slots, or a vLLM engine's sample_groups (--rollout vllm).
+infra/rollout.py's `sample_rollout` is Step 1 as train.py and evaluate.py call it: sample_groups
+under --bf16 autocast with --max-num-seqs slots, or a vLLM engine's sample_groups (--rollout vllm).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Rollout:
     i // G).
 
     The sampler fills the fields up to `logprobs`; Step 2's fields are the trainer's
-    (train.draw_round), None until it scores the rollout. `select_groups` and `cat` carry every
+    (train.reward), None until it scores the rollout. `select_groups` and `cat` carry every
     field."""
     prompts: list[list[int]]            # B token-id lists, unpadded
     G: int                              # responses per prompt
@@ -48,7 +48,7 @@ class Rollout:
     lengths: torch.Tensor               # [N] long, response tokens (EOS included)
     truncated: torch.Tensor             # [N] bool, no EOS within max_new_tokens
     logprobs: torch.Tensor  # [N, T] float, log-prob of each sampled token under the sampling policy
-    # Step 2: the rewards (train.draw_round)
+    # Step 2: the rewards (train.reward)
     # the shaped reward the advantages compare (DAPO: +-1, penalty)
     rewards: torch.Tensor | None = None  # [N] float
     # the --reward score (dynamic sampling's filter reads it)
@@ -67,6 +67,22 @@ class Rollout:
                        mask=grid,
                        lengths=rows.long(), truncated=rows.bool(), logprobs=grid, rewards=rows,
                        correct=rows, index=rows.long())
+
+    @staticmethod
+    def from_lengths(prompts: list[list[int]], G: int, pad_token_id: int, response: torch.Tensor,
+                     logprobs: torch.Tensor, lengths: torch.Tensor,
+                     truncated: torch.Tensor) -> Rollout:
+        """The sampled rollout from its [N, T_max] buffers, trimmed to the longest response, the
+        mask built from lengths (never from token values); the one builder every sampler uses."""
+        T = int(lengths.max()) if lengths.numel() else 0
+        mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # N, T
+        return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
+                       response_ids=response[:, :T], mask=mask, lengths=lengths,
+                       truncated=truncated, logprobs=logprobs[:, :T] * mask)
+
+    def response_text(self, i: int, tokenizer) -> str:
+        """Row i's response as text: its tokens up to its length, special tokens (EOS) dropped."""
+        return tokenizer.decode(self.response_ids[i, : self.lengths[i]], skip_special_tokens=True)
 
     @property
     def num_groups(self) -> int:
@@ -170,7 +186,7 @@ class _BufferedLayer(DynamicLayer):
                                                       self.vbuf[indices, :, :L])
 
 
-def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
+def make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
     """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest
     sliding window.
 
@@ -188,7 +204,7 @@ def _make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicC
     return cache, window
 
 
-def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
+def left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
     """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the
     lengths. sample_groups and the training forward (logprobs.py) both use it, so sampling and
     training see the same positions."""
@@ -200,7 +216,7 @@ def _left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
     return ids, mask
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5 names the cache argument `cache`; earlier releases call it
     `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -297,12 +313,24 @@ def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int
     return max(G, int(budget_gb * 2**30 // per_row) // G * G)
 
 
+def check_sampling(prompts: list[list[int]], G: int, max_new_tokens: int,
+                   max_num_seqs: int | None = None) -> None:
+    """The arguments every sample_groups (this one, a vLLM engine's) refuses: ValueError."""
+    if G < 1 or max_new_tokens < 1:
+        raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
+                         f"max_new_tokens={max_new_tokens}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_num_seqs is not None and max_num_seqs < G:
+        raise ValueError(f"max_num_seqs={max_num_seqs} < G={G}: a group's G rows decode together")
+
+
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True,
-                  compile: bool = False) -> Rollout:
+                  static=None) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache ->
     Rollout.
 
@@ -313,17 +341,11 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     slots are free, so max_num_seqs must be >= G. continuous=False: static batches (admit what fits,
     wait until all of it has ended, admit the next), the baseline bench/ measures; a model whose
     sliding window is shorter than P + T always gets it (below). The rollout is the same for every
-    max_num_seqs and either mode: each row's uniforms are drawn up front. compile=True (--compile):
-    the decode step with static shapes through torch.compile (static_decode.py; the same rollout
-    up to float rounding), or a one-line warning and this loop where it cannot run.
+    max_num_seqs and either mode: each row's uniforms are drawn up front. static (--compile:
+    the module infra.static_decode): the decode step with static shapes through torch.compile (the
+    same rollout up to float rounding), or a one-line warning and this loop where it cannot run.
     """
-    if G < 1 or max_new_tokens < 1:
-        raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
-                         f"max_new_tokens={max_new_tokens}")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    if max_num_seqs is not None and max_num_seqs < G:
-        raise ValueError(f"max_num_seqs={max_num_seqs} < G={G}: a group's G rows decode together")
+    check_sampling(prompts, G, max_new_tokens, max_num_seqs)
     device = next(model.parameters()).device
     B, N, T = len(prompts), len(prompts) * G, max_new_tokens
     eos = torch.tensor(eos_token_id, device=device).reshape(-1)              # [E]
@@ -333,25 +355,25 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     lengths = torch.full((N,), T, dtype=torch.long, device=device)
     truncated = torch.ones(N, dtype=torch.bool, device=device)
     if B == 0:
-        return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
+        return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
+                                    truncated)
 
     was_training = model.training
     model.eval()
-    ids, pmask = _left_padded(prompts, pad_token_id, device)                 # [B, P] each
+    ids, pmask = left_padded(prompts, pad_token_id, device)                 # [B, P] each
     P, plen = ids.shape[1], pmask.sum(-1)                                     # plen [B]
     S = N if max_num_seqs is None else min(max_num_seqs, N)           # slots: rows decoding at once
-    cache, window = _make_cache(model, P + T, rows=S)
+    cache, window = make_cache(model, P + T, rows=S)
     # the model's mask applies a sliding window at one query column for all rows: exact only when
     # the rows are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or P + T <= window)
-    if compile:
-        from infra import static_decode  # it imports this module
-        if static_decode.can_compile(model, device, window, P + T):
-            static_decode.decode(model, ids, pmask, plen, G, S, T, u, eos, temperature, top_p,
-                                 continuous, response, logprobs, lengths, truncated)
-            model.train(was_training)
-            return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
-    kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+    if static is not None and static.can_compile(model, device, window, P + T):
+        static.decode(model, ids, pmask, plen, G, S, T, u, eos, temperature, top_p, continuous,
+                      response, logprobs, lengths, truncated)
+        model.train(was_training)
+        return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
+                                    truncated)
+    kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
     attn = torch.zeros(S, P + T,
                        dtype=torch.long, device=device)  # [S, P + T] the columns each slot sees
     rows = torch.zeros(0, dtype=torch.long, device=device)       # [n] the response row in each slot
@@ -409,17 +431,18 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                        position_ids=pos[:, None],
                        **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
-    return _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
+    return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
+                                    truncated)
 
 
-def _prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
+def prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
     """One forward over k left-padded prompts [k, P] -> (the logits at each prompt's last position
     [k, V], their cache of _BufferedLayers, columns [0, P))."""
-    prompt_cache, _ = _make_cache(model, ids.shape[1])
+    prompt_cache, _ = make_cache(model, ids.shape[1])
     pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
     logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
                    logits_to_keep=1,
-                   **{_cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
+                   **{cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
     return logits, prompt_cache
 
 
@@ -428,32 +451,7 @@ def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
     """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
     [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
     last position, [k, V]."""
-    logits, prompt_cache = _prefill_prompts(model, ids, pmask)
+    logits, prompt_cache = prefill_prompts(model, ids, pmask)
     for layer, prompt in zip(cache.layers, prompt_cache.layers):
         layer.put(start, prompt, G)
     return logits
-
-
-def _finish(prompts, G, pad_token_id, response, logprobs, lengths, truncated) -> Rollout:
-    """Trim to the longest response and build the mask from lengths (never from token values)."""
-    T = int(lengths.max()) if lengths.numel() else 0
-    mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # [N, T]
-    return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
-                   response_ids=response[:, :T], mask=mask, lengths=lengths, truncated=truncated,
-                   logprobs=logprobs[:, :T] * mask)
-
-
-def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
-                   generator, eos: list[int], pad: int, args, sample=None) -> Rollout:
-    """Step 1 as training (train.draw_round) and evaluation (evaluate.evaluate_model) run it:
-    sample_groups under --bf16 autocast, at most --max-num-seqs rows at once (default: as many as
-    --kv-cache-gb holds); or `sample`, a vLLM engine's sample_groups (train.py --rollout vllm),
-    which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
-    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16, compile)."""
-    T = args.max_new_tokens
-    if sample is not None:
-        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
-    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
-    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
-        return sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
-                             generator=generator, max_num_seqs=S, compile=args.compile)

@@ -31,7 +31,19 @@ import grpo
 import logprobs
 import update
 import verifier
-from infra import builtin, checkpoint, data, flags, metrics, variants
+from infra import (
+    builtin,
+    checkpoint,
+    data,
+    errors,
+    flags,
+    metrics,
+    models,
+    rollout,
+    setup,
+    static_decode,
+    variants,
+)
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from verifier import (
@@ -1031,7 +1043,7 @@ def test_every_rank_has_rows_in_every_mini_batch_update():
     G, B, W = 4, 8, 2
     args = flags.parse_train_args(["--prompts-per-step", str(B), "--group-size", str(G)])
     sample = lambda model, prompts, *a, **k: _fake_rollout([[0.0] * G] * len(prompts))  # noqa: E731
-    task = train.Task(rows=builtin.sample_problems(16, 1, False), encode=lambda p: [3, 4],
+    task = setup.Task(rows=builtin.sample_problems(16, 1, False), encode=lambda p: [3, 4],
                       decode=lambda roll, i: "x", reward_fn=data.as_reward(lambda r, a: 1.0),
                       eos=[1], pad=0, sample=sample)
     idx = [train.draw_round(None, task, args, SimpleNamespace(rank=k, world=W),
@@ -1538,11 +1550,11 @@ def test_length_buckets_split_only_when_it_pays():
     # lengths 40, 20, 38, 18, 40, 19 in one batch: 6 x 40 = 240 positions; short rows {18, 19, 20}
     # and long rows {38, 40, 40} padded apart: 3 x 20 + 3 x 40 = 180 = 0.75 of it (<= 0.8: split).
     # 40, 38, 39, 37: one batch.
-    short, long = logprobs._length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
+    short, long = logprobs.length_buckets(torch.tensor([40, 20, 38, 18, 40, 19]))
     assert sorted(short.tolist()) == [1, 3, 5] and sorted(long.tolist()) == [0, 2, 4]
-    assert ([b.tolist() for b in logprobs._length_buckets(torch.tensor([40, 38, 39, 37]))]
+    assert ([b.tolist() for b in logprobs.length_buckets(torch.tensor([40, 38, 39, 37]))]
             == [[0, 1, 2, 3]])
-    assert [b.tolist() for b in logprobs._length_buckets(torch.tensor([7]))] == [[0]]
+    assert [b.tolist() for b in logprobs.length_buckets(torch.tensor([7]))] == [[0]]
 
 
 def test_rollout_logprobs_rejects_bad_slices(tiny_model):
@@ -1631,9 +1643,9 @@ def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(ki
     # of 5)
     import sampler
     model, G, T = _tiny(kind, dtype), 3, 24
-    layers = {type(layer).__name__ for layer in sampler._make_cache(model, 8)[0].layers}
+    layers = {type(layer).__name__ for layer in sampler.make_cache(model, 8)[0].layers}
     assert (layers == {"_BufferedLayer"}
-            and sampler._make_cache(model, 8)[1] == (None if kind == "qwen2" else 5))
+            and sampler.make_cache(model, 8)[1] == (None if kind == "qwen2" else 5))
     # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
     free = sample_groups(model, prompts[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     eos = int(free.response_ids[0, 3])
@@ -1663,11 +1675,11 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
             L = int(roll.lengths[r])
             assert roll.response_ids[r, :L].tolist() == ref[:L] and (L == T or ref[L - 1] in ends)
     # train.py stops on the tokenizer's EOS and on the end ids the generation config adds
-    # (checkpoint.end_ids)
+    # (models.end_ids)
     tok = SimpleNamespace(eos_token_id=5)
-    assert (checkpoint.end_ids(
+    assert (models.end_ids(
         tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 5]))) == [5, 7])
-    assert (checkpoint.end_ids(
+    assert (models.end_ids(
         tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5])
 
 
@@ -1749,8 +1761,8 @@ def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkey
         kind, lambda: _tiny(kind, torch.float32))()
     # several end ids: lengths roughly geometric, some rows truncated
     ends, T = [1, 2, 3, 20], 20
-    made, make = [], sampler._make_cache
-    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k))
+    made, make = [], sampler.make_cache
+    monkeypatch.setattr(sampler, "make_cache", lambda *a, **k: made.append(make(*a, **k))
                         or made[-1])
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(MIXED_PROMPTS))]  # noqa: E731
     run = lambda n, **k: sample_groups(  # noqa: E731
@@ -1802,13 +1814,12 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
     # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups, one slot
     # idle), lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon
     # as G are free (continuous batching): the decode forwards follow the continuous _slot_schedule,
-    # not the static one (the rollout is the same either way). Through sampler.sample_rollout, as
+    # not the static one (the rollout is the same either way). Through rollout.sample_rollout, as
     # train.py samples.
     from types import SimpleNamespace
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import sampler
     torch.manual_seed(1)
     cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -1823,7 +1834,7 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
     args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False,
                            compile=False)
-    roll = sampler.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
+    roll = rollout.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
     lengths = roll.lengths.tolist()
     assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5
     prefills = [c for c in calls if c[1] > 1]                     # [k groups, P of the k]
@@ -1841,8 +1852,8 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
 
 def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
     import sampler
-    made, make = [], sampler._make_cache
-    monkeypatch.setattr(sampler, "_make_cache", lambda *a, **k: made.append(make(*a, **k))
+    made, make = [], sampler.make_cache
+    monkeypatch.setattr(sampler, "make_cache", lambda *a, **k: made.append(make(*a, **k))
                         or made[-1])
     for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4),
                            (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
@@ -1889,10 +1900,10 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
     def recording(*a, max_num_seqs=None, **k):
         seen.append(max_num_seqs)
         return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    # sampler.sample_rollout reads it at call time
+    # rollout.sample_rollout reads it at call time
     monkeypatch.setattr(sampler, "sample_groups", recording)
     model = _tiny("qwen2", torch.float32)
-    task = train.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7],
+    task = setup.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7],
                       decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
@@ -1940,7 +1951,8 @@ def _static_case():
                for j, k in enumerate((1, 14, 6, 9, 3))]
     return model, lambda S, temperature, top_p=1.0, compile=True: sample_groups(
         model, prompts, 3, 24, [1, 2], 0, temperature=temperature, top_p=top_p, max_num_seqs=S,
-        generator=[torch.Generator().manual_seed(60 + i) for i in range(5)], compile=compile)
+        generator=[torch.Generator().manual_seed(60 + i) for i in range(5)],
+        static=static_decode if compile else None)
 
 
 def _same_rollout(a, b, tol=1e-5) -> None:
@@ -1996,7 +2008,7 @@ def test_compile_where_it_cannot_run_warns_once_and_decodes_eagerly(monkeypatch)
             _same_rollout(rollout(6, 1.0), want, tol=0)
     mistral = _tiny("mistral", torch.float32)                                  # window 5
     with pytest.warns(UserWarning, match=r"a sliding window \(5\) shorter than P \+ T") as w:
-        got = sample_groups(mistral, PROMPTS, 2, 8, 1, 0, temperature=0.0, compile=True)
+        got = sample_groups(mistral, PROMPTS, 2, 8, 1, 0, temperature=0.0, static=static_decode)
     assert len(w) == 1 and "\n" not in str(w[0].message)
     assert torch.equal(got.response_ids, sample_groups(mistral, PROMPTS, 2, 8, 1, 0,
                                                        temperature=0.0).response_ids)
@@ -2330,8 +2342,8 @@ def test_builtin_task_solutions_verify_and_split_is_disjoint():
         eq, x = builtin.make_problem(rng)
         assert verify(builtin.solve_steps(eq, x, verbose=rng.random() < 0.5), str(x)) == 1.0
         lhs, rhs = eq.split("=")
-        a, b = (int(v) for v in builtin._split_linear(lhs))
-        c, d = (int(v) for v in builtin._split_linear(rhs)) if "x" in rhs else (0, int(rhs))
+        a, b = (int(v) for v in builtin.split_linear(lhs))
+        c, d = (int(v) for v in builtin.split_linear(rhs)) if "x" in rhs else (0, int(rhs))
         assert a * x + b == c * x + d
     train = {r["prompt"] for r in builtin.sample_problems(2000, seed=1, heldout=False)}
     held = {r["prompt"] for r in builtin.sample_problems(200, seed=2, heldout=True)}
@@ -2469,7 +2481,7 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
     assert (builtin.ship(other, cache, shipped, log=quiet) == shipped
             and builtin.shipped_key(shipped) == builtin.recipe_key(other))
     assert builtin.base_model(cfg, cache, quiet, ship_dir=shipped) != shipped
-    _, tok, model = checkpoint.load_model(shipped)
+    _, tok, model = models.load_model(shipped)
     assert model.config.hidden_size == 16 and tok.eos_token_id == 1
 
 
@@ -2514,7 +2526,7 @@ def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path)
     sys.path.insert(0, str(tmp_path))
     try:
         assert data.load_reward("myreward:half")("anything", "1") == 0.5
-        with pytest.raises(data.InputError):
+        with pytest.raises(errors.InputError):
             data.load_reward("myreward:nothere")
     finally:
         sys.path.remove(str(tmp_path))
@@ -2583,9 +2595,10 @@ def test_trl_rewards_get_columns_by_name_are_weighted_and_none_is_no_score():
                          ([("f", has_x), ("f", has_x)],
                           "two rewards, or a reserved metric, named reward/f"),
                          ([("mean", has_x)], "reward/mean")):
-        with pytest.raises(data.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        pattern = message.replace("[", r"\[").replace("]", r"\]")
+        with pytest.raises(errors.InputError, match=pattern):
             data.Reward(bad)(["p0", "p1"], completions, rows)
-    with pytest.raises(data.InputError, match="2 weights for 1"):
+    with pytest.raises(errors.InputError, match="2 weights for 1"):
         data.Reward([("x", has_x)], [1.0, 2.0])
 
 
@@ -2625,7 +2638,7 @@ def test_data_json_array_file_keeps_every_column(tmp_path):
     assert rows == [{"prompt": "1+1", "answer": "2", "columns": {"sol": 2, "level": 1}},
                     {"prompt": "2+2", "answer": "4", "columns": {"sol": 4}}]
     (tmp_path / "bad.json").write_text('[{"q": "1+1", "sol": 2},\n {"q": ]')
-    with pytest.raises(data.InputError, match=r"bad.json:2: not valid JSON"):
+    with pytest.raises(errors.InputError, match=r"bad.json:2: not valid JSON"):
         data.load_rows(str(tmp_path / "bad.json"), "train", "q", "sol")
 
 
@@ -2651,15 +2664,15 @@ def test_data_parquet_file_folder_splits_and_saved_datasets(tmp_path, monkeypatc
     assert load("train.parquet") == want and load("train.parquet", limit=2) == want[:2]
     assert load("splits") == want and load("splits", hf_split="test")[0]["prompt"] == "9x=0"
     assert load("saved") == want and load("saved", hf_split="test")[0]["answer"] == "9"
-    with pytest.raises(data.InputError, match=r"train.parquet:1: no field 'answer' \(fields: "
+    with pytest.raises(errors.InputError, match=r"train.parquet:1: no field 'answer' \(fields: "
                        r"level, question, solution\)"):
         data.load_rows(str(tmp_path / "train.parquet"), "train", "question", "answer")
-    with pytest.raises(data.InputError, match=r"--data .*splits: could not be loaded \(split "
+    with pytest.raises(errors.InputError, match=r"--data .*splits: could not be loaded \(split "
                        r"'validation': "):
         load("splits", hf_split="validation")
     # as if not installed: one line that says what to install
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(data.InputError, match=r"pip install datasets"):
+    with pytest.raises(errors.InputError, match=r"pip install datasets"):
         load("train.parquet")
 
 
@@ -2860,7 +2873,7 @@ def test_message_prompts_keep_their_system_turn_and_bad_prompts_name_their_row(t
                             "the tokenizer has no chat template")):
         formatter.check(rows[:1], "--data x")
         message = rf"^--data x: row 2: its prompt is a list of chat messages: {why}"
-        with pytest.raises(data.InputError, match=message):
+        with pytest.raises(errors.InputError, match=message):
             formatter.check(rows, "--data x")
     jsonl = tmp_path / "chat.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -2881,7 +2894,7 @@ def test_message_prompts_keep_their_system_turn_and_bad_prompts_name_their_row(t
                         (None, "NoneType null")):
         bad.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
                                for p in ("ok", prompt)))
-        with pytest.raises(data.InputError) as e:
+        with pytest.raises(errors.InputError) as e:
             data.load_rows(str(bad), "train")
         message = f"{bad}:2: field 'prompt' is neither a text nor a list of chat messages"
         assert str(e.value).startswith(message) and f"(got {got}" in str(e.value)
@@ -2891,7 +2904,7 @@ def test_message_prompts_keep_their_system_turn_and_bad_prompts_name_their_row(t
                                   ("34", r"\(reward_model is a str, not an object\)")):
         verl.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
                                     "reward_model": reward_model}) + "\n")
-        with pytest.raises(data.InputError,
+        with pytest.raises(errors.InputError,
                            match=rf"^{verl}:1: no field 'reward_model.ground_truth' {message}$"):
             data.load_rows(str(verl), "train", answer_field="reward_model.ground_truth")
     verl.write_text(json.dumps({"prompt": "1+1", "a.b": "2", "a": {"b": "3"}}) + "\n")
@@ -3065,7 +3078,7 @@ def _eval_setup(d, *extra):
     greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
     args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10",
                                    "--device", "cpu", *extra])
-    _, tok, model = checkpoint.load_model(args.model)
+    _, tok, model = models.load_model(args.model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -3084,7 +3097,7 @@ def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs
     reward = _has_9
     m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
     # one greedy answer per problem, scored here: sums of reward, truncation, length
-    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id,
                          temperature=0.0)
     texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)
@@ -3188,7 +3201,7 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
                                    "3", "--group-size", "4",
                              "--max-new-tokens", "8", "--overlong-cache", "4", "--device", "cpu"])
     rows = [{"prompt": str(i), "answer": "even"} for i in range(3)]
-    task = train.Task(rows, lambda p: PROMPTS[int(p)], lambda roll,
+    task = setup.Task(rows, lambda p: PROMPTS[int(p)], lambda roll,
                       i: " ".join(map(str, roll.response_ids[i, : roll.lengths[i]].tolist())),
                       data.as_reward(lambda text, answer: float(int(text.split()[0]) % 2 == 0)),
                       eos=[1], pad=0)
@@ -3380,7 +3393,7 @@ def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
         assert all(kw["mesh"] == "mesh" and kw["mp_policy"].param_dtype == param_dtype
                    and kw["mp_policy"].reduce_dtype == reduce_dtype for _, kw in calls)
     assert meshes == [("cuda", (4,)), ("cpu", (4,))]
-    with pytest.raises(parallel.ShardingError, match="no decoder layers"):
+    with pytest.raises(errors.ShardingError, match="no decoder layers"):
         parallel.shard(torch.nn.Linear(2, 2), "cpu")
     # one process, no --fsdp: as is
     assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model
@@ -3394,7 +3407,7 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from infra import checkpoint, parallel
+    from infra import parallel
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     ranks = parallel.Dist("cpu", fsdp=True)
@@ -3554,7 +3567,6 @@ class _OtherRank:
 
 
 def test_the_other_ranks_follow_rank_0s_lock_verdict(tmp_path, capsys):
-    from infra import checkpoint
     # they hold no lock themselves
     assert checkpoint.lock_folder(str(tmp_path / "free"), _OtherRank(1.0)) is None
     assert not (tmp_path / "free").exists()
@@ -3615,7 +3627,6 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
     # loads, whole
     import io
 
-    from infra import checkpoint
 
     def state(seed):
         torch.manual_seed(seed)
@@ -3647,7 +3658,7 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
 
 
 def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, capsys):
-    """checkpoint.CheckpointError (checkpoint.py raises its own, not data.InputError) reaches the
+    """errors.CheckpointError (checkpoint.py raises its own, not errors.InputError) reaches the
     same one line."""
     import train
     (tmp_path / "out").mkdir()
@@ -3674,7 +3685,6 @@ def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle
     the checkpoint step's own included, byte for byte."""
     import re
 
-    from infra import checkpoint
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # the rewrites' syncs are tested elsewhere
     kept = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "loss": 0.5},
             {"step": 1, "response": "x+1"}, {"step": 2, "loss": -0.25},
@@ -3720,7 +3730,7 @@ def test_a_cut_last_line_is_dropped_with_a_notice_at_every_byte_and_a_bad_middle
     for bad, line in ((head[:30] + b"\n" + head, 1), (head + b"not json\n", len(kept) + 1)):
         path.write_bytes(bad)
         for read in (metrics.read_metrics, lambda p: metrics.trim_metrics(p, 2)):
-            with pytest.raises(checkpoint.CheckpointError,
+            with pytest.raises(errors.CheckpointError,
                                match=f"^{re.escape(str(path))}:{line}: not a JSON line .*corrupt"):
                 read(str(path))
         assert path.read_bytes() == bad
@@ -3832,7 +3842,6 @@ def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one
     nothing but OUT/final. A save that fails (a full disk) leaves the old folder, no temporary."""
     import shutil
 
-    from infra import checkpoint
     path = str(tmp_path / "final")
     with checkpoint.atomic(path) as tmp:
         _tagged_folder(tmp, "first")
@@ -3906,22 +3915,21 @@ def test_atomic_replaces_a_folder_syncs_first_and_a_kill_at_any_point_leaves_one
 def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(tiny_run_inputs,
                                                                               tmp_path, capsys):
     """save_final over an earlier OUT/final: the new weights, nothing else left in OUT. Killed
-    between its two renames, only OUT/final.old is there: checkpoint.load_model (--model OUT/final,
+    between its two renames, only OUT/final.old is there: models.load_model (--model OUT/final,
     as evaluate.py takes it) loads that one with a notice, and the next save puts things right."""
-    from infra import checkpoint
-    _, tok, model = checkpoint.load_model(str(tiny_run_inputs / "model"))
+    _, tok, model = models.load_model(str(tiny_run_inputs / "model"))
     out, final = str(tmp_path), str(tmp_path / "final")
-    checkpoint.save_final(out, model, tok, model.state_dict())
+    models.save_final(out, model, tok, model.state_dict())
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     trained = {k: v.clone() for k, v in model.state_dict().items()}
-    checkpoint.save_final(out, model, tok, model.state_dict())
+    models.save_final(out, model, tok, model.state_dict())
     assert os.listdir(tmp_path) == ["final"]
     os.rename(final, final + ".old")                             # the moment between the renames
-    path, _, loaded = checkpoint.load_model(final)
+    path, _, loaded = models.load_model(final)
     assert path == final + ".old" and "final.old is whole" in capsys.readouterr().err
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
-    checkpoint.save_final(out, model, tok, model.state_dict())
+    models.save_final(out, model, tok, model.state_dict())
     assert os.listdir(tmp_path) == ["final"]
     assert all(torch.equal(v, trained[k]) for k, v in _weights(final).items())
 
@@ -3969,11 +3977,10 @@ def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, 
 
 
 def test_load_restores_the_global_rng_states_that_a_reward_may_draw_from(tmp_path):
-    """train.py draws from no global RNG itself, but a --reward function may (ablate.py's
+    """train.py draws from no global RNG itself, but a --reward function may (ablate's
     random_reward draws from `random`): load() puts back the torch and Python RNG states that save()
     found, so a resumed run draws what the unbroken one drew after its checkpoint (the kill test
     below checks it end to end, with flip_x)."""
-    from infra import checkpoint
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -4142,7 +4149,7 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     row = _one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
                     "--beta", "0.04", "--mini-batches", "2", "--micro-batch-size", "3")
     (_, roll, *_), stats = updates.pop()
-    sh = perf.model_shape(checkpoint.load_model(str(tiny_run_inputs / "model"))[2])
+    sh = perf.model_shape(models.load_model(str(tiny_run_inputs / "model"))[2])
     assert stats.micro == [slice(a, b) for a, b in ((0, 3), (3, 6), (6, 8), (8, 11), (11, 14),
                                                     (14, 16))]       # 2 mini-batches of 8 rows
     nograd = perf.forward_flops(sh, perf.forward_work(roll, stats.micro, True))
@@ -4268,7 +4275,7 @@ def _lora_model(d, r=4):
     """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would
     be a no-op)."""
     from infra import lora
-    path, tok, model = checkpoint.load_model(str(d / "model"))
+    path, tok, model = models.load_model(str(d / "model"))
     config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -4282,12 +4289,12 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_
     pytest.importorskip("peft", reason="--lora-r needs peft")
     from infra import lora
     tok, model, _ = _lora_model(tiny_run_inputs)
-    _, _, base = checkpoint.load_model(str(tiny_run_inputs / "model"))
+    _, _, base = models.load_model(str(tiny_run_inputs / "model"))
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
     # A and B of 7 projections in 2 layers
     assert len(adapters) == 2 * 7 * 2
-    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)],
                          2, 8, eos, tok.pad_token_id, temperature=1.0,
                          generator=torch.Generator().manual_seed(1))
@@ -4335,7 +4342,7 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     base = {n for n in before if ".lora_" not in n}
     assert len(base) == len(before) - 28                          # A and B of 14 projections
     assert not any(model.get_parameter(n).requires_grad for n in base)
-    encode, eos = data.PromptFormatter(tok), checkpoint.end_ids(tok, model)
+    encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
     prompts = [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)]
     roll = sample_groups(model, prompts, 4, 8, eos, tok.pad_token_id, temperature=1.0,
                          generator=torch.Generator().manual_seed(1))

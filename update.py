@@ -47,7 +47,7 @@ class Learner:
 
 @dataclass
 class UpdateStats:
-    """What one step's update_policy measured, summed over ranks (train.step_metrics: the row)."""
+    """What one step's update_policy measured, summed over ranks (metrics.step_metrics: the row)."""
     first: dict[str, float]         # UPDATE_SUMS of the first optimizer update (ratio 1)
     rest: dict[str, float]          # UPDATE_SUMS of the others (off-policy: the clip acts) or 0s
     mismatch_max: float             # max |sampler - old log-prob| over the step's tokens, all ranks

@@ -34,8 +34,8 @@ def solution(prompt: str) -> int:
     """x of a built-in equation, 'ax+b=c' or 'ax+b=cx+d' (a prompt as builtin.make_problem writes
     it)."""
     lhs, rhs = prompt.strip().split("=")
-    a, b = (int(v) for v in builtin._split_linear(lhs))
-    c, d = (int(v) for v in builtin._split_linear(rhs)) if "x" in rhs else (0, int(rhs))
+    a, b = (int(v) for v in builtin.split_linear(lhs))
+    c, d = (int(v) for v in builtin.split_linear(rhs)) if "x" in rhs else (0, int(rhs))
     return (d - b) // (a - c)
 
 

@@ -34,8 +34,6 @@ import torch
 from infra.builtin import (
     CACHE_DIR,
     BaseModelConfig,
-    _signed,
-    _split_linear,
     base_model,
     demonstration,
     is_heldout,
@@ -46,6 +44,12 @@ from infra.builtin import (
     shipped_key,
     shortcut_steps,
     write_shipped,
+)
+from infra.builtin import (
+    signed as _signed,
+)
+from infra.builtin import (
+    split_linear as _split_linear,
 )
 
 

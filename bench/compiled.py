@@ -48,7 +48,7 @@ MODEL = qwen_39m  # the rollouts section's 38.9M Qwen2 (the tests put a small on
 
 
 class StepClock:
-    """Seconds and calls of static_decode's decode forwards (its _run_step), the rest of the loop
+    """Seconds and calls of static_decode's decode forwards (its run_step), the rest of the loop
     (prefill, sampling, bookkeeping) left out."""
 
     def __init__(self, device: str):
@@ -56,7 +56,7 @@ class StepClock:
 
     @contextlib.contextmanager
     def on(self):
-        run = static_decode._run_step
+        run = static_decode.run_step
 
         def timed_run(*a, **kw):
             sync(self.device)
@@ -65,11 +65,11 @@ class StepClock:
             sync(self.device)
             self.seconds, self.calls = self.seconds + time.perf_counter() - t0, self.calls + 1
             return out
-        static_decode._run_step = timed_run
+        static_decode.run_step = timed_run
         try:
             yield self
         finally:
-            static_decode._run_step = run
+            static_decode.run_step = run
 
 
 @contextlib.contextmanager
@@ -147,7 +147,7 @@ def bench_compile(device: str, repeats: int) -> None:
 
         def ours(compile, prompts=prompts, G=G, T=T, ends=ends, S=S, gens=gens):
             return sample_groups(model, prompts, G, T, ends, 0, generator=gens(), max_num_seqs=S,
-                                 compile=compile)
+                                 static=static_decode if compile else None)
 
         def static_eager():
             with eager_step():

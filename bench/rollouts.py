@@ -17,7 +17,7 @@ import time
 import torch
 
 from bench.common import RSS_READABLE, cuda_peak, in_fresh_process, qwen_39m, rss_peak, sync, timed
-from sampler import _left_padded, sample_groups
+from sampler import left_padded, sample_groups
 
 
 def matmul_flops(device: str, dtype=torch.float32, seconds: float = 1.0) -> float:
@@ -76,7 +76,7 @@ def generate_tokens(model, prompts: list[list[int]], G: int, T: int, ends: list[
     """model.generate(num_return_sequences=G) on the prompts, left-padded with id 0, sampling at
     temperature 1 (no top-k, no top-p): the tokens it drew, each response's up to and with its
     first id of `ends` (what sample_groups' lengths count)."""
-    ids, am = _left_padded(prompts, 0, device)                                # [B, P]
+    ids, am = left_padded(prompts, 0, device)                                # [B, P]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=am, do_sample=True, num_return_sequences=G,
                              max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,

@@ -153,7 +153,7 @@ def forward_positions(roll, slices) -> dict:
     Per response: every row is its prompt left-padded to the slice's longest + the rollout's width;
     shared: each group's prompt but its last token once, left-padded to the slice's longest, then
     every row as [last prompt token, response] right-padded to the longest of its length bucket
-    (logprobs._length_buckets)."""
+    (logprobs.length_buckets)."""
     n = {"per-response": [0, 0], "shared": [0, 0]}                        # [computed, real]
     for s in slices:
         rows = range(s.start, s.stop)
@@ -163,7 +163,7 @@ def forward_positions(roll, slices) -> dict:
         n["per-response"][1] += sum(plen[i // roll.G] for i in rows) + sum(lengths)
         n["shared"][0] += len(plen) * (max(plen.values()) - 1) + sum(
             len(r) * max(lengths[i] for i in r.tolist())
-            for r in logprobs._length_buckets(roll.lengths[s]))
+            for r in logprobs.length_buckets(roll.lengths[s]))
         n["shared"][1] += sum(p - 1 for p in plen.values()) + sum(lengths)
     return n
 
@@ -191,15 +191,15 @@ def _passes(fn, model, roll, mb: int, temperature: float, device: str) -> dict:
 
 
 def bench_forward(device: str, repeats: int) -> None:
-    from infra import builtin, checkpoint, data
+    from infra import builtin, data, models
     print("\n## The training forward: each group's prompt once (shared prefix) vs once per "
           "response, seconds")
     cases = []
     # the built-in task: the base model's own rollouts of the default step (32 prompts x 8, 40 new)
-    _, tok, model = checkpoint.load_model("builtin")
+    _, tok, model = models.load_model("builtin")
     encode = data.PromptFormatter(tok, "{prompt}", None, True)
     prompts = [encode(r["prompt"]) for r in builtin.sample_problems(32, 0, False, distinct=False)]
-    roll = sample_groups(model.to(device), prompts, 8, 40, checkpoint.end_ids(tok, model),
+    roll = sample_groups(model.to(device), prompts, 8, 40, models.end_ids(tok, model),
                          tok.pad_token_id,
                          generator=[torch.Generator().manual_seed(i) for i in range(32)])
     cases.append(("built-in task, 32 prompts x G=8, micro-batch 64", model, roll, 64))

@@ -428,6 +428,12 @@ def write_shipped(built: str, dest: str, recipe: dict) -> None:
     os.replace(tmp, dest)
 
 
+# The task's arithmetic under public names, for ablate/ and the tests (the recipe's code keeps its
+# own names: recipe_key hashes them, so renaming would change the shipped weights' key)
+split_linear = _split_linear
+signed = _signed
+
+
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="Find (shipped or cached) or build the built-in base "

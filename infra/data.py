@@ -30,11 +30,7 @@ import zlib
 
 import torch
 
-
-class InputError(ValueError):
-    """Bad input to a run (a data file, model, reward or checkpoint):
-    reported as one line, exit code 2."""
-
+from infra.errors import InputError
 
 # read through `datasets` (a folder or a hub id too); JSONL and .json here
 DATASETS_FILES = (".parquet", ".arrow")

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from infra.data import InputError
+from infra.errors import InputError
 
 # the attention and MLP projections of Llama, Qwen2/2.5/3 and Mistral (and most
 # decoders named like them)

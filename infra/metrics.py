@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpo
-import update
 from infra import checkpoint
-from infra.data import InputError
+from infra.errors import CheckpointError, InputError
 from sampler import Rollout
 
 if TYPE_CHECKING:
     from infra.flags import TrainArgs
+    from update import UpdateStats
 
 # ---------------------------------------------------------------------------------------------
 # A step's metrics row, and the warnings it calls for
@@ -59,13 +59,13 @@ def _mean(total: float, count: float) -> float:
     return total / max(count, 1.0)
 
 
-def step_metrics(d: dict[str, float], stats: update.UpdateStats, mu: int,
+def step_metrics(d: dict[str, float], stats: UpdateStats, mu: int,
                  clip_c: float) -> dict[str, float]:
     """The step's measured metrics (the README's glossary): drawn_sums `d` and update_policy's
     `stats`, both summed over ranks, turned into means. The clip and ratio metrics are the
     off-policy updates' (all but the first) once there are any, and absent when no token was in
     the loss."""
-    u = {k: stats.first[k] + stats.rest[k] for k in update.UPDATE_SUMS}  # all updates of the step
+    u = {k: stats.first[k] + stats.rest[k] for k in stats.first}  # the step's updates, summed
     off = stats.rest if stats.rest["tokens"] > 0 else stats.first
     row = {}
     row["loss"] = _mean(u["loss"], u["updates"])
@@ -145,7 +145,7 @@ class SignalCheck:
 
 
 # ---------------------------------------------------------------------------------------------
-# The run's files: written as it goes, read back (--plot, ablate.py, --resume)
+# The run's files: written as it goes, read back (--plot, python -m ablate, --resume)
 # ---------------------------------------------------------------------------------------------
 
 class LiveCurves:
@@ -244,19 +244,18 @@ def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
     The prompt is the text the model saw, special tokens kept (a chat template's turn markers)."""
     N, G = roll.response_ids.shape[0], roll.G
     order = [g * G for g in range(N // G)] + [i for i in range(N) if i % G]  # each group's first
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     return [{"prompt": tokenizer.decode(roll.prompts[i // G]),
-             "response": decode(roll.response_ids[i, : roll.lengths[i]]),
+             "response": roll.response_text(i, tokenizer),
              "reward": float(roll.rewards[i]), "length": int(roll.lengths[i]),
              "truncated": bool(roll.truncated[i])}
             for i in order[:k]]
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The rows of a run's JSONL log (metrics.jsonl, completions.jsonl; what --plot and ablate.py
-    read). A run killed while writing leaves
-    its last line cut (no newline): that line is dropped with a one-line notice. Any other bad
-    line is corruption, not a kill: CheckpointError naming file:line."""
+    """The rows of a run's JSONL log (metrics.jsonl, completions.jsonl; what --plot and
+    `python -m ablate` read). A run killed while writing leaves its last line cut (no newline):
+    that line is dropped with a one-line notice. Any other bad line is corruption, not a kill:
+    CheckpointError naming file:line."""
     return [row for _, row in _jsonl_lines(path)]
 
 
@@ -280,7 +279,7 @@ def _parse_jsonl(data: bytes, path: str) -> list[tuple[str, dict]]:
             why = str(e).splitlines()[0]
             msg = (f"{path}:{i}: not a JSON line ({why}): the file is corrupt (a kill can only "
                    "cut the last line)")
-            raise checkpoint.CheckpointError(msg) from None
+            raise CheckpointError(msg) from None
     if tail.strip():
         try:  # a whole object without its newline (a proper prefix of one never decodes)
             line = tail.decode("utf-8")
@@ -300,7 +299,7 @@ def trim_metrics(path: str, last_step: int) -> None:
     keep = []
     for line, row in _jsonl_lines(path):
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise checkpoint.CheckpointError(f"{path}: a line without an integer 'step': "
+            raise CheckpointError(f"{path}: a line without an integer 'step': "
                                              f"{line.strip()[:80]}")
         if row["step"] <= last_step:
             keep.append(line)

@@ -49,15 +49,13 @@ import torch.distributed as dist
 # name there: pyflakes F823.)
 import torch.distributed.nn  # noqa: F401
 
+from infra.errors import ShardingError
+
 try:
     # FSDP2's public home since torch 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # an older torch still runs DDP; `shard` says why --fsdp cannot
     FSDPModule = MixedPrecisionPolicy = fully_shard = None
-
-
-class ShardingError(ValueError):
-    """--fsdp cannot shard this model with this torch: train.py prints the message in one line."""
 
 
 class Dist:

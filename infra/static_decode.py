@@ -89,7 +89,7 @@ _SEEN: set = set()                           # the (S, C, model, autocast) compi
 def decode_step(model, cache, tok, pos, mask):
     """One decode forward over every slot: tok, pos [S, 1], mask [S, 1, 1, C] -> logits [S, V]."""
     return model(input_ids=tok, attention_mask=mask, position_ids=pos, use_cache=True,
-                 logits_to_keep=1, **{sampler._cache_kwarg(model): cache}).logits[:, -1]
+                 logits_to_keep=1, **{sampler.cache_kwarg(model): cache}).logits[:, -1]
 
 
 def compile_mode(device: torch.device) -> str | None:
@@ -143,7 +143,7 @@ def can_compile(model, device: torch.device, window: int | None, span: int) -> b
     return why is None
 
 
-def _run_step(step, model, cache, tok, pos, mask, graphs: bool) -> torch.Tensor:
+def run_step(step, model, cache, tok, pos, mask, graphs: bool) -> torch.Tensor:
     """step(...) -> logits [S, V] with decode_attention swapped in for the call (the model's own
     attention is back for the prefill and the training forward)."""
     c = model.config
@@ -168,7 +168,7 @@ def decode(model, ids, pmask, plen, G: int, S: int, T: int, u, eos, temperature:
     step = compiled_step(device)
     compiled = step is not decode_step
     graphs = compiled and uses_graphs(device)
-    cache, _ = sampler._make_cache(model, C)
+    cache, _ = sampler.make_cache(model, C)
     at = torch.zeros(S, dtype=torch.long, device=device)                      # [S] write column
     tok = torch.zeros(S, 1, dtype=torch.long, device=device)                  # [S, 1]
     pos = torch.zeros(S, 1, dtype=torch.long, device=device)                  # [S, 1]
@@ -187,7 +187,7 @@ def decode(model, ids, pmask, plen, G: int, S: int, T: int, u, eos, temperature:
             g = slice(admitted, admitted + k)
             new, free = free[:k * G], free[k * G:]
             slots = torch.tensor(new, device=device)                          # [k*G]
-            first, prompt = sampler._prefill_prompts(model, ids[g], pmask[g])  # [k, V], the KV
+            first, prompt = sampler.prefill_prompts(model, ids[g], pmask[g])  # [k, V], the KV
             if not isinstance(cache.layers[0], StaticLayer):                  # the first admission
                 cache.layers = [StaticLayer(*_static_buffers(la, S, C, graphs), at)
                                 for la in prompt.layers]
@@ -225,7 +225,7 @@ def decode(model, ids, pmask, plen, G: int, S: int, T: int, u, eos, temperature:
         mask[act, 0, 0, a] = True
         key = (S, C, id(model), torch.is_autocast_enabled(device.type))     # a compile each
         t0 = time.perf_counter()
-        logits = _run_step(step, model, cache, tok, pos, mask, graphs)       # [S, V]
+        logits = run_step(step, model, cache, tok, pos, mask, graphs)       # [S, V]
         if compiled and key not in _SEEN:
             _SEEN.add(key)
             print(f"sampler: compiled the decode step ({S} slots x {C} positions) in "

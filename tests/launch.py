@@ -64,9 +64,9 @@ import builtins, json, os, random, signal, sys, time, traceback
 import torch
 import test_grpo
 import train
-from infra import checkpoint
+from infra import models
 # what transformers and torch import on first use: the model, AdamW
-checkpoint.load_model(sys.argv[1])
+models.load_model(sys.argv[1])
 param = torch.zeros(1, requires_grad=True)
 param.grad = torch.ones(1)
 torch.optim.AdamW([param]).step()
@@ -78,7 +78,7 @@ def child(cmd):
     cut = test_grpo._CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
                                lambda: os.kill(os.getpid(), signal.SIGKILL))
     builtins.open = cut
-    random.seed(0)  # as ablate.py does: the Python RNG of a fresh run is seeded too
+    random.seed(0)  # as python -m ablate does: the Python RNG of a fresh run is seeded too
     code = 0
     try:
         train.main(cmd["argv"])

@@ -34,7 +34,7 @@ import torch
 
 import evaluate
 import verifier
-from infra import checkpoint, data
+from infra import data, models
 from logprobs import rollout_logprobs
 from sampler import sample_groups
 
@@ -71,7 +71,7 @@ def real_model_dir():
 @pytest.fixture(scope="module")
 def real(real_model_dir):
     """(tokenizer, model) loaded as train.py loads a --model folder (float32, eval mode)."""
-    _, tokenizer, model = checkpoint.load_model(real_model_dir)
+    _, tokenizer, model = models.load_model(real_model_dir)
     return tokenizer, model.eval()
 
 
@@ -196,7 +196,7 @@ def test_real_model_folder_is_a_plain_llama_with_its_chat_template_and_end_of_tu
     # a response ends at the end of the assistant's turn, which is the tokenizer's EOS and the only
     # end id
     end = tokenizer.convert_tokens_to_ids(END)
-    assert tokenizer.eos_token == END and checkpoint.end_ids(tokenizer, model) == [end]
+    assert tokenizer.eos_token == END and models.end_ids(tokenizer, model) == [end]
     assert len(tokenizer) == 49152 and tokenizer.pad_token_id is not None
     # train.py's prompt: the chat template with its default system turn, or --system-prompt's
     got = tokenizer.decode(data.PromptFormatter(tokenizer)("What is 4 + 2?"))
@@ -240,7 +240,7 @@ def test_real_model_sampler_greedy_equals_generate_and_the_trainer_recomputes_it
     tokenizer, model = real
     prompts, T = _prompts(tokenizer), 24  # ~190 shared tokens, then each sum's own
     assert min(len(p) for p in prompts) > 128 and len({len(p) for p in prompts}) == 2
-    end, pad = checkpoint.end_ids(tokenizer, model), tokenizer.pad_token_id
+    end, pad = models.end_ids(tokenizer, model), tokenizer.pad_token_id
     greedy = sample_groups(model, prompts, 1, T, end, pad, 0.0)
     for i, p in enumerate(prompts):
         ref = model.generate(
@@ -397,7 +397,7 @@ def test_real_model_vllm_engine_agrees_with_the_builtin_sampler(real_engine, rea
     log-probs."""
     tokenizer, model = real
     prompts, T = _prompts(tokenizer), 24
-    end, pad = checkpoint.end_ids(tokenizer, model), tokenizer.pad_token_id
+    end, pad = models.end_ids(tokenizer, model), tokenizer.pad_token_id
     hf = sample_groups(model, prompts, 2, T, end, pad, 0.0)
     for _ in range(2):
         eng = real_engine.sample_groups(model, prompts, 2, T, end, pad, 0.0)

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from infra import builtin, checkpoint, data, flags
+from infra import builtin, checkpoint, data, flags, models
 from launch import _KILL_DRIVER, ROOT, _run_record, _run_train, _thread_counting_driver, _torchrun
 from test_grpo import (
     SCHEMA_PROBLEMS,
@@ -281,7 +281,7 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
     AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / "bf16")
     # the trap is real
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
-    _, _, model = checkpoint.load_model(str(tmp_path / "bf16"))
+    _, _, model = models.load_model(str(tmp_path / "bf16"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     _run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1",
                "--save-every", "1")
@@ -472,7 +472,7 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_no_lock(
         tiny_run_inputs, tmp_path, capsys):
     import train
-    from infra import checkpoint, parallel
+    from infra import parallel
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
                                *_tiny_flags(tiny_run_inputs, out),

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from infra import builtin, checkpoint, curves, data, flags
+from infra import builtin, curves, data, flags, models
 from test_grpo import _tiny_flags
 from verifier import verify
 
@@ -387,8 +387,8 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
     folder = habits.habit_model(small, tiny, str(tmp_path), log=lambda *a, **k: logs.append(a))
     # base (2 lines), habit
     assert folder == str(tmp_path / f"habit-{habits.habit_key(small, tiny)}") and len(logs) == 3
-    _, _, base = checkpoint.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
-    _, tok, model = checkpoint.load_model(folder)
+    _, _, base = models.load_model(str(tmp_path / f"base-{builtin.recipe_key(tiny)}"))
+    _, tok, model = models.load_model(folder)
     assert (tok.eos_token_id == 1 and any(not torch.equal(p, q) for p,
                                           q in zip(base.parameters(), model.parameters())))
     assert (habits.habit_model(small, tiny, str(tmp_path), log=lambda *a,
@@ -438,7 +438,7 @@ def test_habit_model_is_the_shipped_folder_only_for_its_key(tmp_path, monkeypatc
     assert shipped == os.path.join(ship_dir, "stutter") and builds == [h]
     assert builtin.shipped_key(shipped) == habits.habit_key(h)
     assert habits.habit_model(h, cache_dir=cache, log=quiet, ship_dir=ship_dir) == shipped
-    _, tok, _ = checkpoint.load_model(shipped)
+    _, tok, _ = models.load_model(shipped)
     assert tok.eos_token_id == 1 and builds == [h]
     # another Habit beside it: the cache, built once
     other = dataclasses.replace(h, seed=1)

@@ -1,0 +1,29 @@
+"""Step 1 as the commands run it: sampler.sample_groups under --bf16 autocast with --max-num-seqs
+slots (--compile: infra.static_decode's static-shape step), or a vLLM engine's sample_groups.
+
+Article section: "Step 1: Rollout 采样" (sampler.py is the step; this picks how it runs).
+"""
+from __future__ import annotations
+
+import torch
+
+import sampler
+from infra import static_decode
+from sampler import Rollout
+
+
+def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
+                   generator, eos: list[int], pad: int, args, sample=None) -> Rollout:
+    """Step 1 as training (train.rollout) and evaluation (evaluate.evaluate_model) run it:
+    sample_groups under --bf16 autocast, at most --max-num-seqs rows at once (default: as many as
+    --kv-cache-gb holds); or `sample`, a vLLM engine's sample_groups (train.py --rollout vllm),
+    which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
+    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16, compile)."""
+    T = args.max_new_tokens
+    if sample is not None:
+        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
+    S = args.max_num_seqs or sampler.num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
+    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
+        return sampler.sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
+                                     generator=generator, max_num_seqs=S,
+                                     static=static_decode if args.compile else None)
