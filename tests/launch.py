@@ -58,13 +58,14 @@ def _thread_counting_driver(tmp_path):
 # forks one child per line of stdin ({"argv", "out", "log", "kill_after_s" | "kill_after_bytes"}):
 # a train.main run that the driver kills with SIGKILL after kill_after_s seconds, or that kills
 # itself with SIGKILL once kill_after_bytes bytes went to the files it writes under OUT
-# (_CutWrites). One line back per run: how it ended.
+# (CutWrites). One line back per run: how it ended.
 _KILL_DRIVER = r"""
 import builtins, json, os, random, signal, sys, time, traceback
 import torch
-import test_grpo
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import train
 from infra import models
+from launch import CutWrites
 # what transformers and torch import on first use: the model, AdamW
 models.load_model(sys.argv[1])
 param = torch.zeros(1, requires_grad=True)
@@ -75,8 +76,8 @@ def child(cmd):
     log = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    cut = test_grpo._CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
-                               lambda: os.kill(os.getpid(), signal.SIGKILL))
+    cut = CutWrites(cmd["out"], cmd.get("kill_after_bytes"),
+                    lambda: os.kill(os.getpid(), signal.SIGKILL))
     builtins.open = cut
     random.seed(0)  # as python -m ablate does: the Python RNG of a fresh run is seeded too
     code = 0
@@ -132,3 +133,49 @@ def _run_record(out):
     final = {p.name: p.read_bytes() for p in sorted((out / "final").iterdir())}
     return {"metrics": rows("metrics.jsonl"), "completions": rows("completions.jsonl"),
             "final": final, "config": config, "files": sorted(os.listdir(out))}
+
+
+class CutWrites:
+    """A stand-in for builtins.open: the files it opens for writing under `folder` count the
+    characters written to them, all together; once `budget` of them are written, the write in
+    progress puts only its first part in the file, flushes, and calls die() (budget None: it only
+    counts). What a kill after that many bytes leaves (json writes ASCII: characters are bytes)."""
+
+    def __init__(self, folder, budget, die):
+        import builtins
+        self.folder, self.budget, self.die = os.path.abspath(folder) + os.sep, budget, die
+        self.written, self.real_open = 0, builtins.open
+
+    def __call__(self, file, mode="r", *args, **kwargs):
+        fh = self.real_open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and \
+                os.path.abspath(file).startswith(self.folder):
+            return _CutFile(fh, self)
+        return fh
+
+
+class _CutFile:
+    def __init__(self, fh, cut):
+        self.fh, self.cut = fh, cut
+
+    def write(self, text):
+        c = self.cut
+        if c.budget is not None and c.written + len(text) > c.budget:
+            self.fh.write(text[:c.budget - c.written])
+            self.fh.flush()
+            c.die()
+        c.written += len(text)
+        return self.fh.write(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.fh.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)

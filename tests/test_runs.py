@@ -20,16 +20,8 @@ import torch
 
 from infra import builtin, checkpoint, data, flags, models
 from launch import _KILL_DRIVER, ROOT, _run_record, _run_train, _thread_counting_driver, _torchrun
-from test_grpo import (
-    SCHEMA_PROBLEMS,
-    _chat_tokenizer,
-    _chatml,
-    _doc_commands,
-    _one_step,
-    _schema_rows,
-    _tiny_flags,
-    _weights,
-)
+from test_data import SCHEMA_PROBLEMS, _chat_tokenizer, _chatml, _doc_commands, _schema_rows
+from test_grpo import _one_step, _tiny_flags, _weights
 from verifier import verify
 
 # ---------------------------------------------------------------------------------------------

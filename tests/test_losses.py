@@ -1,0 +1,357 @@
+"""The loss family's unit tests (infra/variants.py): GSPO, CISPO, the KL estimators, the entropy
+bonus, truncated importance sampling, each against its formula and the references' forms.
+
+    python -m pytest -q tests/test_losses.py
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import grpo
+import update
+from infra import (
+    flags,
+    variants,
+)
+from test_grpo import (
+    _reduce_by_hand,
+)
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+# ---------------------------------------------------------------------------------------------
+# variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
+#
+# The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
+# PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
+# verl cannot be imported here (it pulls ray, omegaconf, ...); the same inputs were also checked
+# once against the real functions (see the README section "Other objectives").
+# ---------------------------------------------------------------------------------------------
+
+def _verl_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None):
+    """verl agg_loss: "token-mean" = masked sum / global tokens; "seq-mean-token-mean" = the mean
+    over
+    non-empty responses of each one's token mean (token count + 1e-8), summed and / global
+    responses."""
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
+    per_row = mask.sum(-1)
+    row_mean = (loss_mat * mask).sum(-1) / (per_row + 1e-8)
+    return (row_mean * (per_row > 0)).sum() / ((per_row > 0).sum() if num_seqs is None
+                                               else num_seqs)
+
+
+def _verl_gspo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
+    """verl compute_policy_loss_gspo: token ratio with value s_i = exp(masked mean of logp - old)
+    and the
+    gradient of logp (log-space: sg(log s_i) + logp - sg(logp), capped at 10), PPO's max of the two
+    losses."""
+    log_s = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    log_tok = torch.clamp(log_s.detach()[:, None] + logp - logp.detach(), max=10.0)
+    s = log_tok.exp()
+    loss_mat = torch.maximum(-adv_tok * s, -adv_tok * s.clamp(1 - clip_low, 1 + clip_high))
+    return _verl_agg(loss_mat * (1 if rollout_is_weights is None else rollout_is_weights), mask,
+                     mode)
+
+
+def _verl_cispo(old_logp, logp, adv_tok, mask, clip_low, clip_high, mode, rollout_is_weights=None):
+    """verl compute_policy_loss_cispo: -sg(clamp(exp(clamp(logp - old, -20, 20)), 1 - low, 1 +
+    high)) * A * logp;
+    rollout_is_weights (verl's rollout correction, e.g. truncated IS) multiply each token's loss."""
+    w = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(1 - clip_low,
+                                                                   1 + clip_high).detach()
+    return _verl_agg(-w * adv_tok * logp * (1 if rollout_is_weights is None
+                                            else rollout_is_weights), mask, mode)
+
+
+def _verl_kl(logp, ref_logp, name):
+    """verl kl_penalty for "k1", "mse" (k2) and "low_var_kl" (k3) without its two clamps."""
+    if name == "k1":
+        return logp - ref_logp
+    if name == "mse":
+        return (logp - ref_logp).square() / 2
+    r = torch.exp(ref_logp - logp)  # pi_ref / pi_theta
+    return r - torch.log(r) - 1
+
+
+def _random_policy_batch(seed, spread, N=6, T=7):
+    """logp [N, T] (requires grad), old logp, advantages [N], mask from lengths 1..T (no empty
+    row)."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(N, T, generator=g, dtype=torch.float64) - 2.0
+    logp = (old + spread * torch.randn(N, T, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([1, T, 3, 5, 2, T][:N])
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    return logp, old, adv, mask
+
+
+def _value_and_grad(fn, logp):
+    logp.grad = None
+    loss = fn()
+    loss.backward()
+    return loss.detach(), logp.grad.clone()
+
+
+@pytest.mark.parametrize("name,mine", [("k1", grpo.kl_k1), ("mse", grpo.kl_k2),
+                                       ("low_var_kl", grpo.kl_k3)])
+def test_kl_estimators_equal_verl_kl_penalty(name, mine):
+    logp, _, _, _ = _random_policy_batch(0, 1.0)
+    ref = torch.randn_like(logp) - 2.0
+    got, g_got = _value_and_grad(lambda: mine(logp, ref).sum(), logp)
+    want, g_want = _value_and_grad(lambda: _verl_kl(logp, ref, name).sum(), logp)
+    assert torch.allclose(got, want, atol=1e-12) and torch.allclose(g_got, g_want, atol=1e-12)
+    # by hand: pi = 0.5, pi_ref = 0.25: k1 = log 2, k2 = (log 2)^2 / 2, k3 = 0.5 - log 0.5 - 1 = log
+    # 2 - 0.5
+    a, b = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    hand = {"k1": math.log(2), "mse": math.log(2) ** 2 / 2, "low_var_kl": math.log(2) - 0.5}[name]
+    assert abs(mine(a, b).item() - hand) < 1e-6
+
+
+def test_kl_estimators_expected_gradients_on_policy():
+    # Exact expectations over a 5-token vocabulary: E_{x ~ pi}[grad k(x)] with pi's weights
+    # detached. k2's equals grad KL(pi || ref) (Liu et al., arXiv 2510.01555), k1's is 0, and k3's
+    # is the gradient of the reverse KL(ref || pi), hence biased for KL(pi || ref).
+    theta, ref = torch.randn(5, dtype=torch.float64,
+                             requires_grad=True), torch.log_softmax(torch.randn(5).double(), 0)
+
+    def grad(f):
+        theta.grad = None
+        f().backward()
+        return theta.grad.clone()
+
+    logp = lambda: torch.log_softmax(theta, 0)  # noqa: E731
+    exp_grad = lambda k: grad(lambda: (logp().exp().detach() * k(logp(), ref)).sum())  # noqa: E731
+    forward_kl = grad(lambda: (logp().exp() * (logp() - ref)).sum())
+    reverse_kl = grad(lambda: (ref.exp() * (ref - logp())).sum())
+    assert torch.allclose(exp_grad(grpo.kl_k2), forward_kl, atol=1e-12)
+    assert torch.allclose(exp_grad(grpo.kl_k1), torch.zeros(5, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(exp_grad(grpo.kl_k3), reverse_kl, atol=1e-12)
+    assert not torch.allclose(exp_grad(grpo.kl_k3), forward_kl, atol=1e-3)
+
+
+def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
+    logp, old, adv, mask = _random_policy_batch(seed, 0.1)
+    wt = grpo.token_weights(mask, reduction)                                  # [N, T]
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask,
+                                                      eps_low, eps_high, mode), logp)
+    for fn in (variants.gspo_loss, variants.gspo_token_loss):
+        got, g_got = _value_and_grad(
+            lambda: fn(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)  # noqa: B023
+        assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    # per-token advantages: only the token form takes them
+    adv_tok = torch.randn_like(mask)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
+                                                      mode), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt,
+                                                                  eps_low,
+                                                                 eps_high)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    with pytest.raises(ValueError):
+        variants.gspo_loss(logp, old, adv_tok, mask, wt)
+    # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
+    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
+                                                      mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt * w,
+                                                                  eps_low,
+                                                                 eps_high)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
+    assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0],
+                          want)
+    m = variants.gspo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[1]
+    return m["clip/low_frac"] + m["clip/high_frac"]
+
+
+@pytest.mark.parametrize("reduction,mode",
+                         [("sequence", "seq-mean-token-mean"), ("token", "token-mean")])
+def test_gspo_equals_verl_gspo_values_and_gradients(reduction, mode):
+    # bounds wider than the paper's 3e-4 / 4e-4 so that these batches have clipped and unclipped
+    # rows
+    clipped = [_check_gspo_against_verl(seed, reduction, mode, 0.02, 0.03) for seed in range(4)]
+    assert 0 < sum(clipped) < len(clipped)  # both kinds of rows were exercised
+    _check_gspo_against_verl(0, reduction, mode, variants.GSPO_EPS_LOW, variants.GSPO_EPS_HIGH)
+
+
+def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradient():
+    # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The
+    # gradient of each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token
+    # with A_i on each token.
+    logp, _, adv, mask = _random_policy_batch(3, 0.0)
+    old = logp.detach().clone()
+    # [N, T], sequence mean
+    wt = grpo.token_weights(mask)
+    loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask, wt)[0], logp)
+    _, g_tok = _value_and_grad(
+        lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, wt)[0],
+        logp)
+    assert torch.allclose(g_seq, g_tok, atol=1e-12)
+    want = -adv[:, None] / mask.sum(-1, keepdim=True) / mask.shape[0] * mask
+    assert torch.allclose(g_seq, want, atol=1e-12) and abs(loss.item() + adv.mean().item()) < 1e-12
+
+
+def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
+    logp, old, adv, mask = _random_policy_batch(seed, 0.4)
+    wt = grpo.token_weights(mask, reduction)                                  # [N, T]
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask),
+                                                       mask, eps_low, eps_high, mode), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt, eps_low,
+                                                             eps_high)[0], logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask),
+                                                       mask, eps_low, eps_high, mode, w), logp)
+    got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt * w, eps_low,
+                                                             eps_high)[0],
+                                 logp)
+    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    m = variants.cispo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[1]
+    return m["clip/low_frac"] + m["clip/high_frac"]
+
+
+@pytest.mark.parametrize("reduction,mode",
+                         [("token", "token-mean"), ("sequence", "seq-mean-token-mean")])
+def test_cispo_equals_verl_cispo_values_and_gradients(reduction, mode):
+    clipped = [_check_cispo_against_verl(seed, reduction, mode, 0.2, 0.28) for seed in range(3)]
+    assert 0 < sum(clipped) < len(clipped)
+    _check_cispo_against_verl(3, reduction, mode, variants.CISPO_EPS_LOW, variants.CISPO_EPS_HIGH)
+    # a clipped token keeps its gradient: ratio e^1 > 1.28, gradient -1.28 * A (here A = 1, one
+    # token)
+    one = torch.zeros(1, 1, dtype=torch.float64, requires_grad=True)
+    loss, m = variants.cispo_loss(one, torch.full((1, 1), -1.0, dtype=torch.float64),
+                                  torch.ones(1, dtype=torch.float64),
+                                  torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28)
+    loss.backward()
+    assert abs(one.grad.item() + 1.28) < 1e-12 and m["clip/high_frac"] == 1.0
+
+
+def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
+    # (per_token * token_weights).sum() is each reduction's formula; policy_loss(beta) is the beta =
+    # 0 loss plus beta * kl_term(k3), the article's one reduction of surrogate + beta * KL per token
+    from functools import partial
+    logp, old, adv, mask = _random_policy_batch(4, 0.3)
+    ref = torch.randn_like(old) - 2.0
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.28) * adv[:, None])
+    ppo = partial(grpo.ppo_loss, eps_low=0.2, eps_high=0.28)
+    for reduction in ("sequence", "token", "constant"):
+        kw = dict(reduction=reduction, num_tokens=torch.tensor(30.0), max_len=9, num_seqs=8)
+        w = grpo.token_weights(mask, **kw)
+        base, _ = grpo.policy_loss(logp, old, adv, mask, w, ppo)
+        assert torch.allclose(base, _reduce_by_hand(per_token, mask, **kw), atol=1e-12)
+        with_kl, m = grpo.policy_loss(logp, old, adv, mask, w, ppo, ref_logp=ref, beta=0.04)
+        kl, mk = grpo.kl_term(logp, ref, mask, w, grpo.kl_k3)
+        assert (torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12)
+                and abs(m["kl"] - mk["kl"]) < 1e-9)
+        want = _reduce_by_hand(per_token + 0.04 * grpo.kl_k3(logp, ref), mask, **kw)
+        assert torch.allclose(with_kl, want, atol=1e-12)
+        # another estimator: same "kl" metric (k3)
+        k2, mk2 = grpo.kl_term(logp, ref, mask, w, grpo.kl_k2)
+        assert torch.allclose(k2, _reduce_by_hand(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
+    with pytest.raises(ValueError):
+        grpo.token_weights(mask, "mean")
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("gspo", lambda lp, old, adv, mask, w: variants.gspo_loss(lp, old, adv, mask, w, 0.02,
+                                                              0.03)[0]),
+    ("gspo-token", lambda lp, old, adv, mask,
+     w: variants.gspo_token_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
+    ("cispo", lambda lp, old, adv, mask,
+     w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
+    ("kl-k2", lambda lp, old, adv, mask, w: grpo.kl_term(lp, old, mask, w, grpo.kl_k2)[0]),
+    ("tis", lambda lp, old, adv, mask, w: variants.cispo_loss(
+        lp, old, adv, mask, w * variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask,
+                                                     1.2))[0]),
+])
+@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
+def test_variant_losses_add_up_over_micro_batches(name, fn, reduction):
+    # two micro-batches with the step's global denominators give the full batch's loss and gradient
+    logp, old, adv, mask = _random_policy_batch(5, 0.05)
+    kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=9, num_seqs=6)
+    full, g_full = _value_and_grad(lambda: fn(logp, old, adv, mask, grpo.token_weights(mask, **kw)),
+                                   logp)
+    parts, g_parts = _value_and_grad(lambda: sum(fn(logp[s], old[s], adv[s], mask[s],
+                                                    grpo.token_weights(mask[s], **kw))
+                                                 for s in (slice(0, 2), slice(2, 6))), logp)
+    assert torch.allclose(full, parts, atol=1e-12) and torch.allclose(g_full, g_parts, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
+def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 5, 11)).requires_grad_(True)  # token_entropy works in float32
+    mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 4])[:, None]).float()
+    kw = dict(reduction=reduction, num_tokens=mask.sum(), max_len=6, num_seqs=4)
+    got = variants.entropy_bonus(variants.token_entropy(logits, 0.7), mask,
+                                 grpo.token_weights(mask, **kw))[0]
+    (g_got,) = torch.autograd.grad(got, logits)
+    x = logits / 0.7
+    naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # [N, T]
+    want = _reduce_by_hand(naive, mask, **kw)
+    (g_want,) = torch.autograd.grad(want, logits)
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(g_got, g_want, atol=1e-6)
+    # micro-batches with global denominators add up, as the losses do
+    parts = sum(variants.entropy_bonus(variants.token_entropy(logits[s], 0.7), mask[s],
+                                       grpo.token_weights(mask[s], **kw))[0]
+                                       for s in (slice(0, 1), slice(1, 4)))
+    assert torch.allclose(parts, want, atol=1e-5)
+
+
+def test_tis_weights_are_one_when_sampler_agrees_and_capped():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.equal(variants.tis_weights(old, old.detach(), mask, 2.0),
+                       torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    # pi_old / pi_sampler = 10 -> capped at 2; 1.5 -> kept; 0.25 -> kept (truncation is from above
+    # only)
+    sampler = old.detach() - torch.tensor([[math.log(10.0), math.log(1.5), math.log(0.25), 5.0]])
+    w = variants.tis_weights(old, sampler, mask, 2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.5, 0.25, 0.0]])) and not w.requires_grad
+    with pytest.raises(ValueError):
+        variants.tis_weights(old, sampler, mask, 0.0)
+
+
+def test_mismatch_metrics_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]])
+    # padding may hold anything
+    sampler = torch.tensor([[-1.0, -2.5, -2.0], [-1.2, float("-inf"), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    m = variants.mismatch_metrics(old, sampler, mask)
+    # |delta| = 0, 0.5, 1.0, 0.2 over 4 valid tokens; k3(sampler, old) = e^d - d - 1 with d = old -
+    # sampler
+    k3 = sum(math.exp(d) - d - 1 for d in (0.0, 0.5, -1.0, 0.2)) / 4
+    assert (abs(m["mismatch/logp_abs_mean"] - 1.7 / 4) < 1e-6
+            and abs(m["mismatch/logp_abs_max"] - 1.0) < 1e-6)
+    assert abs(m["mismatch/kl"] - k3) < 1e-6
+    assert variants.mismatch_metrics(old, old, mask) == {"mismatch/logp_abs_mean": 0.0,
+                                                         "mismatch/logp_abs_max": 0.0,
+                                                          "mismatch/kl": 0.0}
+
+
+def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
+    assert (set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"}
+            and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"})
+    a = flags.parse_train_args(["--loss", "gspo"])
+    assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
+    # a flag given wins
+    a = flags.parse_train_args(["--loss", "cispo", "--algo", "grpo", "--eps-high", "0.28"])
+    assert (a.eps_low, a.eps_high, a.reduction) == (1.0, 0.28, "sequence")
+    a = flags.parse_train_args(["--algo", "dapo"])
+    assert (a.loss, a.eps_low, a.eps_high) == ("ppo", 0.2, 0.28)
+
+
+def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
+    logp, old, adv, mask = _random_policy_batch(6, 0.3)
+    ref, w = torch.randn_like(old) - 2.0, torch.rand_like(old)
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
+    got, _ = grpo.policy_loss(logp, old, adv, mask, grpo.token_weights(mask, "token"), ref_logp=ref,
+                              beta=0.1, is_weights=w)
+    want = _reduce_by_hand(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
+    assert torch.allclose(got, want, atol=1e-12)

@@ -1,0 +1,454 @@
+"""What is measured (infra/perf.py, infra/metrics.py) and the optional integrations (infra/lora.py):
+model FLOPs and MFU, the no-signal warning, --report-to, LoRA.
+
+    python -m pytest -q tests/test_metrics.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import update
+from infra import (
+    builtin,
+    data,
+    flags,
+    metrics,
+    models,
+)
+from logprobs import rollout_logprobs
+from sampler import Rollout, sample_groups
+from test_grpo import (
+    INSTRUCTION,
+    LONG_PROMPTS,
+    _one_step,
+    _read,
+    _spy,
+    _tiny_flags,
+    _weights,
+)
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+# ---------------------------------------------------------------------------------------------
+# perf.py: model FLOPs by hand and as torch's FLOP counter sees the code run, the peak, MFU rows
+# ---------------------------------------------------------------------------------------------
+
+def _tiny_qwen2(**kw):
+    """2 layers, d_model 16, 4 query heads of 4 over 2 KV heads (GQA), MLP 24, V 50, tied."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None, **kw)).eval()
+
+
+def _hand_rollout() -> Rollout:
+    """2 prompts of 3 and 5 tokens, G = 2, responses of 2, 4 and 1, 3 tokens padded to 4."""
+    lengths = torch.tensor([2, 4, 1, 3])
+    mask = (torch.arange(4)[None] < lengths[:, None]).float()                 # [4, 4]
+    return Rollout(prompts=[[5, 6, 7], [8, 9, 10, 11, 12]], G=2, pad_token_id=0,
+                   response_ids=torch.where(mask > 0, 3, 0), mask=mask, lengths=lengths,
+                   truncated=torch.zeros(4, dtype=torch.bool), logprobs=torch.zeros(4, 4))
+
+
+def test_flops_of_a_tiny_qwen2_with_gqa_and_lora_by_hand():
+    from infra import perf
+    sh = perf.model_shape(_tiny_qwen2())
+    # a layer's matmuls (multiply-accumulates a token): q 16x16, k and v 16x(2 KV heads x 4), o,
+    # gate, up, down 16x24; the LM head is the tied embedding, 16 x 50; d_attn 4 heads x 4
+    layer = 16 * 16 + 16 * 8 + 16 * 8 + 16 * 16 + 3 * 16 * 24
+    assert sh == perf.Shape(body=2 * layer, trained=2 * layer, adapters=0, head=16 * 50,
+                            head_trained=True, layers=2, d_attn=16)
+    roll = _hand_rollout()
+    # Step 1: each prompt prefilled once (contexts 1..3, 1..5), then every response token but the
+    # last fed at contexts p+1.. (L = 2: 4; L = 4: 4, 5, 6; L = 1: none; L = 3: 6, 7); a logit per
+    # prefill and per fed token
+    tokens, context, logits = 3 + 5 + 1 + 3 + 0 + 2, 6 + 15 + 4 + 15 + 0 + 13, 2 + 1 + 3 + 0 + 2
+    assert perf.forward_flops(sh, perf.rollout_work(roll)) == (
+        2 * 2 * layer * tokens + 4 * 2 * 16 * context + 2 * 16 * 50 * logits)
+    # the training forward, one micro-batch: the prompts but their last token once (contexts 1..2,
+    # 1..4), each response from that token on (contexts 3..4, 3..6, 5, 5..7); a logit per response
+    # token. Split after row 0, group 0's prompt runs twice; per response, each its own prompt.
+    one, split, own = [slice(0, 4)], [slice(0, 1), slice(1, 4)], [slice(0, 4)]
+    assert perf.forward_work(roll, one, True) == perf.Work(2 + 4 + 2 + 4 + 1 + 3,
+                                                           3 + 10 + 7 + 18 + 5 + 18, 10)
+    assert perf.forward_work(roll, split, True) == perf.Work(2 + 2 + (2 + 4 + 4 + 1 + 3),
+                                                             3 + 7 + (3 + 10 + 18 + 5 + 18), 10)
+    assert perf.forward_work(roll, own, False) == perf.Work(4 + 6 + 5 + 7, 10 + 21 + 15 + 28, 10)
+    # full fine-tuning: the backward is 2x the forward, the update 3x
+    w = perf.forward_work(roll, one, True)
+    assert perf.train_flops(sh, w) == 3 * perf.forward_flops(sh, w)
+    # LoRA r = 2 on q and v: A [2, 16] and B [16, 2] on q, B [8, 2] on v, a layer; the base weights
+    # and the tied head frozen: 2x their forward (activation gradients), the adapters and attention
+    # 3x; the reference pass runs without the adapters
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    from infra import lora
+    model = _tiny_qwen2()
+    lora.add_adapters(model, 2, 4.0, "q_proj,v_proj", "tiny")
+    ad = 2 * (16 * 2 + 2 * 16 + 16 * 2 + 2 * 8)
+    sl = perf.model_shape(model)
+    assert sl == perf.Shape(2 * layer + ad, ad, ad, 16 * 50, False, 2, 16)
+    assert perf.train_flops(sl, w) == (2 * (2 * layer + ad) * 16 + 2 * (2 * layer + ad) * 16
+                                       + 2 * ad * 16 + 3 * 4 * 2 * 16 * 61 + 2 * 2 * 800 * 10)
+    assert perf.forward_flops(sl, w, adapters=False) == perf.forward_flops(sh, w)
+
+
+def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
+    # torch's FLOP counter on the code itself (eager attention: QK^T and AV as bmm), prompts of 143
+    # tokens sharing 140 (equal lengths: no left-padding): Step 1's matmuls are exactly the count
+    # (finished rows leave the batch; a decode step's rows attend exactly their own context), but
+    # for the prefill, whose causal mask hides half of the p x p scores it computes
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from infra import perf
+    model = _tiny_qwen2(attn_implementation="eager")
+    sh, p = perf.model_shape(model), len(LONG_PROMPTS[0])
+    prompts = [INSTRUCTION + [5, 6, 7], INSTRUCTION + [8, 9, 10]]
+
+    def counted(fn) -> tuple[float, float]:
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            out = fn()
+        c = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+        return out, c.pop("aten.bmm"), sum(c.values())               # attention, the weights'
+
+    roll, attn, weights = counted(lambda: sample_groups(
+        model, prompts, 4, 6, 1, 0, generator=torch.Generator().manual_seed(0)))
+    w = perf.rollout_work(roll)
+    assert roll.lengths.unique().numel() > 1 and p == 143
+    assert weights == 2 * sh.body * w.tokens + 2 * sh.head * w.logits
+    assert attn == 4 * sh.layers * sh.d_attn * (w.context + 2 * (p * p - p * (p + 1) // 2))
+    # the training forward on 8 responses of 5 tokens (no padding) in micro-batches of 3 and 5
+    # rows: the weights' matmuls are the count plus what the code computes and drops: one logit
+    # per group and micro-batch at the prompt's end (3), or per response (8) its last token and
+    # one logit
+    T, g = 5, torch.Generator().manual_seed(1)
+    full = Rollout(prompts=prompts, G=4, pad_token_id=0,
+                   response_ids=torch.randint(2, 50, (8, T), generator=g), mask=torch.ones(8, T),
+                   lengths=torch.full((8,), T), truncated=torch.ones(8, dtype=torch.bool),
+                   logprobs=torch.zeros(8, T))
+    micro = [slice(0, 3), slice(3, 8)]
+    for shared, dropped in ((True, 3 * 2 * sh.head), (False, 8 * (2 * sh.body + 2 * sh.head))):
+        _, _, weights = counted(lambda shared=shared: [
+            rollout_logprobs(model, full, s, 1.0, shared_prefix=shared) for s in micro])
+        w = perf.forward_work(full, micro, shared)
+        assert weights == 2 * sh.body * w.tokens + 2 * sh.head * w.logits + dropped, shared
+
+
+def test_peak_from_the_device_name_a_cpu_probe_or_peak_tflops():
+    from infra import perf
+    assert [perf.peak_tflops_of(n) for n in (
+        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+        "NVIDIA A100 80GB PCIe", "NVIDIA A10", "NVIDIA L40S")] == [989.4, 756.5, 989.4, 312.0,
+                                                                   312.0, 125.0, 362.0]
+    said = []
+    # an unknown GPU (A10G is not an A10): one line said, no peak, so no MFU; --peak-tflops wins
+    assert perf.peak_tflops_of("NVIDIA A10G") is None
+    assert perf.peak_flops("cuda", torch.bfloat16, None, "NVIDIA A10G", said.append) is None
+    assert len(said) == 1 and "NVIDIA A10G" in said[0] and "--peak-tflops" in said[0]
+    assert perf.peak_flops("cuda", torch.bfloat16, 2.5, "NVIDIA A10G", said.append) == 2.5e12
+    assert perf.peak_flops("cuda:0", torch.bfloat16, None, "NVIDIA H100 PCIe") == 756.5e12
+    t0 = time.time()
+    probe = perf.peak_flops("cpu", torch.float32, None)
+    assert 1e8 < probe < 1e13 and time.time() - t0 < 5 and len(said) == 1
+    assert perf.peak_flops("cpu", torch.float32, 0.01) == 1e10                 # no probe
+    with pytest.raises(SystemExit) as e:
+        flags.parse_train_args(["--peak-tflops", "0"])
+    assert e.value.code == 2
+    # no FLOPs in a phase (no old or reference pass: one update, beta 0): no MFU for it
+    m = perf.Meter(perf.model_shape(_tiny_qwen2()), 1e9, world=2)
+    d = {"length": 30.0, "perf:rollout": 4e9, "perf:logprob": 0.0, "perf:update": 8e9}
+    row = {"time/sample_s": 1.0, "time/logprob_s": 1e-4, "time/update_s": 2.0, "time/step_s": 4.0}
+    assert m.metrics(d, row) == {"perf/tokens_per_s": 7.5, "perf/flops": 12e9,
+                                 "perf/mfu_rollout": 2.0, "perf/mfu_update": 2.0,
+                                 "perf/mfu": 1.5}
+
+
+def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, monkeypatch,
+                                                   capsys):
+    # one step of train.py in this process, with an old-policy pass (--mu 2), a reference pass
+    # (beta), 2 mini-batches in micro-batches of 3 rows (groups of 4 split) and --peak-tflops: the
+    # row's FLOPs are the step's counts, its MFU those over the phase's seconds and that peak
+    from infra import perf
+    updates = _spy(monkeypatch, update, "update_policy")
+    peak = 0.02e12
+    row = _one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
+                    "--beta", "0.04", "--mini-batches", "2", "--micro-batch-size", "3")
+    (_, roll, *_), stats = updates.pop()
+    sh = perf.model_shape(models.load_model(str(tiny_run_inputs / "model"))[2])
+    assert stats.micro == [slice(a, b) for a, b in ((0, 3), (3, 6), (6, 8), (8, 11), (11, 14),
+                                                    (14, 16))]       # 2 mini-batches of 8 rows
+    nograd = perf.forward_flops(sh, perf.forward_work(roll, stats.micro, True))
+    flops = {"rollout": perf.forward_flops(sh, perf.rollout_work(roll)),  # one round, all kept
+             "logprob": 2 * nograd,                                       # old and reference
+             "update": 2 * perf.train_flops(sh, perf.forward_work(roll, stats.micro, True))}
+    assert row["perf/flops"] == pytest.approx(sum(flops.values()), rel=1e-6)
+    for phase, t in (("rollout", "sample"), ("logprob", "logprob"), ("update", "update")):
+        assert row[f"perf/mfu_{phase}"] == pytest.approx(flops[phase] / row[f"time/{t}_s"] / peak,
+                                                         rel=1e-6)
+    assert 0 < row["perf/mfu"] == pytest.approx(row["perf/flops"] / row["time/step_s"] / peak)
+    # tokens/s: the step's sampled response tokens (4 prompts x G 4) over the step's seconds
+    assert row["perf/tokens_per_s"] * row["time/step_s"] == pytest.approx(row["len/mean"] * 16)
+    assert f"mfu={100 * row['perf/mfu']:.3g}%" in capsys.readouterr().err  # the progress bar
+    glossary = _read(os.path.join(HERE, "docs", "metrics.md"))
+    assert all(f"`{k}`" in glossary for k in row if k.startswith("perf/"))
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
+# ---------------------------------------------------------------------------------------------
+
+def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
+    row = {"step": step, "reward/correct": correct, "reward/frac_zero_std": zero_std,
+           "len/truncated_frac": truncated}
+    return row if kept is None else {**row, "sampling/groups_kept": kept, "sampling/rounds": 4.0}
+
+
+def test_no_learning_signal_is_said_once_with_its_likely_causes():
+    grpo_args, dapo_args = (flags.parse_train_args(["--algo", "grpo"]),
+                            flags.parse_train_args(["--algo", "dapo", "--max-rounds", "4"]))
+    # GRPO: every group's rewards equal (all advantages 0) at steps 1 and 2: said once; nothing
+    # right in 3 steps
+    check = metrics.SignalCheck(grpo_args)
+    said = [check(_signal_row(s, 0.0, 1.0, truncated=1.0)) for s in (1, 2)]
+    assert len(said[0]) == 1 and said[1] == [] and check.silent
+    msg = said[0][0]
+    assert (msg.startswith("warning: no learning signal at step 1: every group's 8 rewards are "
+                           "equal") and "\n" not in msg)
+    for cause in ("Answer:", "--prompt-template", "--reward verifier", "--max-new-tokens 40",
+                  "len/truncated_frac 1.00"):
+        assert cause in msg, cause
+    third = check(_signal_row(3, 0.0, 1.0))
+    assert (len(third) == 1 and "no sample of the first 3 steps scored above 0" in third[0]
+            and check(_signal_row(4, 0, 1)) == [])
+    # DAPO: dynamic sampling kept nothing in --max-rounds rounds; a step that kept groups trains
+    # (not silent)
+    check = metrics.SignalCheck(dapo_args)
+    assert check(_signal_row(1, 0.25, 0.5, kept=3.0)) == [] and not check.silent
+    said = check(_signal_row(2, 1.0, 1.0, kept=0.0))
+    assert (len(said) == 1 and "dynamic sampling kept no group in --max-rounds 4 rounds" in said[0]
+            and check.silent)
+    assert "every sample is right" in said[0]
+    # once a run; and some samples scored: no "none right"
+    assert check(_signal_row(3, 0.5, 1.0, kept=0.0)) == []
+    mixed = metrics.SignalCheck(grpo_args)(_signal_row(1, 0.5, 1.0))
+    # groups all right or all wrong, half of them right
+    assert len(mixed) == 1 and "--group-size" in mixed[0]
+
+
+def test_none_right_in_three_steps_is_no_silent_step_when_rewards_differ():
+    # GRPO + --format-weight: no answer is right (reward/correct 0) but half the groups' rewards
+    # differ, so the steps train (advantages != 0). Step 3 says "none right", and is still not a
+    # step that trained nothing (train.py's bar shows signal=none for those only); a step whose
+    # groups are all equal is one, after it.
+    check = metrics.SignalCheck(flags.parse_train_args(["--algo", "grpo", "--format-weight",
+                                                        "0.5"]))
+    said, silent = [], []
+    for step in (1, 2, 3, 4):
+        said.append(check(_signal_row(step, 0.0, 0.5)))
+        silent.append(check.silent)
+    assert said[:2] == [[], []] and said[3] == [] and silent == [False] * 4
+    assert len(said[2]) == 1
+    assert said[2][0].startswith("warning: no learning signal at step 3: no sample of the first 3")
+    assert "(this step trained nothing)" not in said[2][0]
+    assert check(_signal_row(5, 0.0, 1.0)) != [] and check.silent     # every group equal: silent
+    assert check(_signal_row(6, 0.0, 0.5)) == [] and not check.silent  # the next step trains again
+
+
+def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, monkeypatch):
+    # a stand-in wandb module records what LiveCurves calls; one step of train.py in this process:
+    # wandb gets every metrics.jsonl row (eval rows too: step 1 holds two, the update's and the
+    # eval's) at its step, the config once, and the run is finished
+    import types
+    calls = []
+
+    class Run:
+        def log(self, scalars, step=None, **kw):
+            calls.append(("log", dict(scalars), step, kw))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return Run()
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    out = tmp_path / "run"
+    _one_step(tiny_run_inputs, out, "--report-to", "wandb", "--run-name", "w")
+    (_, kw), *logs, finish = calls
+    assert kw == {"project": "grpo-dapo", "name": "w", "dir": str(out),
+                  "config": json.loads((out / "config.json").read_text())} and finish == ("finish",)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [c[0] for c in logs] == ["log"] * len(rows) and all(c[3] == {} for c in logs)
+    assert [(c[2], c[1]) for c in logs] == [(r["step"], {k: v for k, v in r.items() if k != "step"})
+                                            for r in rows]
+    assert [c[2] for c in logs] == [0, 1, 1]
+
+
+def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    import train
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit) as e:
+        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to",
+                    "wandb"])
+    err = capsys.readouterr().err.strip()
+    assert (e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not "
+            "installed (pip install wandb)")
+
+
+def _lora_model(d, r=4):
+    """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would
+    be a no-op)."""
+    from infra import lora
+    path, tok, model = models.load_model(str(d / "model"))
+    config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return tok, model, config
+
+
+def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_inputs):
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    from infra import lora
+    tok, model, _ = _lora_model(tiny_run_inputs)
+    _, _, base = models.load_model(str(tiny_run_inputs / "model"))
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    # A and B of 7 projections in 2 layers
+    assert len(adapters) == 2 * 7 * 2
+    encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
+    roll = sample_groups(model, [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)],
+                         2, 8, eos, tok.pad_token_id, temperature=1.0,
+                         generator=torch.Generator().manual_seed(1))
+    rows = slice(0, 6)
+    logp, _, mask = rollout_logprobs(model, roll, rows, 1.0)
+    (logp * mask).sum().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None
+             and p.grad.abs().sum() > 0}
+    # every adapter, nothing else
+    assert grads == adapters
+    with torch.no_grad():
+        with lora.adapters_off(model):
+            ref = rollout_logprobs(model, roll, rows, 1.0)[0]
+        again = rollout_logprobs(model, roll, rows, 1.0)[0]
+        want = rollout_logprobs(base, roll, rows, 1.0)[0]
+    # the reference is the base model
+    assert torch.allclose(ref, want, atol=1e-6)
+    # which the adapted policy is not
+    assert (logp.detach() - want).abs().max() > 1e-3
+    assert (torch.equal(again, logp.detach())
+            and {n for n, p in model.named_parameters() if p.requires_grad} == adapters)
+
+
+def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny_run_inputs,
+                                                                            monkeypatch):
+    # peft.inject_adapter_in_model documents the injection only (peft 0.21 also freezes the rest, as
+    # get_peft_model does); add_adapters freezes every base weight itself, so here peft leaves all
+    # trainable. Then one update as train.py builds it (AdamW over the parameters that require grad,
+    # weight decay on, beta > 0 with the adapters off as the reference; the step's 3 groups in 2
+    # mini-batches): every base weight is bit-for-bit unchanged, every A and B has moved.
+    import contextlib
+    from types import SimpleNamespace
+
+    from infra import lora, parallel
+    peft = pytest.importorskip("peft", reason="--lora-r needs peft")
+    inject = peft.inject_adapter_in_model
+
+    def leaves_all_trainable(config, model, adapter_name="default"):
+        out = inject(config, model, adapter_name=adapter_name)
+        model.requires_grad_(True)
+        return out
+    monkeypatch.setattr(peft, "inject_adapter_in_model", leaves_all_trainable)
+    tok, model, _ = _lora_model(tiny_run_inputs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base = {n for n in before if ".lora_" not in n}
+    assert len(base) == len(before) - 28                          # A and B of 14 projections
+    assert not any(model.get_parameter(n).requires_grad for n in base)
+    encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
+    prompts = [encode(r["prompt"]) for r in builtin.sample_problems(3, 2, True)]
+    roll = sample_groups(model, prompts, 4, 8, eos, tok.pad_token_id, temperature=1.0,
+                         generator=torch.Generator().manual_seed(1))
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    args = SimpleNamespace(micro_batch_size=5, mini_batches=2, mu=1, temperature=1.0,
+                           reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
+                           max_new_tokens=8, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
+    learner = update.Learner(model, model, model, opt, contextlib.nullcontext,
+                             lambda: lora.adapters_off(model))
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    update.update_policy(learner, roll, advantages, roll.mask, args, parallel.Dist("cpu"))
+    after = dict(model.named_parameters())
+    assert [n for n in base if not torch.equal(after[n], before[n])] == []            # untouched
+    assert [n for n in before if n not in base and torch.equal(after[n], before[n])] == []  # moved
+    assert not any(after[n].requires_grad for n in base)                              # still frozen
+
+
+def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny_run_inputs,
+                                                                            tmp_path):
+    peft = pytest.importorskip("peft", reason="--lora-r needs peft")
+    from transformers import AutoModelForCausalLM
+
+    from infra import lora
+    tok, model, config = _lora_model(tiny_run_inputs)
+    model.save_pretrained(tmp_path / "final", state_dict=lora.merged_state_dict(model))
+    lora.save_adapter(model, config, str(tmp_path / "adapter"))
+    merged, base = _weights(tmp_path / "final"), _weights(tiny_run_inputs / "model")
+    sd, adapted = model.state_dict(), 0
+    for k in base:
+        prefix = k.removesuffix(".weight")
+        # W + alpha / r * B A, by hand
+        if f"{prefix}.lora_A.default.weight" in sd:
+            A, B = sd[f"{prefix}.lora_A.default.weight"], sd[f"{prefix}.lora_B.default.weight"]
+            assert torch.allclose(merged[k], base[k] + 2.0 * B @ A, atol=1e-6), k
+            assert (merged[k] - base[k]).abs().max() > 1e-3
+            adapted += 1
+        else:
+            assert torch.equal(merged[k], base[k]), k
+    assert adapted == 14
+    ids = torch.tensor([tok("2x+4=10\n")["input_ids"]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "final")(input_ids=ids).logits
+        alone = peft.PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_run_inputs / "model"),
+            tmp_path / "adapter")(input_ids=ids).logits
+    assert torch.allclose(plain, want, atol=1e-5) and torch.allclose(alone, want, atol=1e-5)
+
+
+def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import train
+    run = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
+    for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
+                           (["--lora-r", "4", "--rollout", "vllm"],
+                            "--lora-r with --rollout vllm is not supported"),
+                           (["--lora-r", "-1"], "--lora-r must be >= 0"),
+                           (["--lora-r", "4", "--lora-target-modules", "wq,wk"],
+                            "--lora-target-modules wq,wk: ")):
+        if "wq,wk" in extra and importlib.util.find_spec("peft") is None:  # the others need no peft
+            continue
+        with pytest.raises(SystemExit) as e:
+            train.main([*run, *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(SystemExit) as e:
+        train.main([*run, "--lora-r", "4"])
+    assert (capsys.readouterr().err.strip()
+            == "error: --lora-r: the peft package is not installed (pip install peft)")
+    assert (flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16
+            and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3)
