@@ -356,11 +356,11 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     truncated = torch.ones(N, dtype=torch.bool, device=device)
     if B == 0:
         return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
-                                    truncated)
+                                   truncated)
 
     was_training = model.training
     model.eval()
-    ids, pmask = left_padded(prompts, pad_token_id, device)                 # [B, P] each
+    ids, pmask = left_padded(prompts, pad_token_id, device)                  # [B, P] each
     P, plen = ids.shape[1], pmask.sum(-1)                                     # plen [B]
     S = N if max_num_seqs is None else min(max_num_seqs, N)           # slots: rows decoding at once
     cache, window = make_cache(model, P + T, rows=S)
@@ -372,7 +372,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                       response, logprobs, lengths, truncated)
         model.train(was_training)
         return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
-                                    truncated)
+                                   truncated)
     kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
     attn = torch.zeros(S, P + T,
                        dtype=torch.long, device=device)  # [S, P + T] the columns each slot sees
@@ -431,8 +431,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                        position_ids=pos[:, None],
                        **kw).logits[:, -1]                                    # [n, V]
     model.train(was_training)
-    return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
-                                    truncated)
+    return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
 
 
 def prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):

@@ -67,8 +67,11 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
         stats = update_step(s, roll, advantages, mask, args, ranks)
 
         # ---- metrics, summed over ranks (perf: the phases' model FLOPs); rank 0's files ----
-        row = bookkeeping.step_row(s, args, ranks, step, roll, stats, sstats, rounds, state, t0)
-        state["step"] = step + 1
+        row = bookkeeping.step_row(s, args, ranks, step, roll, stats, sstats, rounds,
+                                   state["samples"], t0)
+        state["samples"], state["step"] = row["samples"], step + 1
+        if s.out:
+            bookkeeping.log_step(s, args, step, row, roll)
         done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
         if state["step"] % args.eval_every == 0 or done:
             state["acc_after"] = bookkeeping.held_out(s, args, ranks, state["step"])

@@ -27,17 +27,16 @@ def progress_bar(args: flags.TrainArgs, ranks: parallel.Dist, first: int):
 
 
 def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, roll,
-             stats: update.UpdateStats, sstats: dict[str, float], rounds: list, state: dict,
+             stats: update.UpdateStats, sstats: dict[str, float], rounds: list, samples: int,
              t0: float) -> dict:
-    """The step's metrics.jsonl row, written by rank 0 (log_step): the drawn rollouts' sums and
-    the update's `stats` (both over all ranks) as metrics.step_metrics, the learning rate, the
-    sampling/*, time/*, memory/* and perf/* keys. Adds the step's samples to state["samples"]."""
+    """The step's metrics.jsonl row: the drawn rollouts' sums and the update's `stats` (both over
+    all ranks) as metrics.step_metrics, the learning rate, the run's samples so far (`samples`
+    before this step, plus its own), the sampling/*, time/*, memory/* and perf/* keys."""
     drawn = [r for r, _ in rounds]
     d = ranks.sum_named({**metrics.drawn_sums(drawn),
                          **s.perf.flops(roll, drawn, stats, args, ranks)})
-    state["samples"] += int(d["samples"])
     row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c),
-           "lr": s.sched.get_last_lr()[0], "samples": state["samples"], **sstats,
+           "lr": s.sched.get_last_lr()[0], "samples": samples + int(d["samples"]), **sstats,
            "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
            "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
            "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
@@ -45,8 +44,6 @@ def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, r
     own_ref = None if s.ref is s.model else s.ref  # the bytes rank 0 holds (--fsdp: its shards)
     row["memory/state_bytes"] = parallel.state_bytes(s.model, s.learner.opt, own_ref)
     row.update(s.perf.metrics(d, row))           # MFU and tokens/s: d's FLOPs over the times
-    if s.out:
-        log_step(s, args, step, row, roll)
     return row
 
 
