@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| clamped before exp (as verl does): no inf, no NaN grad
-# a surrogate: (logp, old_logp, advantages, mask, weights) -> (loss, metrics); ppo_loss, variants.py
+# a surrogate: (logp, old_logp, advantages, mask, weights) -> (loss, metrics); ppo_loss,
+# infra/variants.py
 Surrogate = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # kl_k1, kl_k2, kl_k3
 
@@ -76,7 +77,7 @@ def token_weights(
     """Each token's weight in the loss [N, T], from mask [N, T] (1.0 on valid tokens), a reduction.
 
     The one place where a reduction and its denominators become numbers: every objective of this
-    file and of variants.py is `(per_token * weights).sum()`, zero on padding.
+    file and of infra/variants.py is `(per_token * weights).sum()`, zero on padding.
     "sequence" (GRPO, DeepSeekMath Eq. 3): 1 / (|o_i| * num_seqs), the mean over responses of each
         response's token mean; num_seqs defaults to the rows with at least one valid token, so
         responses masked out whole (overlong filtering) are not counted (as verl; TRL counts them);
@@ -228,7 +229,7 @@ def policy_loss(
     """The article's Step 4 loss, "surrogate + beta * KL", as update.py runs it, and its metrics.
 
     surrogate(logp, old_logp, advantages, mask, weights) -> (loss, metrics): `ppo_loss` (GRPO,
-    DAPO) or an objective of variants.py (--loss), its clip range bound by the caller
+    DAPO) or an objective of infra/variants.py (--loss), its clip range bound by the caller
     (functools.partial). weights [N, T]: `token_weights` (the reduction and its global
     denominators), shared by both terms; is_weights [N, T] (optional, detached, e.g.
     variants.tis_weights) multiply the surrogate's, not the KL's. The KL term (`kl_term`, estimator

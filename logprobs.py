@@ -49,7 +49,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from sampler import Rollout, cache_kwarg, left_padded
+from infra.kv_cache import cache_kwarg, left_padded
+from sampler import Rollout
 
 # elements (rows x V) of logits processed at once: a 16 MB float32 temporary
 LOGPROB_CHUNK = 1 << 22

@@ -23,13 +23,11 @@ under --bf16 autocast with --max-num-seqs slots, or a vLLM engine's sample_group
 """
 from __future__ import annotations
 
-import inspect
-import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from infra import kv_cache
 
 
 @dataclass
@@ -124,104 +122,6 @@ class Rollout:
                           for k in first.reward_parts})
 
 
-class _BufferedLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity` positions,
-    allocated once.
-
-    DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor
-    (O(T^2) copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one
-    column per row, row i at its own column at[i] (rows admitted at different steps have different
-    lengths); attention reads a view of the first `seen` columns, and the attention mask hides the
-    columns a row has not written.
-    """
-
-    def __init__(self, capacity: int, rows: int | None = None):
-        super().__init__()
-        self.capacity, self.rows, self.seen, self.kbuf, self.at = capacity, rows, 0, None, None
-
-    def get_seq_length(self) -> int:                                     # the masks' query position
-        return self.seen
-
-    def _alloc(self, like: torch.Tensor, n: int) -> None:
-        self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
-        # zeros, not empty: a column a row never wrote is masked, and 0 x NaN garbage would still
-        # be NaN
-        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
-                                               like.shape[-1]) for _ in "kv")
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n, t = key_states.shape[0], key_states.shape[-2]                      # [n, H, t, D]
-        if self.kbuf is None:
-            self._alloc(key_states, n)
-        if self.seen + t > self.capacity:
-            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} "
-                               f"were written")
-        if self.at is None:                                              # a prefill: columns [0, t)
-            self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
-        else:                                                 # a decode step: row i at column at[i]
-            rows = torch.arange(n, device=self.kbuf.device)
-            # autocast: prefill's dtype
-            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
-            self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
-        self.seen += t
-        # [n, H, seen, D] views
-        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]
-        return self.keys, self.values
-
-    def put(self, start: int, prompt: _BufferedLayer, G: int) -> None:
-        """Rows [start, start + k*G) take the KV of k prefilled prompts (columns [0, P)), each for
-        its G rows."""
-        k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
-        if self.kbuf is None:
-            self._alloc(prompt.kbuf, k * G)
-        for buf, src in ((self.kbuf, prompt.kbuf),
-                         (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
-            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = (
-                src[:, None, :, :P])
-        self.seen = max(self.seen, P)                            # keep_rows copies what was written
-
-    def keep_rows(self, indices: torch.Tensor) -> None:
-        n, L = indices.shape[0], self.seen                      # kept rows move to [0, n), in place
-        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = (self.kbuf[indices, :, :L],
-                                                      self.vbuf[indices, :, :L])
-
-
-def make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
-    """The cache generate would build, every attention layer made a _BufferedLayer, and its smallest
-    sliding window.
-
-    A sliding-window layer keeps all positions here: the model's mask applies the window (by
-    column index)."""
-    cache = DynamicCache(config=model.config)                 # one layer per decoder layer, by type
-    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer",
-                                                          "DynamicSlidingWindowLayer"}
-    if other:
-        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not "
-                         f"{sorted(other)}")
-    window = min((la.sliding_window for la in cache.layers
-                  if isinstance(la, DynamicSlidingWindowLayer)), default=None)
-    cache.layers = [_BufferedLayer(capacity, rows) for _ in cache.layers]
-    return cache, window
-
-
-def left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
-    """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the
-    lengths. sample_groups and the training forward (logprobs.py) both use it, so sampling and
-    training see the same positions."""
-    P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts],
-                       device=device)  # [n, P]
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts],
-                        device=device)  # [n, P]
-    return ids, mask
-
-
-def cache_kwarg(model) -> str:
-    """transformers 5 names the cache argument `cache`; earlier releases call it
-    `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _uniforms(B: int, G: int, T: int, generator) -> torch.Tensor:
     """[B*G, T] uniforms: from one generator, or G x T from each prompt's own generator."""
     if isinstance(generator, (list, tuple)):
@@ -282,8 +182,8 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
     bcdf = blocks.sum(-1).cumsum(-1)                      # [n, nb] running mass at each block's end
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
-    # a walk never ends on a zero-mass token: clamp to the first block (then token) where the
-    # mass is complete
+    # a walk never ends on a zero-mass token: clamp to the first block (then token) where the mass
+    # is complete
     b = torch.minimum(torch.searchsorted(bcdf, u * total, side="right"),
                       torch.searchsorted(bcdf, total))  # [n, 1]
     # mass of the blocks before b
@@ -295,22 +195,6 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
                       torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
     return ((b * SAMPLE_BLOCK + i).squeeze(-1),
             inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log())
-
-
-def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,
-                    budget_gb: float) -> int:
-    """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in
-    budget_gb: one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes
-    (autocast's dtype if on)."""
-    c, device = model.config.get_text_config(), next(model.parameters()).device
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    amp = torch.is_autocast_enabled(device.type)
-    nbytes = (torch.get_autocast_dtype(device.type) if amp
-              else next(model.parameters()).dtype).itemsize
-    per_row = (c.num_hidden_layers * heads * head_dim * 2 * nbytes
-               * (max(map(len, prompts), default=0) + max_new_tokens))
-    return max(G, int(budget_gb * 2**30 // per_row) // G * G)
 
 
 def check_sampling(prompts: list[list[int]], G: int, max_new_tokens: int,
@@ -342,8 +226,9 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     wait until all of it has ended, admit the next), the baseline bench/ measures; a model whose
     sliding window is shorter than P + T always gets it (below). The rollout is the same for every
     max_num_seqs and either mode: each row's uniforms are drawn up front. static (--compile:
-    the module infra.static_decode): the decode step with static shapes through torch.compile (the
-    same rollout up to float rounding), or a one-line warning and this loop where it cannot run.
+    the module infra.static_decode): this loop over its StaticSteps, the step with static shapes
+    through torch.compile (the same rollout up to float rounding), or a one-line warning and
+    EagerSteps where it cannot run.
     """
     check_sampling(prompts, G, max_new_tokens, max_num_seqs)
     device = next(model.parameters()).device
@@ -360,97 +245,101 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
 
     was_training = model.training
     model.eval()
-    ids, pmask = left_padded(prompts, pad_token_id, device)                  # [B, P] each
-    P, plen = ids.shape[1], pmask.sum(-1)                                     # plen [B]
+    ids, pmask = kv_cache.left_padded(prompts, pad_token_id, device)                  # [B, P] each
     S = N if max_num_seqs is None else min(max_num_seqs, N)           # slots: rows decoding at once
-    cache, window = make_cache(model, P + T, rows=S)
+    cache, window = kv_cache.make_cache(model, ids.shape[1] + T, rows=S)
     # the model's mask applies a sliding window at one query column for all rows: exact only when
     # the rows are aligned, as in a static batch (or when the window never bites)
-    continuous = continuous and (window is None or P + T <= window)
-    if static is not None and static.can_compile(model, device, window, P + T):
-        static.decode(model, ids, pmask, plen, G, S, T, u, eos, temperature, top_p, continuous,
-                      response, logprobs, lengths, truncated)
-        model.train(was_training)
-        return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
-                                   truncated)
-    kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    attn = torch.zeros(S, P + T,
-                       dtype=torch.long, device=device)  # [S, P + T] the columns each slot sees
-    rows = torch.zeros(0, dtype=torch.long, device=device)       # [n] the response row in each slot
-    t = torch.zeros_like(rows)                                           # [n] tokens it has sampled
-    born, admitted, logits, work = [], 0, None, None        # born: the step each slot's row came in
+    continuous = continuous and (window is None or ids.shape[1] + T <= window)
+    use_static = static is not None and static.can_compile(model, device, window, ids.shape[1] + T)
+    steps = (static.StaticSteps if use_static else EagerSteps)(model, cache, ids, pmask, G, S, T)
+    admitted, work = 0, None
 
     # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G
     # slots are free), instead of the batch shrinking until its longest row ends. With long-tailed
     # lengths (most answers short, a few at max_new_tokens) a static batch spends its last steps on
     # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
-    # whatever the number of prompts. Slot i's row writes its token t at column P + t (its prompt,
-    # left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn), so
-    # what an earlier row left in the slot is never read.
-    for step in itertools.count():
-        n = rows.shape[0]
-        # whole groups that fit now
-        k = min(B - admitted, (S - n) // G) if continuous or n == 0 else 0
+    # whatever the number of prompts.
+    while True:
+        idle = steps.free() == S
+        k = min(B - admitted, steps.free() // G) if continuous or idle else 0  # whole groups
         if k:
-            g = slice(admitted, admitted + k)
-            new = _prefill(model, cache, ids[g], pmask[g], n, G).repeat_interleave(G, 0)  # [k*G, V]
-            attn[n:n + k * G] = torch.nn.functional.pad(pmask[g], (0, T)).repeat_interleave(G, 0)
-            rows = torch.cat([rows, torch.arange(admitted * G, (admitted + k) * G, device=device)])
-            t, born = torch.cat([t, t.new_zeros(k * G)]), born + [step] * (k * G)
-            logits = new if logits is None else torch.cat([logits, new])
-            admitted, n = admitted + k, n + k * G
-        if n == 0:
+            steps.admit(slice(admitted, admitted + k))
+            admitted += k
+        rows, t, logits = steps.active()                    # [n] response rows, tokens, [n, V]
+        if rows.numel() == 0:
             break
-        # reused each step
-        work = sample_workspace(S, logits.shape[-1], device) if work is None else work
+        work = sample_workspace(S, logits.shape[-1], device) if work is None else work  # reused
         tok, lp = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n], [n]
         response[rows, t], logprobs[rows, t] = tok, lp
         hit = torch.isin(tok, eos)                                            # [n]
         lengths[rows] = torch.where(hit, t + 1, lengths[rows])
         truncated[rows] &= ~hit
-        t = t + 1
-        keep = (~hit & (t < T)).tolist()                                  # the step's one host sync
-        if not all(keep):                                             # compact: finished rows leave
-            idx = [i for i, k_ in enumerate(keep) if k_]
-            keep_i = torch.tensor(idx, dtype=torch.long, device=device)
-            for layer in cache.layers:
-                layer.keep_rows(keep_i)
-            attn[:len(idx)] = attn[keep_i]
-            rows, t, tok, born = rows[keep_i], t[keep_i], tok[keep_i], [born[i] for i in idx]
-            n, logits = len(idx), logits[:0]
-        if n == 0:
-            continue
-        at = P + t - 1                                      # [n] the column of each row's new token
-        attn[torch.arange(n, device=device), at] = 1
-        # columns in use: the oldest row's (rows keep their admission order)
-        L = P + step + 1 - born[0]
-        for layer in cache.layers:
-            layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
-        pos = plen[rows // G] + t - 1                    # [n] counted from the prompt's first token
-        logits = model(input_ids=tok[:, None], attention_mask=attn[:n, :L],
-                       position_ids=pos[:, None],
-                       **kw).logits[:, -1]                                    # [n, V]
+        steps.advance(tok, (~hit & (t + 1 < T)).tolist())          # the step's one host sync
     model.train(was_training)
     return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
 
 
-def prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
-    """One forward over k left-padded prompts [k, P] -> (the logits at each prompt's last position
-    [k, V], their cache of _BufferedLayers, columns [0, P))."""
-    prompt_cache, _ = make_cache(model, ids.shape[1])
-    pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
-    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
-                   logits_to_keep=1,
-                   **{cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
-    return logits, prompt_cache
+class EagerSteps:
+    """sample_groups' batch as the eager loop holds it: the n decoding rows in slots [0, n) of the
+    cache (a finished row leaves, the rows after it move up), each step's forward over those n rows
+    and the first L columns in use. Slot i's row writes its token t at column P + t (its prompt,
+    left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn), so
+    what an earlier row left in the slot is never read. infra/static_decode.py's StaticSteps is
+    the other way to hold it (fixed shapes for torch.compile)."""
 
+    def __init__(self, model, cache, ids, pmask, G: int, S: int, T: int):
+        self.model, self.cache, self.ids, self.pmask = model, cache, ids, pmask
+        self.G, self.S = G, S
+        device, self.P = ids.device, ids.shape[1]
+        self.plen = pmask.sum(-1)                                            # [B] prompt lengths
+        self.kw = {kv_cache.cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+        self.attn = torch.zeros(S, self.P + T, dtype=torch.long,
+                                device=device)  # [S, P + T] the columns each slot sees
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)  # [n] the row in each slot
+        self.t = torch.zeros_like(self.rows)                             # [n] tokens it has sampled
+        self.logits = None                                               # [n, V] the next tokens'
+        self.born, self.step = [], 0                # born: the step each slot's row came in
 
-def _prefill(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
-             start: int, G: int) -> torch.Tensor:
-    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
-    [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
-    last position, [k, V]."""
-    logits, prompt_cache = prefill_prompts(model, ids, pmask)
-    for layer, prompt in zip(cache.layers, prompt_cache.layers):
-        layer.put(start, prompt, G)
-    return logits
+    def free(self) -> int:
+        return self.S - self.rows.shape[0]
+
+    def admit(self, g: slice) -> None:
+        """Prompts g (whole groups) prefilled once each into the next k*G slots."""
+        n, G, k = self.rows.shape[0], self.G, g.stop - g.start
+        new = kv_cache.prefill_into(self.model, self.cache, self.ids[g], self.pmask[g], n,
+                                    G)  # [k, V]
+        self.attn[n:n + k * G] = torch.nn.functional.pad(
+            self.pmask[g], (0, self.attn.shape[1] - self.P)).repeat_interleave(G, 0)
+        self.rows = torch.cat([self.rows, torch.arange(g.start * G, g.stop * G,
+                                                       device=self.rows.device)])
+        self.t = torch.cat([self.t, self.t.new_zeros(k * G)])
+        self.born += [self.step] * (k * G)
+        new = new.repeat_interleave(G, 0)                                     # [k*G, V]
+        self.logits = new if self.logits is None else torch.cat([self.logits, new])
+
+    def active(self):
+        return self.rows, self.t, self.logits
+
+    def advance(self, tok: torch.Tensor, keep: list[bool]) -> None:
+        """Rows where keep is False leave; the others' tokens tok [n] go through one forward."""
+        self.t, self.step = self.t + 1, self.step + 1
+        if not all(keep):                                             # compact: finished rows leave
+            idx = [i for i, k_ in enumerate(keep) if k_]
+            keep_i = torch.tensor(idx, dtype=torch.long, device=tok.device)
+            for layer in self.cache.layers:
+                layer.keep_rows(keep_i)
+            self.attn[:len(idx)] = self.attn[keep_i]
+            self.rows, self.t, tok = self.rows[keep_i], self.t[keep_i], tok[keep_i]
+            self.born, self.logits = [self.born[i] for i in idx], self.logits[:0]
+        n = self.rows.shape[0]
+        if n == 0:
+            return
+        at = self.P + self.t - 1                            # [n] the column of each row's new token
+        self.attn[torch.arange(n, device=tok.device), at] = 1
+        L = self.P + self.step - self.born[0]  # columns in use: the oldest row's (admission order)
+        for layer in self.cache.layers:
+            layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
+        pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token
+        self.logits = self.model(input_ids=tok[:, None], attention_mask=self.attn[:n, :L],
+                                 position_ids=pos[:, None], **self.kw).logits[:, -1]  # [n, V]

@@ -1,14 +1,18 @@
-"""Tests: the article walk-through and the unit tests (hand-sized numeric cases, equivalences).
+"""Tests: the article walk-through and the units of its modules (hand-sized numeric cases,
+equivalences).
 
 The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then
 DAPO's Eq. 10-13), each case worked by hand; then the shared fixtures and helpers (tiny_model,
-tiny_run_inputs, PROMPTS, _tiny_flags, and the rewards `--reward test_grpo:NAME` names: has_x,
-flip_x, trl_length, ...), then one section per module in the order grpo, variants, dapo, update,
-logprobs, sampler, verifier, builtin, data, evaluate, train and flags, checkpoint and parallel,
-metrics/lora/integrations. Nothing here is @slow. The other tests are in tests/, by kind: the
-end-to-end runs through subprocess and torchrun (test_runs.py, launched by launch.py), bench and
-ablate (test_tools.py), --rollout vllm (test_vllm.py), GPUs (test_gpu.py), the docs (test_docs.py);
-tests/conftest.py hands them this file's fixtures. All of them:
+tiny_run_inputs, PROMPTS, tiny, tiny_flags, one_step, and the rewards `--reward test_grpo:NAME`
+names: has_x, flip_x, trl_length, ...), then one section per article module: grpo, dapo, update,
+logprobs, sampler, train. Nothing here is @slow. The other tests are in tests/, by room: the
+verifier's rules (test_verifier.py), evaluate.py (test_evaluate.py), how Step 1 runs: --kv-cache-gb,
+--compile (test_rollout.py), the flags (test_flags.py), the loss family (test_losses.py), data and
+the built-in task (test_data.py), ranks and checkpoints (test_ranks_checkpoints.py), metrics, MFU
+and LoRA (test_metrics.py), the layout (test_layout.py); and by kind: the end-to-end runs through
+subprocess and torchrun (test_runs.py, launched by launch.py), bench and ablate (test_tools.py),
+--rollout vllm (test_vllm.py), GPUs (test_gpu.py), the real model (test_real_model.py), the docs
+(test_docs.py); tests/conftest.py hands them this file's fixtures. All of them:
 
     python -m pytest -q test_grpo.py tests
 """
@@ -19,8 +23,6 @@ import json
 import math
 import os
 import random
-import sys
-import time
 import warnings
 
 import pytest
@@ -30,30 +32,23 @@ import dapo
 import grpo
 import logprobs
 import update
-import verifier
 from infra import (
     builtin,
     data,
     flags,
+    kv_cache,
     metrics,
     models,
     rollout,
     setup,
-    static_decode,
 )
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from verifier import (
-    canonical,
-    canonical_answer,
-    extract_answer,
-    format_reward,
-    parse_number,
     verify,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +418,7 @@ def has_x(response: str, answer: str) -> float:
     return float("x" in response)
 
 
-def _tiny_flags(d, out):
+def tiny_flags(d, out):
     """train.py flags for a short CPU run of the tiny model on the tiny data (flags given after
     these win)."""
     return ["--model", str(d / "model"), "--data", str(d / "train.jsonl"), "--eval-data",
@@ -432,26 +427,26 @@ def _tiny_flags(d, out):
             "1e-2", "--reward", "test_grpo:has_x", "--out", str(out), "--device", "cpu"]
 
 
-def _weights(folder):
+def weights_of(folder):
     from transformers import AutoModelForCausalLM
     return {k: v.clone() for k,
             v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
 
 
-def _one_step(d, out, *extra):
+def one_step(d, out, *extra):
     import train
-    train.main([*_tiny_flags(d, out), "--steps", "1", "--eval-every", "5", "--grad-clip", "0",
+    train.main([*tiny_flags(d, out), "--steps", "1", "--eval-every", "5", "--grad-clip", "0",
                 "--algo", "dapo", "--no-dynamic-sampling", *extra])
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in x][-1]
 
 
-def _read(path: str) -> str:
+def read_file(path: str) -> str:
     with open(path, encoding="utf-8") as fh:
         return fh.read()
 
 
-def _spy(monkeypatch, module, name):
+def spy_on(monkeypatch, module, name):
     """Calls of module.name (arguments, return value) recorded as they happen; the real one runs."""
     seen, real = [], getattr(module, name)
 
@@ -633,7 +628,7 @@ def test_kl_metric_counts_valid_tokens_only():
     assert abs(m["kl"] - (math.exp(-0.5) + 0.5 - 1)) < 1e-6
 
 
-def _reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_len=None,
+def reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_len=None,
                     num_seqs=None):
     """The three reductions written out (the reference for token_weights): "sequence" = the sum of
     each
@@ -843,7 +838,7 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
 
     from infra import parallel
     t = 0.7
-    roll = _mixed_rollout(tiny_model, t)
+    roll = mixed_rollout(tiny_model, t)
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)  # each response's prompt
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
@@ -869,151 +864,6 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
                 q in zip(hand.parameters(), tiny_model.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), hand.parameters()))
     assert moved > 1e-2 and diff <= 1e-5 * max(1.0, moved), (moved, diff)
-
-
-class _AloneAs:
-    """A Dist for update_policy that says it is one of `world` ranks; each collective sees only
-    itself."""
-    rank, master, device = 0, True, "cpu"
-
-    def __init__(self, world):
-        self.world = world
-
-    def sum(self, x):
-        return x.detach().double().clone()
-
-    def sum_named(self, sums):
-        return dict(sums)
-
-    def max(self, n):
-        return n
-
-    def gather(self, x):
-        return [x]
-
-
-@pytest.mark.parametrize("fsdp,checkpointing,world,nograd,grad", [
-    (False, False, 1, (True, True), (True, True)),      # one process: shared prefix, length buckets
-    # FSDP2 all-gathers in every forward: per response
-    (True, False, 1, (False, True), (False, True)),
-    # checkpointed layers drop the cache with gradients
-    (False, True, 1, (True, True), (False, True)),
-    # DDP syncs in each forward: one bucket per slice
-    (False, False, 2, (True, False), (True, False))])
-def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypatch, fsdp,
-                                                           checkpointing, world, nograd, grad):
-    """rollout_logprobs does not inspect the model: update_policy passes (shared_prefix, buckets),
-    for the
-    no-grad old log-prob pass and for the gradient passes."""
-    import contextlib
-    import copy
-    from types import SimpleNamespace
-    seen, real = set(), update.rollout_logprobs
-
-    def spy(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
-        seen.add((torch.is_grad_enabled(), shared_prefix, buckets))
-        return real(model, roll, rows, temperature, with_entropy)
-
-    monkeypatch.setattr(update, "rollout_logprobs", spy)
-    roll = _mixed_rollout(tiny_model, 1.0)
-    N = roll.response_ids.shape[0]
-    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0,
-                           reduction="token", loss="ppo",
-                           fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20,
-                           eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
-                           kl="k3", grad_clip=1.0)
-    model = copy.deepcopy(tiny_model)
-    learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0),
-                             contextlib.nullcontext)
-    update.update_policy(learner, roll, torch.randn(N), roll.mask, args, _AloneAs(world))
-    assert seen == {(False, *nograd), (True, *grad)}
-
-
-def _update_args(**kw):
-    """update_policy's args (the flags.TrainArgs fields it reads): 2 mini-batches, micro-batches of
-    3,
-    no clip."""
-    from types import SimpleNamespace
-    base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
-                loss="ppo", fsdp=False, gradient_checkpointing=False, max_new_tokens=20,
-                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
-                kl="k3", grad_clip=0.0)
-    return SimpleNamespace(**{**base, **kw})
-
-
-def test_update_policy_backwards_world_times_the_loss_for_ddps_mean(tiny_model):
-    # DDP averages the ranks' gradients, and each rank's loss is its share of the global mean (the
-    # denominators are all ranks' counts), so each rank backwards W x its share: the mean is then
-    # the sum. A rank that says it is one of 2 (its collectives see itself alone) backwards twice
-    # the gradient of one process on the same rows; SGD (lr 1, no clip) moves each weight by it.
-    import contextlib
-    import copy
-    roll = _mixed_rollout(tiny_model, 1.0)
-    N = roll.response_ids.shape[0]
-    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
-    moves, losses = [], []
-    for world in (1, 2):
-        model = copy.deepcopy(tiny_model)
-        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-        learner = update.Learner(model, model, None, sgd, contextlib.nullcontext)
-        stats = update.update_policy(learner, roll, advantages, roll.mask,
-                                     _update_args(mini_batches=1), _AloneAs(world))
-        moves.append(torch.cat([(p - q).detach().view(-1)
-                                for p, q in zip(model.parameters(), tiny_model.parameters())]))
-        losses.append(stats.first["loss"])
-    assert moves[0].abs().max() > 1e-3
-    assert losses[1] == pytest.approx(losses[0], abs=1e-6)            # the logged loss: unscaled
-    assert torch.allclose(moves[1], 2 * moves[0], atol=1e-6, rtol=1e-4)  # float32, weights ~1
-
-
-class _NoSyncRecorder(torch.nn.parallel.DistributedDataParallel):
-    """A DDP (so parallel.grad_sync takes it for one) without a process group: it runs the model and
-    records, for each forward, its rows and whether it ran outside no_sync (DDP reads that flag as a
-    forward starts: outside, the backward all-reduces). A real DDP in this process can deadlock when
-    it is freed (its gloo threads wait for the GIL, held by the thread that joins them)."""
-
-    def __init__(self, module):
-        torch.nn.Module.__init__(self)
-        self.module, self.inside, self.synced = module, False, []
-
-    def no_sync(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def inside():
-            assert not self.inside
-            self.inside = True
-            try:
-                yield
-            finally:
-                self.inside = False
-        return inside()
-
-    def forward(self, *args, **kwargs):
-        self.synced.append((kwargs["input_ids"].shape[0], not self.inside))
-        return self.module(*args, **kwargs)
-
-
-def test_ddp_syncs_only_the_last_micro_batch_of_each_update(tiny_model):
-    # 3 groups of 4 in 2 mini-batches (8 + 4 rows), micro-batches of 3: [3, 3, 2] then [3, 1], twice
-    # (--mu 2); only each update's last micro-batch all-reduces. The Dist says 2 ranks, so each
-    # micro-batch runs as one DDP forward (ranks' forwards must pair up); the old log-probs run on
-    # the model, not through DDP.
-    import contextlib
-    import copy
-    roll = _mixed_rollout(tiny_model, 1.0)
-    N = roll.response_ids.shape[0]
-    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    model = copy.deepcopy(tiny_model)
-    policy = _NoSyncRecorder(model)
-    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
-    learner = update.Learner(policy, model, None, sgd, contextlib.nullcontext)
-    update.update_policy(learner, roll, torch.randn(N), roll.mask, _update_args(mu=2), _AloneAs(2))
-    one_pass = [(3, False), (3, False), (2, True), (3, False), (1, True)]
-    assert policy.synced == one_pass * 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1159,7 +1009,7 @@ def _tiny_gpt2():
                                       eos_token_id=1, bos_token_id=None)).eval()
 
 
-def _mixed_rollout(model, temperature, G=4, T=20, prompts=PROMPTS):
+def mixed_rollout(model, temperature, G=4, T=20, prompts=PROMPTS):
     """PROMPTS (3, 6 and 1 tokens; LONG_PROMPTS: 143, 146, 141) x G samples, some ending in EOS and
     some
     truncated."""
@@ -1185,16 +1035,15 @@ def _micro_batches(N, mb):
 def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, prompts, monkeypatch):
     # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two
     # response lengths is split into two length buckets (0.8, the default, keeps these slices
-    # whole); gpt2: absolute positions;
-    # -long: prompts of 141-146 tokens sharing a 140-token prefix
+    # whole); gpt2: absolute positions; -long: prompts of 141-146 tokens sharing a 140-token prefix
     from functools import partial
 
     from logprobs import per_response_logprobs
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
-    model = {"llama": lambda: tiny_model, "mistral": lambda: _tiny("mistral", torch.float32),
+    model = {"llama": lambda: tiny_model, "mistral": lambda: tiny("mistral", torch.float32),
              "gpt2": _tiny_gpt2}[kind]()
     t, G = 0.7, 4
-    roll = _mixed_rollout(model, t, G, prompts=prompts)
+    roll = mixed_rollout(model, t, G, prompts=prompts)
     N, T_all = roll.response_ids.shape
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(N, generator=g)
@@ -1241,7 +1090,7 @@ def test_training_logprobs_equal_the_samplers(tiny_model, kind, temperature, kee
     # a dropped temperature all break this
     monkeypatch.setattr(logprobs, "BUCKET_KEEP", keep)
     model = tiny_model if kind == "llama" else _tiny_gpt2()
-    roll = _mixed_rollout(model, temperature, prompts=prompts)
+    roll = mixed_rollout(model, temperature, prompts=prompts)
     N = roll.response_ids.shape[0]
     for mb in (N, 5):
         with torch.no_grad():
@@ -1262,7 +1111,7 @@ def test_length_buckets_split_only_when_it_pays():
 
 
 def test_rollout_logprobs_rejects_bad_slices(tiny_model):
-    roll = _mixed_rollout(tiny_model, 1.0)
+    roll = mixed_rollout(tiny_model, 1.0)
     for bad in (slice(3, 3), slice(0, 12, 2)):
         with pytest.raises(ValueError, match="slice"):
             rollout_logprobs(tiny_model, roll, bad, 1.0)
@@ -1323,7 +1172,7 @@ def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
     assert torch.equal(tok2, tok)
 
 
-def _tiny(kind, dtype):
+def tiny(kind, dtype):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(1)
     common = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -1344,11 +1193,10 @@ def _tiny(kind, dtype):
 def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(kind, dtype, prompts):
     # -long: prompts of 141-146 tokens sharing a 140-token prefix (past a KV block, and the window
     # of 5)
-    import sampler
-    model, G, T = _tiny(kind, dtype), 3, 24
-    layers = {type(layer).__name__ for layer in sampler.make_cache(model, 8)[0].layers}
-    assert (layers == {"_BufferedLayer"}
-            and sampler.make_cache(model, 8)[1] == (None if kind == "qwen2" else 5))
+    model, G, T = tiny(kind, dtype), 3, 24
+    layers = {type(layer).__name__ for layer in kv_cache.make_cache(model, 8)[0].layers}
+    assert (layers == {"BufferedLayer"}
+            and kv_cache.make_cache(model, 8)[1] == (None if kind == "qwen2" else 5))
     # EOS := the 4th greedy token of the first prompt, so its rows finish early and leave the batch
     free = sample_groups(model, prompts[:1], 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     eos = int(free.response_ids[0, 3])
@@ -1365,7 +1213,7 @@ def test_sampler_greedy_groups_equal_generate_alone_with_rows_finishing_early(ki
 
 def test_sampler_stops_on_any_of_several_end_ids_like_generate():
     from types import SimpleNamespace
-    model, T = _tiny("qwen2", torch.float32), 24
+    model, T = tiny("qwen2", torch.float32), 24
     free = sample_groups(model, PROMPTS, 1, T, eos_token_id=-1, pad_token_id=0, temperature=0.0)
     # each prompt meets a different one first
     ends = [int(free.response_ids[0, 3]), int(free.response_ids[1, 6])]
@@ -1388,7 +1236,7 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
-    model, G = _tiny("qwen2", dtype), 4
+    model, G = tiny("qwen2", dtype), 4
     roll = sample_groups(model, PROMPTS, G, 16, 1, 0, temperature=0.8, top_p=0.9,
                          generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
     for i in range(len(PROMPTS) * G):
@@ -1428,7 +1276,7 @@ def test_sampler_top_p_keeps_the_top_token(tiny_model):
                            greedy.response_ids[i, :roll.response_ids.shape[1]])
 
 
-def _tiny_gpt2_sampler():
+def tiny_gpt2_sampler():
     """Absolute learned positions: a position counted from the wrong origin changes the logits (RoPE
     hides a
     constant offset within a row)."""
@@ -1458,14 +1306,13 @@ def _tiny_mistral_wide():
 @pytest.mark.parametrize("kind,G", [("llama", 3), ("qwen2", 3), ("mistral", 3), ("mistral-wide", 3),
                                     ("gpt2", 3), ("gpt2", 1)])
 def test_sampler_max_num_seqs_gives_the_same_rollout(tiny_model, kind, G, monkeypatch):
-    import sampler
-    model = {"llama": lambda: tiny_model, "gpt2": _tiny_gpt2_sampler,
+    model = {"llama": lambda: tiny_model, "gpt2": tiny_gpt2_sampler,
              "mistral-wide": _tiny_mistral_wide}.get(
-        kind, lambda: _tiny(kind, torch.float32))()
+        kind, lambda: tiny(kind, torch.float32))()
     # several end ids: lengths roughly geometric, some rows truncated
     ends, T = [1, 2, 3, 20], 20
-    made, make = [], sampler.make_cache
-    monkeypatch.setattr(sampler, "make_cache", lambda *a, **k: made.append(make(*a, **k))
+    made, make = [], kv_cache.make_cache
+    monkeypatch.setattr(kv_cache, "make_cache", lambda *a, **k: made.append(make(*a, **k))
                         or made[-1])
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(len(MIXED_PROMPTS))]  # noqa: E731
     run = lambda n, **k: sample_groups(  # noqa: E731
@@ -1553,241 +1400,15 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
     assert torch.equal(plain.lengths, roll.lengths)
 
 
-def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
-    import sampler
-    made, make = [], sampler.make_cache
-    monkeypatch.setattr(sampler, "make_cache", lambda *a, **k: made.append(make(*a, **k))
-                        or made[-1])
-    for model, per_pos in ((_tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4),
-                           (_tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
-        # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all
-        # heads) x 8; per row: the longest of MIXED_PROMPTS, 6, + T = 20
-        per_row = per_pos * (6 + 20)
-        # a multiple of G
-        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9
-        # at least G
-        assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3
-        # bf16 keys: half the bytes, twice the rows
-        with torch.autocast("cpu", torch.bfloat16):
-            assert sampler.num_seqs_within(model, MIXED_PROMPTS, 3, 20,
-                                           10.5 * per_row / 2**30) == 21
-        made.clear()
-        sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0),
-                      max_num_seqs=9)
-        layers = made[0][0].layers
-        # what was allocated
-        assert sum(la.kbuf.nbytes + la.vbuf.nbytes for la in layers) == 9 * per_row
-
-
-def test_max_num_seqs_flags_are_checked(capsys):
-    import evaluate
-    assert (flags.parse_train_args(["--max-num-seqs", "8"]).max_num_seqs == 8
-            and flags.parse_train_args([]).kv_cache_gb == 8.0)
-    for parse, bad in ((flags.parse_train_args, ["--max-num-seqs", "4"]),
-                       (flags.parse_train_args, ["--kv-cache-gb", "0"]),
-                       (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
-        with pytest.raises(SystemExit) as e:
-            parse(bad)
-        err = capsys.readouterr().err
-        assert (e.value.code == 2 and err.startswith("error: --")
-                and len(err.strip().splitlines()) == 1), err
-
-
-def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
-
-    import evaluate
-    import sampler
-    import train
-    seen = []
-
-    def recording(*a, max_num_seqs=None, **k):
-        seen.append(max_num_seqs)
-        return sample_groups(*a, max_num_seqs=max_num_seqs, **k)
-    # rollout.sample_rollout reads it at call time
-    monkeypatch.setattr(sampler, "sample_groups", recording)
-    model = _tiny("qwen2", torch.float32)
-    task = setup.Task(rows=[{"prompt": "p", "answer": "1"}] * 4, encode=lambda s: [5, 6, 7],
-                      decode=lambda r, i: "",
-                      reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
-    one = type("One", (), {"rank": 0, "world": 1})()
-    for extra, want in (([], sampler.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)),
-                        (["--max-num-seqs", "16"], 16)):
-        args = flags.parse_train_args(["--prompts-per-step", "4", *extra])
-        train.draw_round(model, task, args, one, 0)
-        assert seen.pop() == want
-    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
-                                         "0.9")
-    _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
-    args.max_num_seqs = 5                      # one problem's 4 samples at a time: the same samples
-    _, r2 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
-    prompts = [data.PromptFormatter(tok)(r["prompt"]) for r in rows]
-    assert (r1 == r2 and seen[-1] == 5 and seen[0] == sampler.num_seqs_within(model, prompts, 4, 10,
-                                                                              8.0) >= 48)
-
-
 def test_sampler_under_bf16_autocast_gives_the_same_rollout_for_every_n(tiny_model):
     # under CPU autocast a decode step's keys may come out in another dtype than the prefill's: the
     # write into the slots' buffer takes the buffer's dtype (an indexed write does not cast), as
-    # train.py
-    # --bf16 samples
+    # train.py --bf16 samples
     with torch.autocast("cpu", torch.bfloat16):
         rolls = [sample_groups(tiny_model, PROMPTS, 2, 12, eos_token_id=1, pad_token_id=0,
                                temperature=0.0, max_num_seqs=n) for n in (2, None)]
     assert (torch.equal(rolls[0].response_ids, rolls[1].response_ids)
             and torch.equal(rolls[0].lengths, rolls[1].lengths))
-
-
-def _static_case():
-    """--compile's test case: a Qwen2 with 2 KV heads for 4 query heads, 5 prompts of 131-144 tokens
-    sharing a 130-token prefix (past a 128-token KV block; left-padded to P = 144), G = 3, T = 24,
-    2 of 64 ids end a response. Returns (model, rollout(S, temperature, top_p, compile)), one
-    generator per prompt."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(3)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        initializer_range=0.2)).eval()            # peaked logits: a wrong position shows in tokens
-    prefix = [17 + i % 47 for i in range(130)]
-    prompts = [prefix + [20 + (7 * j + i) % 40 for i in range(k)]
-               for j, k in enumerate((1, 14, 6, 9, 3))]
-    return model, lambda S, temperature, top_p=1.0, compile=True: sample_groups(
-        model, prompts, 3, 24, [1, 2], 0, temperature=temperature, top_p=top_p, max_num_seqs=S,
-        generator=[torch.Generator().manual_seed(60 + i) for i in range(5)],
-        static=static_decode if compile else None)
-
-
-def _same_rollout(a, b, tol=1e-5) -> None:
-    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.lengths, b.lengths)
-    assert torch.equal(a.truncated, b.truncated)
-    assert (a.logprobs - b.logprobs).abs().max() <= tol
-
-
-def _eager_static_step(monkeypatch, shapes: list):
-    """static_decode with its step eager (no compile) and the shapes of each step's inputs."""
-    from infra import static_decode
-
-    def step(model, cache, tok, pos, mask):
-        shapes.append((tuple(tok.shape), tuple(pos.shape), tuple(mask.shape)))
-        return static_decode.decode_step(model, cache, tok, pos, mask)
-    monkeypatch.setattr(static_decode, "compiled_step", lambda device: step)
-    return step
-
-
-def test_static_decode_gives_the_eager_rollout_at_every_slot_count(monkeypatch):
-    # --compile's loop (S slots x a fixed buffer of C = 192 >= P + T columns, a mask of the columns
-    # each slot wrote, per-slot positions, a freed slot refilled by the next group) with its step
-    # left eager: every step has the same shapes, and the rollout is the eager loop's, greedy and
-    # sampled at 3 slots (one group at a time), 7 (one slot never used), 12, all 15 and 20 (more
-    # than the rows: 15), top-p at 7 and 15
-    shapes = []
-    _eager_static_step(monkeypatch, shapes)
-    _, rollout = _static_case()
-    every = (3, 7, 12, 15, 20)
-    for temperature, top_p, slots in ((0.0, 1.0, every), (1.0, 1.0, every), (0.9, 0.8, (7, 15))):
-        want = rollout(None, temperature, top_p, compile=False)
-        assert temperature == 0 or (want.lengths.min() < 5 and want.truncated.any())
-        for S in slots:
-            shapes.clear()
-            _same_rollout(rollout(S, temperature, top_p), want)
-            S = min(S, 15)
-            assert set(shapes) == {((S, 1), (S, 1), (S, 1, 1, 192))}, (S, set(shapes))
-            assert len(shapes) >= want.lengths.max() - 1
-
-
-def test_compile_where_it_cannot_run_warns_once_and_decodes_eagerly(monkeypatch):
-    # no C++ compiler for inductor (CPU), and a sliding window shorter than P + T: one line, then
-    # the eager loop (the static one is never entered)
-    import shutil
-
-    from infra import static_decode
-    monkeypatch.setattr(static_decode, "decode", lambda *a, **k: pytest.fail("static loop ran"))
-    _, rollout = _static_case()
-    want = rollout(6, 1.0, compile=False)
-    with monkeypatch.context() as m:
-        m.setattr(shutil, "which", lambda *a, **k: None)
-        with pytest.warns(UserWarning, match=r"^--compile: no C\+\+ compiler .*decoding eagerly$"):
-            _same_rollout(rollout(6, 1.0), want, tol=0)
-    mistral = _tiny("mistral", torch.float32)                                  # window 5
-    with pytest.warns(UserWarning, match=r"a sliding window \(5\) shorter than P \+ T") as w:
-        got = sample_groups(mistral, PROMPTS, 2, 8, 1, 0, temperature=0.0, static=static_decode)
-    assert len(w) == 1 and "\n" not in str(w[0].message)
-    assert torch.equal(got.response_ids, sample_groups(mistral, PROMPTS, 2, 8, 1, 0,
-                                                       temperature=0.0).response_ids)
-
-
-def test_compile_on_cuda_is_a_cuda_graph_and_its_path_runs(monkeypatch):
-    # No GPU here: the mode chosen for a cuda device (torch.compile recorded, not run), then the
-    # loop's CUDA-graph path on CPU with a step that, like a graph replay, returns the same output
-    # tensor every time: the inputs and KV buffers marked static, a step begun per replay, the
-    # output copied out before the next replay overwrites it. Untested on CUDA hardware.
-    from infra import static_decode
-    made = []
-    monkeypatch.setattr(static_decode, "_COMPILED", {})
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or fn)
-    static_decode.compiled_step(torch.device("cuda"))
-    static_decode.compiled_step(torch.device("cpu"))
-    assert made == [dict(mode="reduce-overhead", dynamic=False, fullgraph=True),
-                    dict(mode=None, dynamic=False, fullgraph=True)]
-    out, marked, begun = {}, [], []
-
-    def replay(model, cache, tok, pos, mask):
-        logits = static_decode.decode_step(model, cache, tok, pos, mask)
-        out.setdefault("buf", torch.empty_like(logits)).copy_(logits)
-        return out["buf"]
-    monkeypatch.setattr(static_decode, "compiled_step", lambda device: replay)
-    monkeypatch.setattr(static_decode, "uses_graphs", lambda device: True)
-    monkeypatch.setattr(torch._dynamo, "mark_static_address", marked.append)
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
-    model, rollout = _static_case()
-    want = rollout(7, 1.0, compile=False)
-    _same_rollout(rollout(7, 1.0), want)
-    shapes = sorted(tuple(x.shape) for x in marked)
-    assert shapes == sorted([(7,), (7, 1), (7, 1), (7, 1, 1, 192)] + [(7, 2, 192, 8)] * 4)
-    assert len(begun) >= want.lengths.max() - 1
-
-
-def test_compile_flag_reaches_the_sampler_in_train_and_evaluate(tiny_run_inputs, tmp_path,
-                                                                 monkeypatch):
-    # --compile parsed by train.py and evaluate.py (flags.EvalArgs) must decode with the static
-    # loop (its step left eager here); without it, never
-    import evaluate
-    shapes = []
-    _eager_static_step(monkeypatch, shapes)
-    d = tiny_run_inputs
-    _one_step(d, tmp_path / "off")
-    assert shapes == []
-    _one_step(d, tmp_path / "on", "--compile")
-    # its evaluation (8 held-out problems, greedy: 8 slots) and its step (4 prompts x G = 4: 16)
-    assert {s[0][0] for s in shapes} == {8, 16}
-    shapes.clear()
-    evaluate.main(["--model", str(d / "model"), "--data", str(d / "eval.jsonl"), "--eval-size",
-                   "4", "--max-new-tokens", "6", "--device", "cpu", "--compile"])
-    assert shapes and {s[0][0] for s in shapes} == {4}
-    with pytest.raises(SystemExit) as e:                     # the engine's rollout never reads it
-        flags.parse_train_args(["--compile", "--rollout", "vllm"])
-    assert e.value.code == 2
-
-
-@pytest.mark.slow
-def test_compiled_decode_gives_the_eager_rollout_and_follows_the_weights(capfd):
-    # torch.compile for real (inductor, a C++ compiler): one compile (~40 s on 2 loaded cores), its
-    # time printed once; greedy and sampled rollouts as eager's; and after an in-place update of
-    # the weights (an optimizer step) the compiled step reads the new ones (no stale constants)
-    import shutil
-    if not any(shutil.which(x) for x in ("g++", "c++", "clang++")):
-        pytest.skip("no C++ compiler: inductor cannot build the compiled step on CPU")
-    model, rollout = _static_case()
-    for temperature in (0.0, 1.0):
-        _same_rollout(rollout(6, temperature), rollout(6, temperature, compile=False), tol=1e-4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    after = rollout(6, 1.0, compile=False)
-    _same_rollout(rollout(6, 1.0), after, tol=1e-4)
-    err = capfd.readouterr().err
-    assert err.count("sampler: compiled the decode step (6 slots x 192 positions) in") == 1, err
 
 
 def test_rollout_select_and_cat():
@@ -1807,464 +1428,8 @@ def test_rollout_select_and_cat():
 
 
 # ---------------------------------------------------------------------------------------------
-# verifier.py: one case per rule (the id names the rule), safety and time, agreement with hand
-# labels
+# train.py: Step 2's rewards and the overlong filter on a real step, the batch std over ranks
 # ---------------------------------------------------------------------------------------------
-
-R = pytest.param
-
-
-VERIFIER_RULES = [
-    # finding the final answer
-    R("so \\boxed{5}, no: \\boxed{6}", "6", 1.0, id="last-boxed-wins"),
-    R("so \\boxed{5}, no: \\boxed{6}", "5", 0.0, id="last-boxed-wins-not-the-earlier"),
-    R("\\boxed{\\dfrac{3}{4}} then Answer: 7", "3/4", 1.0, id="boxed-beats-answer-marker"),
-    R("\\boxed{{1}+{2}}", "{1}+{2}", 1.0, id="boxed-nested-braces"),
-    R("so $\\boxed 7$.", "7", 1.0, id="boxed-bare-token"),
-    R("\\boxed {7}", "7", 1.0, id="boxed-space-before-brace"),
-    R("\\boxed{7", "7", 0.0, id="unclosed-last-box-is-no-answer"),
-    R("I will put it in \\boxed{}.\nAnswer: 7", "7", 1.0, id="empty-box-is-skipped"),
-    R("The roots are $\\boxed{2}$ and $\\boxed{-3}$.", "-3, 2", 1.0,
-      id="adjacent-boxes-are-one-answer"),
-    R("$\\boxed{5}$ or $\\boxed{6}$", "6", 0.0, id="hedging-boxes-are-not-credited"),
-    R("\\boxed{34}\n" + "Let me check this once more. " * 4000, "34", 1.0,
-      id="boxed-before-a-100k-self-check"),
-    R("The total is 1,234.\n#### 1,234", "1234", 1.0, id="hashes-gsm8k"),
-    R("#### 72", "Natalia sold 48/2 = 24 clips... #### 72", 1.0, id="reference-read-the-same-way"),
-    R("#### 72\n\nQuestion: next?\nAnswer: 3", "72", 1.0, id="hashes-beat-answer-marker"),
-    R("2x=8\nx=8/2\nAnswer: 4", "4", 1.0, id="answer-colon"),
-    R("ANSWER: 34", "34", 1.0, id="answer-marker-any-case"),
-    R("**Answer:** 34", "34", 1.0, id="answer-marker-markdown"),
-    R("So the answer is 72.", "72", 1.0, id="the-answer-is"),
-    R("Final Answer: The final answer is $34$. I hope it is correct.", "34", 1.0,
-      id="minerva-format"),
-    R("Answer: 12\n\nChecking: 4 * 3 = 12, so the answer is correct.", "12", 1.0,
-      id="prose-after-a-marker-is-skipped"),
-    R("Answer: 34, as computed above.", "34", 1.0, id="remark-after-the-answer-dropped"),
-    R("Answer: $34$ (since 2 * 17 = 34)", "34", 1.0, id="math-span-after-marker"),
-    # its last number is not its answer
-    R("2x=8\nx=4", "4", 0.0, id="trace-without-marker-no-answer"),
-    R("So 2x = 8 and x = 4", "4", 0.0, id="one-line-trace-without-marker-no-answer"),
-    # a response that is one number is that answer (math-verify credits it too)
-    R("5", "5", 1.0, id="bare-answer"),
-    R("x=5", "5", 1.0, id="bare-answer-x-equals"),
-    R(" x = 5 ", "5", 1.0, id="bare-answer-x-equals-spaced"),
-    R("5.", "5", 1.0, id="bare-answer-trailing-period"),
-    R("$-5$.", "-5", 1.0, id="bare-answer-dollars"),
-    R("$\\frac{3}{4}$", "0.75", 1.0, id="bare-answer-latex"),
-    R("6", "5", 0.0, id="bare-answer-wrong"),
-    R("5 apples and 6 pears", "5", 0.0, id="bare-answer-is-only-a-number"),
-    R("Answer: ", "", 0.0, id="empty-answer"),
-    # units, money, percent, degrees
-    R("\\boxed{\\$18}", "18", 1.0, id="money-boxed"),
-    R("The answer is \\$18.00.", "18", 1.0, id="money-cents"),
-    R("Answer: 18 dollars", "18", 1.0, id="money-word"),
-    R("\\boxed{72 \\text{ clips}}", "72", 1.0, id="unit-text"),
-    R("\\boxed{5\\mathrm{~cm}}", "5", 1.0, id="unit-mathrm"),
-    R("\\boxed{5}", "5\\text{ cm}", 1.0, id="unit-only-in-reference"),
-    R("\\boxed{5\\text{ m}}", "5\\text{ cm}", 0.0, id="units-on-both-sides-must-agree"),
-    R("\\boxed{30^{\\circ}}", "30", 1.0, id="degrees-braced"),
-    R("\\boxed{30^\\circ}", "30^{\\circ}", 1.0, id="degrees"),
-    R("\\boxed{50\\%}", "50", 1.0, id="percent-latex"),
-    R("The answer is 50%.", "50", 1.0, id="percent-sign"),
-    R("Answer: 50 percent", "50\\%", 1.0, id="percent-word"),
-    R("\\boxed{0.5}", "50\\%", 0.0, id="percent-is-a-label-not-a-hundredth"),
-    # wrappers and number forms
-    R("\\boxed{\\textbf{12}}", "12", 1.0, id="textbf"),
-    R("\\boxed{\\mathbf{12}}", "12", 1.0, id="mathbf"),
-    R("\\boxed{{12}}", "12", 1.0, id="outer-braces"),
-    R("\\boxed{(12)}", "12", 1.0, id="parentheses-around-one-number"),
-    R("\\boxed{\\tfrac{3}{4}}", "0.75", 1.0, id="tfrac"),
-    R("\\boxed{\\frac34}", "3/4", 1.0, id="brace-less-frac"),
-    R("\\boxed{\\frac 34}", "3/4", 1.0, id="brace-less-frac-spaced"),
-    R("\\boxed{1{,}234}", "1234", 1.0, id="latex-thousands-comma"),
-    R("\\boxed{1\\,234}", "1,234", 1.0, id="thin-space-thousands"),
-    R("Answer: 1 234", "1234", 1.0, id="space-thousands"),
-    R("Answer: 3 4", "34", 0.0, id="digits-apart-never-merge"),
-    R("\\boxed{3 1/2}", "7/2", 1.0, id="mixed-number"),
-    R("\\boxed{3 1/2}", "31/2", 0.0, id="mixed-number-is-not-31/2"),
-    R("\\boxed{3\\frac{1}{2}}", "3.5", 1.0, id="latex-mixed-number"),
-    R("Answer: −5", "-5", 1.0, id="unicode-minus"),
-    R("Answer: 5.0", "5", 1.0, id="trailing-zero"),
-    R("Answer: $-2.50$", "-5/2", 1.0, id="decimal-vs-fraction"),
-    R("\\boxed{\\frac{-1}{2}}", "-\\frac12", 1.0, id="negative-numerator"),
-    R("\\boxed{\\dfrac{1}{-2}}", "-0.5", 1.0, id="negative-denominator"),
-    R("\\boxed{\\frac{1}{2}}", "-\\frac{1}{2}", 0.0, id="sign-matters"),
-    R("\\boxed{1.5 \\times 10^{3}}", "1500", 1.0, id="scientific-times"),
-    R("\\boxed{1.5\\cdot 10^3}", "1500", 1.0, id="scientific-cdot"),
-    R("\\boxed{1.5e3}", "1500", 1.0, id="e-notation"),
-    R("\\boxed{2^{10}}", "1024", 1.0, id="power"),
-    R("\\boxed{10^{-3}}", "0.001", 1.0, id="negative-power"),
-    R("\\boxed{2^{100000}}", "2^{100000}", 1.0, id="power-past-the-cap-compared-as-text"),
-    R("\\boxed{2^{100000}}", "2^{100001}", 0.0, id="power-past-the-cap-not-equal"),
-    R("\\boxed{0.\\overline{3}}", "\\frac{1}{3}", 1.0, id="repeating-decimal-exact"),
-    R("\\boxed{0.1\\overline{6}}", "1/6", 1.0, id="repeating-decimal-with-prefix"),
-    R("\\boxed{0.333}", "\\frac{1}{3}", 0.0, id="cut-decimal-is-not-a-third"),
-    R("\\boxed{034}", "34", 1.0, id="leading-zero"),
-    R("\\boxed{73}", "72", 0.0, id="near-miss"),
-    # equations, several answers, choices, text
-    R("\\boxed{x = 4}", "4", 1.0, id="x-equals-in-response"),
-    R("\\boxed{4}", "x=4", 1.0, id="x-equals-in-reference"),
-    R("\\boxed{m+n=115}", "115", 1.0, id="expression-equals"),
-    R("\\boxed{2, -3}", "-3, 2", 1.0, id="roots-unordered"),
-    R("\\boxed{x = 2 \\text{ or } x = -3}", "-3,2", 1.0, id="roots-as-equations"),
-    R("\\boxed{2, 3}", "-3, 2", 0.0, id="roots-one-wrong"),
-    R("\\boxed{\\{1, 2, 3\\}}", "\\{3,2,1\\}", 1.0, id="set-unordered"),
-    R("\\boxed{\\{1, 2\\}}", "\\{3,2,1\\}", 0.0, id="set-partial"),
-    R("\\boxed{\\pm 2}", "2, -2", 1.0, id="plus-minus"),
-    R("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0, id="tuple-left-right"),
-    R("\\boxed{(2, 1)}", "(1,2)", 0.0, id="tuple-ordered"),
-    R("\\boxed{x \\in [-2, 5)}", "[-2,5)", 1.0, id="interval"),
-    R("\\boxed{[-2, 5]}", "[-2,5)", 0.0, id="interval-brackets-matter"),
-    R("\\boxed{\\text{(C)}}", "C", 1.0, id="choice-text"),
-    R("\\boxed{C}", "\\textbf{(C) }12", 1.0, id="choice-with-value"),
-    R("\\boxed{(B)}", "C", 0.0, id="choice-wrong"),
-    R("\\boxed{\\text{Monday}}", "Monday", 1.0, id="text-fallback"),
-    R("Answer: x + 1", "x+1", 1.0, id="string-fallback"),
-    R("\\boxed{\\sqrt2/2}", "\\frac{\\sqrt{2}}{2}", 1.0, id="string-slash-as-frac"),
-    R("\\boxed{x^{2}+1}", "x^2+1", 1.0, id="string-braced-exponent"),
-]
-
-
-@pytest.mark.parametrize("response,answer,want", VERIFIER_RULES)
-def test_verifier_rules(response, answer, want):
-    assert verify(response, answer) == want
-
-
-def test_verifier_canonical_answer_groups_equal_answers():
-    # majority voting: equal answers written differently share one canonical string
-    same = ["\\boxed{\\frac{1}{2}}", "Answer: 0.5", "The answer is $\\dfrac12$.", "#### 1/2",
-            "\\boxed{\\tfrac{2}{4}}"]
-    assert len({canonical_answer(r) for r in same}) == 1
-    assert (canonical_answer("\\boxed{2, -3}") == canonical_answer("\\boxed{\\{-3, 2\\}}")
-            == "{-3,2}")
-    assert canonical_answer("\\boxed{(1, 2)}") != canonical_answer("\\boxed{(2, 1)}")
-    assert canonical_answer("\\boxed{\\$1,800}") == canonical("1800") == "1800"
-    assert canonical_answer("no answer here") is None and canonical_answer("\\boxed{7") is None
-    assert (canonical_answer("x = 0.5") == canonical_answer("\\boxed{\\frac12}")
-            and canonical_answer("2x=1\nx=0.5") is None)
-
-
-def test_verifier_is_total_and_bounded():
-    hostile = ["Answer: 50**30**20", "Answer: " + "9" * 100000, "\\boxed{" * 50000, "Answer: 1/0",
-               "Answer: __import__('os').system('echo hi')", "#### " + "(" * 10000, None, 12,
-               "\x00\uffff",
-               "\\boxed{\\{\\}}", "Answer: 1e999999999", "Answer: 10^{-99999999}", "Answer: 0^{-1}"]
-    for h in hostile:
-        assert verify(h, "1") in (0.0, 1.0) and verify("Answer: 1", h) in (0.0, 1.0)
-    # long numbers still compare, as strings
-    assert verify("Answer: " + "9" * 100, "9" * 100) == 1.0
-    # markers followed by prose are skipped, at most MAX_MARKERS of them
-    prose = "Checking: the answer is right.\n"
-    assert verify("Answer: 5\n" + prose * (verifier.MAX_MARKERS - 1), "5") == 1.0
-    assert verify("Answer: 5\n" + prose * verifier.MAX_MARKERS, "5") == 0.0
-    assert parse_number("1,234") == 1234 and parse_number("-\\frac{1}{2}") == parse_number("-0.5")
-    assert extract_answer("no answer here") is None
-    assert (format_reward("Answer: 3") == 1.0 and format_reward("2x=6\nx=3") == 0.0
-            and format_reward("Answer:") == 0.0)
-    assert format_reward("x=3") == 1.0  # a bare answer states one
-
-
-def test_verifier_never_raises_on_random_latex():
-    # random strings of the tokens the rules read: every call returns 0 or 1 and a canonical text or
-    # None
-    rng = random.Random(0)
-    tokens = ["\\boxed{", "\\boxed", "}", "{", "\\frac", "1", "2", "0", ".", ",", " ", "-", "/",
-              "^", "\\times", "10", "e",
-              "x", "=", "(", ")", "[", "]", "\\{", "\\}", "$", "\\$", "%", "\\text{", "cm", " and ",
-              "\\pm", "\\overline{",
-              "Answer:", "answer is", "####", "\n", "\\left(", "\\sqrt", "−", "(A)", "\\circ", "**",
-              "\\(", "\\)", "{,}", "\\,"]
-    # half the cases: number-like answers
-    numeric = ["1", "2", "0", " ", "/", "-", ".", "\\frac", "{", "}", "^", "e", ","]
-    for i in range(3000):
-        pool = numeric if i % 2 else tokens
-        response = "Answer: " * (i % 2) + "".join(rng.choice(pool)
-                                                  for _ in range(rng.randint(1, 30)))
-        answer = "".join(rng.choice(pool) for _ in range(rng.randint(1, 10)))
-        assert verify(response, answer) in (0.0, 1.0) and verify(answer, response) in (0.0, 1.0)
-        assert isinstance(canonical_answer(response), (str, type(None)))
-
-
-def test_verifier_time_is_bounded_on_megabyte_inputs():
-    # adversarial 1 MB inputs, as response and as reference: a superlinear step would take seconds
-    # here; a linear one takes a few milliseconds (the bound is loose because the CPUs are shared)
-    n = 1_000_000
-    attacks = ["\\boxed{" * (n // 7), "\\boxed{" + "{" * n, "Answer: " * (n // 8),
-               "answer is " * (n // 10),
-               "answe" * (n // 5), "#### " + "1" * n, "(" * n, "9" * n, "$" * n,
-               "Answer: " + "\\(" * (n // 2),
-               "Answer: " + "1 " * (n // 2), "Answer: " + "\\frac{" * (n // 6),
-               "Answer: " + "a " * (n // 2) + "1",
-               "Answer: " + "1," * (n // 2), "Answer: " + "{" * 500 + "}" * 500,
-               "Answer: " + "-(" * (n // 2),
-               "\\boxed{\\{" + "1," * 450 + "\\}}", "x" * n + "\\boxed{1}", "\\boxed{1}" * (n // 9),
-               "\\boxed{}" * (n // 8),
-               "$\\boxed{1}$, " * (n // 12), "the answer is wrong. " * (n // 21)]
-    slowest = 0.0
-    for s in attacks:
-        for response, answer in ((s, "1"), ("Answer: 1", s), (s, s)):
-            t0 = time.perf_counter()
-            assert verify(response, answer) in (0.0, 1.0)
-            slowest = max(slowest, time.perf_counter() - t0)
-    assert slowest < 0.2, f"slowest call {slowest * 1000:.0f} ms"
-
-
-def test_verifier_agrees_with_hand_labels():
-    # results/verifier_cases.jsonl: realistic GSM8K / MATH / AIME / DAPO-Math-17k outputs labelled
-    # by hand
-    with open(os.path.join(HERE, "results", "verifier_cases.jsonl"), encoding="utf-8") as fh:
-        cases = [json.loads(line) for line in fh]
-    report = verifier.agreement(cases)
-    assert report["n"] >= 300
-    assert report["agree"] / report["n"] >= 0.95, report
-    assert len(report["false_positives"]) <= report["n"] / 300, report["false_positives"]
-
-
-def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
-    # `python verifier.py CASES.jsonl` (docs/verifier.md); --help and a missing argument answer
-    # with argparse's usage, not a traceback
-    import subprocess
-    run = [sys.executable, os.path.join(HERE, "verifier.py")]
-    cases = os.path.join(HERE, "results", "verifier_cases.jsonl")
-    out = subprocess.run([*run, cases], capture_output=True, text=True, cwd=HERE)
-    assert out.returncode == 0 and " cases: agreement " in out.stdout, out.stderr[-500:]
-    assert subprocess.run([*run, "--help"], capture_output=True, text=True).stdout.startswith(
-        "usage: python verifier.py")
-    missing = subprocess.run(run, capture_output=True, text=True)
-    assert missing.returncode == 2 and "Traceback" not in missing.stderr
-
-
-# ---------------------------------------------------------------------------------------------
-# evaluate.py: pass@k, maj@n, mean@n over ranks, the command
-# ---------------------------------------------------------------------------------------------
-
-def test_pass_at_k_equals_enumerating_every_k_subset():
-    import itertools
-
-    import evaluate
-    for n in range(1, 8):
-        for c in range(n + 1):
-            # samples 0..c-1 are the correct ones; the share of k-subsets holding one
-            for k in range(1, n + 1):
-                subsets = list(itertools.combinations(range(n), k))
-                want = sum(any(i < c for i in s) for s in subsets) / len(subsets)
-                assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
-
-
-def test_pass_at_k_large_n_and_bad_input():
-    import evaluate
-    # one correct of 1000, half drawn
-    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)
-    assert evaluate.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)  # pass@1 = c / n
-    assert evaluate.pass_at_k(1000, 0, 1000) == 0.0 and evaluate.pass_at_k(1000, 1, 1000) == 1.0
-    assert (evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4]
-            and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32])
-    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
-        with pytest.raises(ValueError):
-            evaluate.pass_at_k(n, c, k)
-
-
-@pytest.mark.parametrize("answers,want", [
-    (["4", "5", "4"], "4"),
-    (["5", "4", "4", "5"], "5"),               # a tie: the answer that appeared first wins
-    # None is the commonest but never wins over an answer
-    (["4", None, "5", None, None, "5"], "5"),
-    ([None, "3", None], "3"),
-    ([None, None], None), ([], None),           # no answer at all
-    (["7"], "7"),
-])
-def test_majority_vote_by_hand(answers, want):
-    import evaluate
-    assert evaluate.majority_vote(answers) == want
-
-
-def _record(i, responses, scores, lengths=None, truncated=None):
-    import evaluate
-    n = len(responses)
-    return evaluate.problem_record(i, {"prompt": f"p{i}", "answer": "4"}, responses, scores,
-                                   lengths or [3] * n, truncated or [False] * n)
-
-
-def test_eval_metrics_by_hand():
-    import evaluate
-    # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
-    # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does:
-    # maj wrong
-    a = _record(0, ["Answer: 6", "Answer: 4", "so \\boxed{4}", "Answer: 5"], [0.0, 1.0, 1.0, 0.0],
-                [2, 4, 4, 2], [False] * 4)
-    b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6],
-                [True, True, False, False])
-    # the right '4' won
-    assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2
-    assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
-    ks = evaluate.pass_ks(4)
-    m = evaluate.eval_metrics(evaluate.totals([a, b], ks), 4, ks)
-    assert m == pytest.approx({
-        "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
-        # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
-        "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,
-        "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8,
-        "eval/len_mean": 36 / 8})
-    g = evaluate.eval_metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]),
-                                               _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
-    # greedy: today's keys
-    assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}
-
-
-def test_majority_vote_counts_what_the_reward_counts():
-    import evaluate
-
-    def tagged(response, answer):  # a custom --reward that reads a format the verifier does not
-        return float(response.strip() == f"<answer>{answer}</answer>")
-    # 2 of 3 samples right by the reward, none readable by the verifier: the vote is right, as
-    # mean@3 says
-    responses = ["<answer>4</answer>", "<answer>7</answer>", "<answer>4</answer>"]
-    r = _record(0, responses, [tagged(x, "4") for x in responses])
-    assert [s["answer"] for s in r["samples"]] == [None] * 3 and r["majority"] == evaluate.CREDITED
-    assert r["majority_score"] == 1.0
-    # wrong answers the verifier reads still outvote one right answer; the right one wins a tie
-    # drawn first
-    r = _record(1, ["<answer>4</answer>", "Answer: 6", "6"], [1.0, 0.0, 0.0])
-    assert r["majority"] == canonical("6") and r["majority_score"] == 0.0
-    r = _record(2, ["<answer>4</answer>", "Answer: 6"], [1.0, 0.0])
-    assert r["majority"] == evaluate.CREDITED and r["majority_score"] == 1.0
-    # the default verifier: a credited answer is the reference's, so this is the vote by canonical
-    # answers
-    responses = ["Answer: 6", "\\boxed{4}", "4", "Answer: 6", "x = 4"]
-    scores = [verify(x, "4") for x in responses]
-    plain = evaluate.majority_vote([canonical_answer(x) for x in responses])
-    assert plain == canonical("4") and evaluate.majority_vote(evaluate.votes(
-        [canonical_answer(x) for x in responses], scores)) == evaluate.CREDITED
-    # never a canonical text
-    assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED
-
-
-def test_majority_vote_merges_one_answer_written_three_ways():
-    import evaluate
-    # 2 of 5 samples right (4); three wrong ones give 1/2 as 0.5, \frac{1}{2} and 1/2: one answer,
-    # so it has the majority (3 votes to 2), maj@5 is 0. Voted as written, they would split 1-1-1
-    # and the right 4 would win.
-    responses = ["\\boxed{4}", "Answer: 0.5", "so \\boxed{\\frac{1}{2}}", "x = 4",
-                 "the answer is 1/2"]
-    scores = [verify(x, "4") for x in responses]
-    assert scores == [1.0, 0.0, 0.0, 1.0, 0.0]
-    assert len({extract_answer(responses[i]) for i in (1, 2, 4)}) == 3     # three texts, one number
-    r = _record(0, responses, scores)
-    half, four = canonical("1/2"), canonical("4")
-    assert [s["answer"] for s in r["samples"]] == [four, half, half, four, half]
-    assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
-    m = evaluate.eval_metrics(evaluate.totals([r], [1]), 5, [1])
-    assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
-
-
-class _Rank:
-    """Dist for one rank of `world` without a process group: sum returns this rank's share."""
-    def __init__(self, rank, world):
-        self.rank, self.world = rank, world
-
-    def sum(self, x):
-        return x.detach().double().clone()
-
-
-def _eval_setup(d, *extra):
-    """train.py's flags (flags.TrainArgs), the tiny model with large random weights (the fixture's
-    answers '\n' to every prompt
-    greedily; these give each prompt its own answer), and 12 built-in held-out problems."""
-    args = flags.parse_train_args(["--model", str(d / "model"), "--max-new-tokens", "10",
-                                   "--device", "cpu", *extra])
-    _, tok, model = models.load_model(args.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return args, tok, model, builtin.sample_problems(12, 2, True)
-
-
-# the random model is never right: this scores some of its responses 1
-def _has_9(response, answer):
-    return float("9" in response)
-
-
-def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs):
-    import evaluate
-    args, tok, model, rows = _eval_setup(tiny_run_inputs)
-    reward = _has_9
-    m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
-    # one greedy answer per problem, scored here: sums of reward, truncation, length
-    encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
-    roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id,
-                         temperature=0.0)
-    texts = [tok.decode(roll.response_ids[i, : roll.lengths[i]], skip_special_tokens=True)
-             for i in range(len(rows))]
-    correct = sum(reward(t, r["answer"]) for t, r in zip(texts, rows))
-    assert 0 < correct < len(rows) and 0 < roll.truncated.sum() < len(rows)
-    assert m == {"eval/accuracy": correct / len(rows),
-                 "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
-                 "eval/len_mean": roll.lengths.sum().item() / len(rows)}
-    assert [s["response"] for r in records for s in r["samples"]] == texts
-    assert evaluate.headline(1) == "eval/accuracy" and evaluate.headline(8) == "eval/mean@8"
-
-
-def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkeypatch):
-    import evaluate
-    # 2 problems per batch: each rank batches other problems together
-    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)
-    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
-                                         "0.9")
-    reward = _has_9
-    m1, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
-    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1]
-             for k in range(3)]
-    # same samples, scores, votes
-    assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1
-    ks = evaluate.pass_ks(4)
-    assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4,
-                                 ks) == pytest.approx(m1, abs=1e-12)
-    scores = [[s["score"] for s in r["samples"]] for r in r1]
-    assert (m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48)
-            == pytest.approx(m1["eval/pass@1"]))
-    assert m1["eval/pass@1"] <= m1["eval/pass@2"] <= m1["eval/pass@4"] == sum(map(max, scores)) / 12
-    # samples differ between problems
-    assert len({tuple(s["response"] for s in r["samples"]) for r in r1}) == 12
-    assert len({s["response"] for s in r1[0]["samples"]}) > 1                   # and within one
-
-
-def test_eval_flags_are_shared_and_checked(capsys):
-    import dataclasses as dc
-
-    import evaluate
-    mine = {f.name: f for f in dc.fields(flags.TrainArgs)}
-    for f in dc.fields(flags.EvalArgs):  # one definition: same type, default and help in train.py
-        assert ((mine[f.name].type, mine[f.name].default, mine[f.name].metadata)
-                == (f.type, f.default, f.metadata)), f.name
-    for parse in (flags.parse_train_args, evaluate.main):
-        for bad in (["--eval-samples", "0"], ["--eval-temperature", "0"], ["--eval-top-p", "1.5"],
-                    ["--max-new-tokens", "0"]):
-            with pytest.raises(SystemExit) as e:
-                parse(bad)
-            err = capsys.readouterr().err
-            assert (e.value.code == 2 and err.startswith("error: ")
-                    and len(err.strip().splitlines()) == 1), err
-
-
-# ---------------------------------------------------------------------------------------------
-# train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags
-# reach the update
-# ---------------------------------------------------------------------------------------------
-
-def test_bad_flags_exit_with_one_line(capsys):
-    for bad in (["--group-size", "1"], ["--max-new-tokens", "0"], ["--algo", "ppo"],
-                ["--reduction", "mean"],
-                ["--top-p", "0"], ["--overlong-cache", "999"], ["--steps", "x"],
-                ["--loss", "reinforce"],
-                ["--kl", "k4"], ["--loss", "gspo", "--clip-c", "3"], ["--tis-cap", "-1"],
-                ["--beta", "-0.1"]):
-        with pytest.raises(SystemExit) as e:
-            flags.parse_train_args(bad)
-        err = capsys.readouterr().err
-        assert (e.value.code == 2 and err.startswith("error: ")
-                and len(err.strip().splitlines()) == 1), err
 
 
 def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_inputs, tmp_path,
@@ -2272,10 +1437,10 @@ def test_overlong_filter_masks_the_truncated_rows_the_update_gets(tiny_run_input
     # one step of train.py in this process with 3 new tokens (most responses truncated): with the
     # filter (dapo's default) update_policy gets the loss mask with every truncated row zeroed,
     # without it the rollout's own mask; the same samples either way
-    updates = _spy(monkeypatch, update, "update_policy")
+    updates = spy_on(monkeypatch, update, "update_policy")
     masks = {}
     for name, extra in (("on", []), ("off", ["--no-overlong-filter"])):
-        _one_step(tiny_run_inputs, tmp_path / name, "--max-new-tokens", "3",
+        one_step(tiny_run_inputs, tmp_path / name, "--max-new-tokens", "3",
                   "--overlong-cache", "1", *extra)
         (_, roll, _, mask, *_), _ = updates.pop()
         masks[name] = mask
@@ -2311,94 +1476,6 @@ def test_rewards_and_reward_mean_carry_wrong_reward_and_the_overlong_penalty(tin
     s = metrics.drawn_sums([roll])
     assert (s["reward"] / s["samples"] == pytest.approx(float(want.mean()))
             and s["correct"] == float(right.sum()))
-
-
-def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
-    zero = dict.fromkeys(update.UPDATE_SUMS, 0.0)
-    return update.UpdateStats({**zero, **first}, {**zero, **rest}, mismatch_max, logprob_s=0.0,
-                              update_s=0.0)
-
-
-def test_step_metrics_worked_by_hand():
-    # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2,
-    # one mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples,
-    # "len" none
-    d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0,
-         "groups": 2.0, "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
-         "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
-    first = {"loss": 0.5, "kl": 0.2, "tokens": 10.0, "entropy": 6.0, "entropy_tokens": 12.0,
-             "grad_norm": 3.0,
-             "updates": 1.0, "mismatch/abs": 0.6, "mismatch/kl": 0.12, "mismatch/tokens": 12.0,
-             # the first update: ratio 1
-             "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}
-    rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
-            "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
-    row = metrics.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
-    assert row == pytest.approx({
-        "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
-        "reward/mean": 0.25,             # 2 / 8 samples
-        "reward/correct": 0.375,         # 3 / 8
-        "reward/frac_zero_std": 0.5,     # 1 / 2 groups
-        "groups/all_correct": 0.0,       # 0 / 2
-        "groups/all_wrong": 0.5,         # 1 / 2
-        "reward/fmt": 0.25,              # 1.5 / the 6 samples it scored ("len" scored none: no key)
-        "kl": 0.03,                      # (0.2 + 0.4) / 20 loss tokens of both updates
-        "entropy": 0.5,                  # 6 / 12 tokens, counted in the first pass only
-        "mismatch/logp_abs_mean": 0.05,  # 0.6 / 12
-        "mismatch/logp_abs_max": 0.25,   # as update_policy gave it
-        "mismatch/kl": 0.01,             # 0.12 / 12
-        # 1 / the 10 tokens of the off-policy update (the first is left out)
-        "clip/low_frac": 0.1,
-        "clip/high_frac": 0.2,           # 2 / 10
-        "ratio/mean": 1.05,              # 10.5 / 10
-        "clip/dual_frac": 0.05,          # 0.5 / 10 (--clip-c is on)
-        "len/mean": 5.0,                 # 40 / 8
-        "len/truncated_frac": 0.25,      # 2 / 8
-        "tokens/in_loss": 10.0,          # 20 / --mu 2: the step's loss tokens once
-        "grad_norm": 2.0,                # (3 + 1) / 2 updates
-        "updates": 2.0,
-    })
-    # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual
-    # key
-    row = metrics.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
-    assert (row["ratio/mean"], row["clip/high_frac"], row["loss"],
-            row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
-    assert "clip/dual_frac" not in row
-    # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip
-    # keys
-    row = metrics.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
-    assert ((row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"])
-            == (0.0, 0.0, 0.0, 0.0, 0.0))
-    assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
-
-
-def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, monkeypatch):
-    import dataclasses as dc
-    import re
-
-    monkeypatch.setenv("COLUMNS", "120")
-    with pytest.raises(SystemExit) as e:
-        flags.parse_train_args(["--help"])
-    assert e.value.code == 0
-    groups, where = {}, None                   # group title -> the flags listed under it, in order
-    for line in capsys.readouterr().out.splitlines():
-        if re.fullmatch(r"\S.*:", line):       # a group's heading: "how much:"
-            where = groups.setdefault(line[:-1], [])
-        elif m := re.match(r"  (?:-h, )?(--[\w-]+)", line):
-            where.append(m.group(1))
-    titles = ["options", "the model and data", "how much", "optimisation",
-              "the loss: GRPO's settings, and DAPO's four fixes one by one", "the run"]
-    assert list(groups) == titles and groups["options"] == ["--help"]
-    # EvalArgs' flags (flags.TrainArgs inherits them) come first in their sections
-    assert [group[0] for group in list(groups.values())[1:]] == ["--model", "--max-new-tokens",
-                                                                 "--lr", "--beta", "--seed"]
-    assert "--algo" in groups["the model and data"] and "--mini-batches" in groups["optimisation"]
-    assert "--eval-samples" in groups["how much"] and "--bf16" in groups["the run"]
-    assert "--dynamic-sampling" in groups[titles[4]] and "--resume" in groups["the run"]
-    listed = [f for group in list(groups.values())[1:] for f in group]
-    # each once
-    assert sorted(listed) == sorted("--" + f.name.replace("_", "-")
-                                    for f in dc.fields(flags.TrainArgs))
 
 
 class _TwoRanks:

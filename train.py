@@ -2,7 +2,7 @@
 
 Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts -> Step 2 rewards -> Step 3
 advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family
-objectives of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
+objectives of infra/variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
     python train.py --algo dapo          # the built-in task and model (base_model/), CPU, minutes
     python train.py --algo grpo --steps 60
@@ -12,14 +12,14 @@ objectives of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
         train.py ...
 
 Step 1 samples with sampler.sample_groups, or with --rollout vllm on a colocated vLLM engine per
-rank (vllm_rollout.py) that gets the policy's weights after each step's update.
+rank (infra/vllm_rollout.py) that gets the policy's weights after each step's update.
 
 Distributed data parallel is wired through torchrun's environment variables and is invisible at
-world size 1 (parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of the
-step's prompts; a prompt's G samples stay on one rank. With --save-every K a checkpoint (model,
+world size 1 (infra/parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of
+the step's prompts; a prompt's G samples stay on one rank. With --save-every K a checkpoint (model,
 optimizer, scheduler, RNG, step, data position) is written atomically to OUT/checkpoint.pt (with
---fsdp: sharded, to OUT/checkpoint/); --resume continues from it with the same result as an
-unbroken run.
+--fsdp: sharded, to OUT/checkpoint/); --resume continues from it with the same result as an unbroken
+run.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Step 4 as it runs: the policy update of one rollout step, in mini-batches and micro-batches.
 
 Article section: "Step 4: PPO Loss 计算" (the clipped surrogate and the KL term, then a gradient
-step); the loss is grpo.policy_loss (surrogate + beta * KL, the surrogate a --loss of variants.py
-or grpo.ppo_loss), the training forward logprobs.py. This module only schedules it: which responses
-share an optimizer update (--mini-batches, the DAPO paper's 16 updates per step), how many passes
-(--mu), which forwards run without gradients (old and reference log-probs), and the denominators
-(grpo.token_weights' global counts) that make the summed micro-batch gradients equal to one update
-on the whole mini-batch, on any number of ranks.
+step); the loss is grpo.policy_loss (surrogate + beta * KL, the surrogate a --loss of
+infra/variants.py or grpo.ppo_loss), the training forward logprobs.py. This module only schedules
+it: which responses share an optimizer update (--mini-batches, the DAPO paper's 16 updates per
+step), how many passes (--mu), which forwards run without gradients (old and reference log-probs),
+and the denominators (grpo.token_weights' global counts) that make the summed micro-batch gradients
+equal to one update on the whole mini-batch, on any number of ranks.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class UpdateStats:
     mismatch_max: float             # max |sampler - old log-prob| over the step's tokens, all ranks
     logprob_s: float                # seconds of the no-grad old and reference log-prob passes
     update_s: float                 # seconds of the gradient passes and optimizer steps after them
-    micro: list[slice] = field(default_factory=list)  # this rank's micro-batches run (perf.py)
+    micro: list[slice] = field(default_factory=list)  # this rank's micro-batches (infra/perf.py)
 
 
 def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:
@@ -130,8 +130,8 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
 
 
 # ---------------------------------------------------------------------------------------------
-# The parts of an update: the plan of mini- and micro-batches, the no-grad passes, one
-# micro-batch's loss, the sums, the optimizer step
+# The parts of an update: the plan of mini- and micro-batches, the no-grad passes, one micro-batch's
+# loss, the sums, the optimizer step
 # ---------------------------------------------------------------------------------------------
 
 @dataclass

@@ -177,8 +177,8 @@ def _after_marker(rest: str) -> str | None:
     line = rest.lstrip().split("\n", 1)[0].strip()
     if _PROSE.match(line):
         return None
-    # one math span: `\$` is a dollar sign; \( \) and \[ \] delimit like $ (one
-    # linear regex, no backtracking)
+    # one math span: `\$` is a dollar sign; \( \) and \[ \] delimit like $ (one linear regex, no
+    # backtracking)
     dollars = (line.replace("\\$", "\x01").replace("\\(", "$").replace("\\)", "$")
                .replace("\\[", "$").replace("\\]", "$"))
     span = re.search(r"(?<!\$)\$+([^$]+)\$", dollars)

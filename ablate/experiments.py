@@ -123,8 +123,8 @@ class Experiment:
     arms: tuple[tuple[str, tuple[str, ...]], ...]  # (label, flags); the first: the fix off
     # the table: (name, one value per run[, decimals (default: fmt's)])
     measures: tuple[tuple, ...]
-    # the figure: (title, x label, curve[, y label with its unit (default: the title)]); a
-    # held-out accuracy panel is added to every figure (figure_panels)
+    # the figure: (title, x label, curve[, y label with its unit (default: the title)]); a held-out
+    # accuracy panel is added to every figure (figure_panels)
     panels: tuple[tuple, ...]
     habit: habits.Habit | None = None  # the base model: this habit model (None: the shipped one)
 

@@ -1,5 +1,5 @@
-"""Speed of --compile (static_decode.py) in "Step 1: Rollout 采样": the same rollout decoded by
-sample_groups' eager loop, by the static-shape loop with its step eager and compiled, by HF
+"""Speed of --compile (infra/static_decode.py) in "Step 1: Rollout 采样": the same rollout decoded
+by sample_groups' eager loop, by the static-shape loop with its step eager and compiled, by HF
 generate, and by vLLM (where it is installed, in a process of its own), beside the model's matmuls
 alone at the slots' rows, at the rollouts section's config and at a long-tail one. A section of
 `python -m bench`, which runs it.

@@ -17,7 +17,8 @@ import time
 import torch
 
 from bench.common import RSS_READABLE, cuda_peak, in_fresh_process, qwen_39m, rss_peak, sync, timed
-from sampler import left_padded, sample_groups
+from infra.kv_cache import left_padded
+from sampler import sample_groups
 
 
 def matmul_flops(device: str, dtype=torch.float32, seconds: float = 1.0) -> float:

@@ -1,9 +1,9 @@
 """The built-in base model's warm start: one supervised step of demonstrations packed into rows vs
-padded to the longest (here, not in builtin.py: it measures the build, not the loop).
+padded to the longest (here, not in infra/builtin.py: it measures the build, not the loop).
 
-Not an article section: builtin.py's warm start (`warm_start_batches`), timed both ways.
+Not an article section: infra/builtin.py's warm start (`warm_start_batches`), timed both ways.
 
-    python -m bench --only warmstart --threads 0   # on all cores, as builtin.py builds
+    python -m bench --only warmstart --threads 0   # on all cores, as infra/builtin.py builds
 """
 from __future__ import annotations
 

@@ -246,8 +246,8 @@ def warm_start_batches(tokenizer, cfg: BaseModelConfig
     demos = warm_start_demos(cfg)
     eos, pad, L = tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.sft_pack_len
     # character-level: a text's ids are its characters' ids; looked up directly, the 76,800
-    # demonstrations take 0.6 s instead of 5.6 s through the tokenizer (the packed test
-    # checks both give the same ids)
+    # demonstrations take 0.6 s instead of 5.6 s through the tokenizer (the packed test checks both
+    # give the same ids)
     vocab = tokenizer.get_vocab()
     # (tokens, prompt length)
     seqs = [([vocab[c] for c in p + r] + [eos], len(p)) for p, r in demos]

@@ -8,8 +8,9 @@ name, fsync, os.replace), so a crash in the middle of a save leaves the previous
 `load` reads it back with `weights_only=True` (no pickled code is ever executed). `recover` and
 `loadable` find the whole copy of a folder whose atomic replacement a kill cut (OUT/final.old).
 
-The logs (metrics.jsonl, completions.jsonl) are metrics.py's: appended to line by line, read back
-without a last line a kill cut (metrics.read_metrics), rewritten by --resume through `write_text`.
+The logs (metrics.jsonl, completions.jsonl) are infra/metrics.py's: appended to line by line, read
+back without a last line a kill cut (metrics.read_metrics), rewritten by --resume through
+`write_text`.
 
 With `--fsdp` no rank holds the whole model: `save_sharded` writes a folder through
 torch.distributed.checkpoint (DCP), each rank its own shards, into OUT/checkpoint/step-N.tmp; after
@@ -69,8 +70,8 @@ def lock_folder(out: str, ranks):
                       f"--out")
 
 
-# what torch.load(weights_only=True) and load_state_dict raise on a corrupt,
-# truncated or foreign file
+# what torch.load(weights_only=True) and load_state_dict raise on a corrupt, truncated or foreign
+# file
 UNREADABLE = (OSError, RuntimeError, KeyError, ValueError, EOFError, pickle.UnpicklingError)
 
 

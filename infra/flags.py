@@ -2,8 +2,8 @@
 
 Article section: the settings of "GRPO 训练过程拆解" and "DAPO：四项修正": --algo fills in either
 paper's (ALGO_DEFAULTS: beta, the clip range, the loss reduction, dynamic sampling, the overlong
-filter and penalty, the wrong answer's reward), --loss the clip range of variants.py's objectives
-(LOSS_DEFAULTS); a flag given on the command line wins.
+filter and penalty, the wrong answer's reward), --loss the clip range of infra/variants.py's
+objectives (LOSS_DEFAULTS); a flag given on the command line wins.
 
 A flag is a dataclass field (`flag`: its default and help text); `add_flags` turns a flag dataclass
 into argparse flags, in one group per `# -- title` section of its body. EvalArgs holds the flags
@@ -229,7 +229,8 @@ class TrainArgs(EvalArgs):
                               "--eval-temperature)")
     top_p: float = flag(1.0, "nucleus sampling of rollouts")
     rollout: str = flag("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a "
-                        "colocated vLLM engine per rank, vllm_rollout.py; needs vLLM installed)",
+                        "colocated vLLM engine per rank, infra/vllm_rollout.py; needs vLLM "
+                        "installed)",
                         ["hf", "vllm"])
     vllm_gpu_memory_utilization: float = flag(0.3, "--rollout vllm: fraction of GPU memory the "
                                               "engine may take (on CPU: of host memory)")
@@ -271,7 +272,8 @@ class TrainArgs(EvalArgs):
     clip_c: float = flag(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: "
                          "off; verl 3, DAPO recipe 10)")
     loss: str = flag("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, "
-                     "gspo-token, cispo (variants.py)", ["ppo", "gspo", "gspo-token", "cispo"])
+                     "gspo-token, cispo (infra/variants.py)",
+                     ["ppo", "gspo", "gspo-token", "cispo"])
     kl: str = flag("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 "
                    "(DeepSeekMath)", ["k1", "k2", "k3"])
     entropy_coef: float = flag(0.0, "subtract this times the mean token entropy from the loss (0: "

@@ -26,8 +26,8 @@ import torch
 
 from infra.errors import InputError
 
-# the attention and MLP projections of Llama, Qwen2/2.5/3 and Mistral (and most
-# decoders named like them)
+# the attention and MLP projections of Llama, Qwen2/2.5/3 and Mistral (and most decoders named like
+# them)
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 ADAPTER = "default"                                   # peft's name for the one adapter
 

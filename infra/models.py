@@ -45,8 +45,8 @@ def load_model(spec: str, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         # float32 master weights whatever the checkpoint's dtype (most hub models are saved in
-        # bfloat16, and transformers 5 keeps that dtype: AdamW updates of lr ~1e-6 would then
-        # mostly round away); bf16 is the compute path, through autocast (--bf16)
+        # bfloat16, and transformers 5 keeps that dtype: AdamW updates of lr ~1e-6 would then mostly
+        # round away); bf16 is the compute path, through autocast (--bf16)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

@@ -45,8 +45,8 @@ import torch.distributed as dist
 # argument. Imported after init_process_group, those defaults pin the process group, so
 # destroy_process_group cannot free it and its gloo threads run on into interpreter exit (where a
 # rank aborted in CI). Imported here, before any process group exists, the defaults are None.
-# (Inside a function, `import torch.distributed.nn` would also make `torch` a local
-# name there: pyflakes F823.)
+# (Inside a function, `import torch.distributed.nn` would also make `torch` a local name there:
+# pyflakes F823.)
 import torch.distributed.nn  # noqa: F401
 
 from infra.errors import ShardingError

@@ -22,8 +22,24 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
     T = args.max_new_tokens
     if sample is not None:
         return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
-    S = args.max_num_seqs or sampler.num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
+    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
         return sampler.sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
                                      generator=generator, max_num_seqs=S,
                                      static=static_decode if args.compile else None)
+
+
+def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,
+                    budget_gb: float) -> int:
+    """The most rows (a multiple of G, at least G) whose KV cache, rows x (P + T) positions, fits in
+    budget_gb: one position of one row takes layers x KV heads x head_dim x 2 (K and V) x bytes
+    (autocast's dtype if on)."""
+    c, device = model.config.get_text_config(), next(model.parameters()).device
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    amp = torch.is_autocast_enabled(device.type)
+    nbytes = (torch.get_autocast_dtype(device.type) if amp
+              else next(model.parameters()).dtype).itemsize
+    per_row = (c.num_hidden_layers * heads * head_dim * 2 * nbytes
+               * (max(map(len, prompts), default=0) + max_new_tokens))
+    return max(G, int(budget_gb * 2**30 // per_row) // G * G)

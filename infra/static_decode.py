@@ -16,10 +16,11 @@ So torch.compile traces HF's forward once per (S, C) (`fullgraph`, no graph brea
 captures it as a graph (`mode="reduce-overhead"`, untested on hardware here). The rollout is the
 eager loop's up to float rounding: the same uniforms per row, the same sampler.sample_token.
 
-`can_compile` says whether it runs (else a one-line warning and the eager loop); `decode` is the
-loop; `compiled_step` the compiled forward. On CPU it pays little (1.02x the eager loop at the bench
-config, 1.26x with a long tail of lengths, a compile of 20-30 s per shape: docs/speed.md, `python -m
-bench --only compile`), so --compile is off by default.
+`can_compile` says whether it runs (else a one-line warning and the eager loop); `StaticSteps` is
+the batch sample_groups' one loop drives in these shapes; `compiled_step` the compiled forward. On
+CPU it pays little (1.02x the eager loop at the bench config, 1.26x with a long tail of lengths, a
+compile of 20-30 s per shape: docs/speed.md, `python -m bench --only compile`), so --compile is off
+by default.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 
-import sampler
+from infra import kv_cache
 
 STATIC_ROUND = 64   # C = P + T rounded up to this: prompts of nearby lengths share one compile
 
@@ -59,7 +60,7 @@ class StaticLayer(DynamicLayer):
         return self.kbuf, self.vbuf
 
     def put(self, slots: torch.Tensor, prompt, G: int) -> None:
-        """Slots [k*G] take the KV of k prefilled prompts (a sampler._BufferedLayer, columns
+        """Slots [k*G] take the KV of k prefilled prompts (a kv_cache.BufferedLayer, columns
         [0, P)), each prompt's for its G slots."""
         P = prompt.seen
         for buf, src in ((self.kbuf, prompt.kbuf), (self.vbuf, prompt.vbuf)):
@@ -89,7 +90,7 @@ _SEEN: set = set()                           # the (S, C, model, autocast) compi
 def decode_step(model, cache, tok, pos, mask):
     """One decode forward over every slot: tok, pos [S, 1], mask [S, 1, 1, C] -> logits [S, V]."""
     return model(input_ids=tok, attention_mask=mask, position_ids=pos, use_cache=True,
-                 logits_to_keep=1, **{sampler.cache_kwarg(model): cache}).logits[:, -1]
+                 logits_to_keep=1, **{kv_cache.cache_kwarg(model): cache}).logits[:, -1]
 
 
 def compile_mode(device: torch.device) -> str | None:
@@ -157,78 +158,79 @@ def run_step(step, model, cache, tok, pos, mask, graphs: bool) -> torch.Tensor:
     return out.clone() if graphs else out
 
 
-def decode(model, ids, pmask, plen, G: int, S: int, T: int, u, eos, temperature: float,
-           top_p: float, continuous: bool, response, logprobs, lengths, truncated) -> None:
-    """sample_groups' loop with static shapes (the module docstring): ids, pmask [B, P] the
-    left-padded prompts, plen [B] their lengths, u [B*G, T] the uniforms, eos [E]; fills response,
-    logprobs [B*G, T], lengths, truncated [B*G] in place, as the eager loop does. The step is
+class StaticSteps:
+    """sample_groups' batch held in static shapes (the module docstring), the other way than
+    sampler.EagerSteps and with its methods: S slots at fixed places, a free slot taken by the next
+    group, every forward over all S slots and the whole C-column buffer. The step is
     compiled_step's (the tests and the bench swap decode_step in: the loop alone, eager)."""
-    device, (B, P) = ids.device, ids.shape
-    C = -(-(P + T) // STATIC_ROUND) * STATIC_ROUND
-    step = compiled_step(device)
-    compiled = step is not decode_step
-    graphs = compiled and uses_graphs(device)
-    cache, _ = sampler.make_cache(model, C)
-    at = torch.zeros(S, dtype=torch.long, device=device)                      # [S] write column
-    tok = torch.zeros(S, 1, dtype=torch.long, device=device)                  # [S, 1]
-    pos = torch.zeros(S, 1, dtype=torch.long, device=device)                  # [S, 1]
-    mask = torch.zeros(S, 1, 1, C, dtype=torch.bool, device=device)           # [S, 1, 1, C]
-    mask[..., 0] = True                          # a slot never used attends to something (no NaN)
-    row = torch.zeros(S, dtype=torch.long, device=device)                     # [S] its response row
-    t = torch.zeros(S, dtype=torch.long, device=device)                       # [S] tokens sampled
-    if graphs:                                   # the graph's inputs, at fixed addresses
-        for x in (at, tok, pos, mask):
-            torch._dynamo.mark_static_address(x)
-    busy, free = [], list(range(S))                            # slots in use (sorted), free slots
-    logits, work, admitted = None, None, 0
-    while True:
-        k = min(B - admitted, len(free) // G) if continuous or not busy else 0    # whole groups
-        if k:
-            g = slice(admitted, admitted + k)
-            new, free = free[:k * G], free[k * G:]
-            slots = torch.tensor(new, device=device)                          # [k*G]
-            first, prompt = sampler.prefill_prompts(model, ids[g], pmask[g])  # [k, V], the KV
-            if not isinstance(cache.layers[0], StaticLayer):                  # the first admission
-                cache.layers = [StaticLayer(*_static_buffers(la, S, C, graphs), at)
-                                for la in prompt.layers]
-            for layer, pl in zip(cache.layers, prompt.layers):
-                layer.put(slots, pl, G)
-            mask[slots, 0, 0] = torch.nn.functional.pad(
-                pmask[g].bool(), (0, C - P)).repeat_interleave(G, 0)          # [k*G, C]
-            row[slots] = torch.arange(admitted * G, (admitted + k) * G, device=device)
-            t[slots] = 0
-            if logits is None:
-                logits = first.new_zeros(S, first.shape[-1])                  # [S, V]
-            logits[slots] = first.repeat_interleave(G, 0)
-            busy, admitted = sorted(busy + new), admitted + k
-        if not busy:
-            break
-        act = torch.tensor(busy, device=device)                               # [n]
-        work = sampler.sample_workspace(S, logits.shape[-1], device) if work is None else work
-        r, ti = row[act], t[act]                                              # [n] each
-        z = logits if len(busy) == S else logits[act]              # [n, V] (no copy when all busy)
-        nt, lp = sampler.sample_token(z, u[r, ti], temperature, top_p, work)  # [n]
-        response[r, ti], logprobs[r, ti] = nt, lp
-        hit = torch.isin(nt, eos)                                             # [n]
-        lengths[r] = torch.where(hit, ti + 1, lengths[r])
-        truncated[r] &= ~hit
-        t[act] = ti + 1
-        keep = (~hit & (ti + 1 < T)).tolist()                             # the step's host sync
-        free += [s for s, k_ in zip(busy, keep) if not k_]
-        busy = [s for s, k_ in zip(busy, keep) if k_]
-        if not busy:
-            continue
-        act = torch.tensor(busy, device=device)                               # [n'] still decoding
-        a = P + t[act] - 1                                          # [n'] the new token's column
-        at[act], tok[act, 0] = a, nt[torch.tensor(keep, device=device)]
-        pos[act, 0] = plen[row[act] // G] + t[act] - 1       # counted from the prompt's 1st token
-        mask[act, 0, 0, a] = True
-        key = (S, C, id(model), torch.is_autocast_enabled(device.type))     # a compile each
+
+    def __init__(self, model, cache, ids, pmask, G: int, S: int, T: int):
+        device, P = ids.device, ids.shape[1]
+        self.model, self.cache, self.ids, self.pmask = model, cache, ids, pmask
+        self.G, self.S = G, S
+        self.P, self.C, self.plen = P, -(-(P + T) // STATIC_ROUND) * STATIC_ROUND, pmask.sum(-1)
+        self.step = compiled_step(device)
+        self.compiled = self.step is not decode_step
+        self.graphs = self.compiled and uses_graphs(device)
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.at, self.tok, self.pos = zeros(S), zeros(S, 1), zeros(S, 1)  # [S] write column, [S, 1]
+        self.mask = zeros(S, 1, 1, self.C, dtype=torch.bool)                  # [S, 1, 1, C]
+        self.mask[..., 0] = True                 # a slot never used attends to something (no NaN)
+        self.row, self.t = zeros(S), zeros(S)                    # [S] its response row, tokens
+        if self.graphs:                          # the graph's inputs, at fixed addresses
+            for x in (self.at, self.tok, self.pos, self.mask):
+                torch._dynamo.mark_static_address(x)
+        self.busy, self.idle = [], list(range(S))                   # slots in use (sorted), free
+        self.logits, self.act = None, None                                   # [S, V], [n]
+
+    def free(self) -> int:
+        return len(self.idle)
+
+    def admit(self, g: slice) -> None:
+        """Prompts g (whole groups) prefilled once each into the first free k*G slots."""
+        G, k, device = self.G, g.stop - g.start, self.ids.device
+        new, self.idle = self.idle[:k * G], self.idle[k * G:]
+        slots = torch.tensor(new, device=device)                             # [k*G]
+        first, prompt = kv_cache.prefill_prompts(self.model, self.ids[g], self.pmask[g])  # [k, V]
+        if not isinstance(self.cache.layers[0], StaticLayer):                # the first admission
+            self.cache.layers = [StaticLayer(*_static_buffers(la, self.S, self.C, self.graphs),
+                                             self.at) for la in prompt.layers]
+        for layer, pl in zip(self.cache.layers, prompt.layers):
+            layer.put(slots, pl, G)
+        self.mask[slots, 0, 0] = torch.nn.functional.pad(
+            self.pmask[g].bool(), (0, self.C - self.P)).repeat_interleave(G, 0)  # [k*G, C]
+        self.row[slots] = torch.arange(g.start * G, g.stop * G, device=device)
+        self.t[slots] = 0
+        if self.logits is None:
+            self.logits = first.new_zeros(self.S, first.shape[-1])           # [S, V]
+        self.logits[slots] = first.repeat_interleave(G, 0)
+        self.busy = sorted(self.busy + new)
+
+    def active(self):
+        self.act = torch.tensor(self.busy, device=self.ids.device, dtype=torch.long)  # [n]
+        z = self.logits if len(self.busy) == self.S else self.logits[self.act]  # all busy: no copy
+        return self.row[self.act], self.t[self.act], z
+
+    def advance(self, tok: torch.Tensor, keep: list[bool]) -> None:
+        """Slots where keep is False go free; the others' tokens tok [n] go through one forward of
+        every slot (a free slot recomputes its stale token, its output unread)."""
+        self.t[self.act] += 1
+        self.idle += [s for s, k_ in zip(self.busy, keep) if not k_]
+        self.busy = [s for s, k_ in zip(self.busy, keep) if k_]
+        if not self.busy:
+            return
+        act = torch.tensor(self.busy, device=tok.device)                    # [n'] still decoding
+        a = self.P + self.t[act] - 1                                         # [n'] the new column
+        self.at[act], self.tok[act, 0] = a, tok[torch.tensor(keep, device=tok.device)]
+        self.pos[act, 0] = self.plen[self.row[act] // self.G] + self.t[act] - 1  # from 1st token
+        self.mask[act, 0, 0, a] = True
+        key = (self.S, self.C, id(self.model), torch.is_autocast_enabled(tok.device.type))
         t0 = time.perf_counter()
-        logits = run_step(step, model, cache, tok, pos, mask, graphs)       # [S, V]
-        if compiled and key not in _SEEN:
+        self.logits = run_step(self.step, self.model, self.cache, self.tok, self.pos, self.mask,
+                               self.graphs)                                   # [S, V]
+        if self.compiled and key not in _SEEN:                               # a compile each
             _SEEN.add(key)
-            print(f"sampler: compiled the decode step ({S} slots x {C} positions) in "
+            print(f"sampler: compiled the decode step ({self.S} slots x {self.C} positions) in "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 

@@ -98,8 +98,8 @@ class Engine:
         eos = [int(e) for e in torch.tensor(eos_token_id).reshape(-1)]
         greedy = temperature == 0
         seeds = _seeds(None if greedy else generator, len(prompts))
-        # response i of a prompt seeded s + i, as vLLM seeds an n = G request's
-        # children; only `eos` ends one
+        # response i of a prompt seeded s + i, as vLLM seeds an n = G request's children; only `eos`
+        # ends one
         params = [self.vllm.SamplingParams(
             n=1, temperature=temperature, top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
             seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0,
@@ -141,8 +141,8 @@ class Engine:
             self.asleep = False
         # the prefix cache holds K/V the old weights computed for every full block (128 tokens on
         # CPU) of earlier prompts: a prompt sharing one (a chat header, a system prompt, the same
-        # eval prompts) would be decoded on it. sleep(level=2) drops it on
-        # CUDA; on CPU nothing else does
+        # eval prompts) would be decoded on it. sleep(level=2) drops it on CUDA; on CPU nothing else
+        # does
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still "
                                "running)")

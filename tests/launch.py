@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 
-from test_grpo import _tiny_flags
+from test_grpo import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 
-def _run_train(d, out, *extra):
-    flags = _tiny_flags(d, out)
+def run_train(d, out, *extra):
+    flags = tiny_flags(d, out)
     # --reward repeats to sum several rewards: the caller's replaces the default one
     if "--reward" in extra:
         del flags[flags.index("--reward"):flags.index("--reward") + 2]
@@ -26,7 +26,7 @@ def _run_train(d, out, *extra):
     return res
 
 
-def _torchrun(nproc, script, *flags):
+def torchrun(nproc, script, *flags):
     """`script flags` under torchrun on nproc CPU ranks (gloo); fails the test unless every rank
     exits 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -37,7 +37,7 @@ def _torchrun(nproc, script, *flags):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def _thread_counting_driver(tmp_path):
+def thread_counting_driver(tmp_path):
     """A script that runs train.main, then writes how many gloo threads its rank still has to
     threads<RANK>."""
     driver = tmp_path / "driver.py"
@@ -59,7 +59,7 @@ def _thread_counting_driver(tmp_path):
 # a train.main run that the driver kills with SIGKILL after kill_after_s seconds, or that kills
 # itself with SIGKILL once kill_after_bytes bytes went to the files it writes under OUT
 # (CutWrites). One line back per run: how it ended.
-_KILL_DRIVER = r"""
+KILL_DRIVER = r"""
 import builtins, json, os, random, signal, sys, time, traceback
 import torch
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
@@ -121,7 +121,7 @@ def _clocked(key: str) -> bool:
     return key.startswith(("time/", "perf/mfu")) or key == "perf/tokens_per_s"
 
 
-def _run_record(out):
+def run_record(out):
     """What a finished run left: its logs without the wall-clock keys (_clocked), its final/ byte
     for byte, config.json without the keys that name the folder or the resume, and the names in
     OUT."""

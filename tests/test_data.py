@@ -23,11 +23,11 @@ from infra import (
     models,
 )
 from test_grpo import (
-    _one_step,
-    _read,
-    _spy,
-    _tiny_flags,
     has_x,
+    one_step,
+    read_file,
+    spy_on,
+    tiny_flags,
     trl_length,
 )
 from verifier import (
@@ -37,7 +37,7 @@ from verifier import (
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# builtin.py: the task and the tokenizer round trip
+# infra/builtin.py: the task and the tokenizer round trip
 # ---------------------------------------------------------------------------------------------
 
 def test_builtin_task_solutions_verify_and_split_is_disjoint():
@@ -205,7 +205,8 @@ def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for bad input
+# infra/data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for bad
+# input
 # ---------------------------------------------------------------------------------------------
 
 def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path):
@@ -308,8 +309,8 @@ def test_reward_weights_weigh_the_rewards_train_py_trains_on(tiny_run_inputs, tm
     # --reward-weights 1 0.5: each drawn response's score (Rollout.correct, what DAPO's +-1 reward
     # and the filter read) is has_x + 0.5 trl_length, row by row; the row logs the same mean
     import train
-    drawn = _spy(monkeypatch, train, "draw_round")
-    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length",
+    drawn = spy_on(monkeypatch, train, "draw_round")
+    row = one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length",
                     "--reward-weights", "1", "0.5")
     (_, (roll, _)), = drawn
     x, length = roll.reward_parts["has_x"], roll.reward_parts["trl_length"]          # [N] each
@@ -437,7 +438,7 @@ def _doc_commands(page: str, script: str) -> list[list[str]]:
     import re
     import shlex
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", _read(os.path.join(HERE, page)), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", read_file(os.path.join(HERE, page)), re.S):
         text = ""
         for line in block.splitlines(keepends=True):
             text += line
@@ -564,7 +565,7 @@ def test_message_prompts_keep_their_system_turn_and_bad_prompts_name_their_row(t
     for extra, why in (([], "the tokenizer has no chat template"),
                        (["--no-chat-template"], "--no-chat-template")):
         with pytest.raises(SystemExit) as e:
-            train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--data", str(jsonl),
+            train.main([*tiny_flags(tiny_run_inputs, tmp_path / "out"), "--data", str(jsonl),
                         *extra])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1, err

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from launch import ROOT
-from test_grpo import _read
+from test_grpo import read_file
 
 # ---------------------------------------------------------------------------------------------
 # docs: every `module.name`, --flag, test name and relative link in README.md and docs/ exists
@@ -37,7 +37,7 @@ def _doc_pages() -> dict[str, str]:
     paths = ["README.md", "results/README.md",
              *(f"docs/{n}" for n in sorted(os.listdir(docs)) if n.endswith(".md"))]
     paths = [p for p in paths if os.path.exists(os.path.join(ROOT, p))]
-    return {p: _read(os.path.join(ROOT, p)) for p in paths}
+    return {p: read_file(os.path.join(ROOT, p)) for p in paths}
 
 
 def _at(page: str, text: str, m, what: str | None = None) -> str:
@@ -83,7 +83,7 @@ def _cli_actions() -> list:
     argparse.ArgumentParser.parse_known_args = capture
     try:
         for path, module in commands:
-            src = _read(path) if path.endswith(".py") else ""
+            src = read_file(path) if path.endswith(".py") else ""
             if "__main__" not in src or not re.search(r"parse_\w*args\(", src):
                 continue
             sys.argv = [path]
@@ -148,7 +148,7 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
             choices.setdefault(s, set()).update(map(str, a.choices))
     test_files = _test_files()  # a test file's own name (tests/test_docs.py) is no test name
     tests = {name for path in test_files
-             for name in re.findall(r"^def (test_\w+)\(", _read(path), re.M)}
+             for name in re.findall(r"^def (test_\w+)\(", read_file(path), re.M)}
     tests |= {os.path.basename(path)[:-3] for path in test_files}
     # grpo.fn, grpo.fn(kw=...), sampler.Rollout.field; --flag, --flag value, --flag a/b
     name_re = r"(?<![\w./-])(" + "|".join(modules) + r")((?:\.\w+)+)(\(([^()`]*)\))?"
@@ -188,7 +188,7 @@ def _docs_problems(pages: dict[str, str]) -> list[str]:
                 continue
             if target and not os.path.exists(path):
                 problems.append(f"{_at(page, text, m, m.group(1))}: no such file")
-            elif anchor and anchor not in _github_anchors(_read(path) if target else text):
+            elif anchor and anchor not in _github_anchors(read_file(path) if target else text):
                 problems.append(f"{_at(page, text, m, m.group(1))}: no such heading")
         for m in re.finditer(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b", text):
             path = os.path.join(ROOT, m.group(1))
@@ -538,7 +538,7 @@ def _figure_problems(pages: dict[str, str], results: dict[str, str]) -> list[str
 def test_docs_quote_the_figures_of_the_results_tables():
     pages = _doc_pages()
     names = {f[2] for f in DOC_FIGURES}
-    results = {name: _read(os.path.join(ROOT, "results", name)) for name in names}
+    results = {name: read_file(os.path.join(ROOT, "results", name)) for name in names}
     assert _figure_problems(pages, results) == []
     # an edited page, an edited table: each is caught
     edited = {**pages, P1: pages[P1].replace("with it 15.9 vs", "with it 15.8 vs")}

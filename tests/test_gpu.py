@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from launch import ROOT, _run_train, _torchrun
+from launch import ROOT, run_train, torchrun
 from sampler import sample_groups
-from test_grpo import PROMPTS, _tiny, _tiny_flags, _weights
+from test_grpo import PROMPTS, tiny, tiny_flags, weights_of
 
 # ---------------------------------------------------------------------------------------------
 # On GPUs (python -m pytest -q test_grpo.py tests -m gpu): skipped, with the reason, where CUDA is
@@ -38,13 +38,13 @@ def _train_rows(out):
 @needs_cuda
 def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
-    _run_train(d, tmp_path / "run", "--device", "cuda", "--steps", "3", "--algo", "grpo",
+    run_train(d, tmp_path / "run", "--device", "cuda", "--steps", "3", "--algo", "grpo",
                "--reward", "tinyreward:has_x")
     # the default on CUDA
     assert json.loads((tmp_path / "run" / "config.json").read_text())["bf16"] is True
     rows = _train_rows(tmp_path / "run")
     assert len(rows) == 3 and all(math.isfinite(v) for r in rows for v in r.values())
-    w, start = _weights(tmp_path / "run" / "final"), _weights(d / "model")
+    w, start = weights_of(tmp_path / "run" / "final"), weights_of(d / "model")
     assert ({v.dtype for v in w.values()} == {torch.float32}
             and any(not torch.equal(start[k], w[k]) for k in w))
 
@@ -52,7 +52,7 @@ def test_gpu_bf16_steps_train_float32_weights(tiny_run_inputs, tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_sampler_greedy_equals_generate():
-    model = _tiny("qwen2", torch.float32).cuda()
+    model = tiny("qwen2", torch.float32).cuda()
     roll = sample_groups(model, PROMPTS, 2, 16, eos_token_id=1, pad_token_id=0, temperature=0.0)
     assert roll.response_ids.is_cuda
     for i, p in enumerate(PROMPTS):
@@ -68,14 +68,14 @@ def test_gpu_sampler_greedy_equals_generate():
 @needs_cuda
 def test_gpu_fsdp_on_one_gpu_trains_saves_and_resumes(tiny_run_inputs, tmp_path):
     d, out = tiny_run_inputs, tmp_path / "run"
-    flags = [*_tiny_flags(d, out), "--device", "cuda", "--fsdp", "--beta", "0.04", "--save-every",
+    flags = [*tiny_flags(d, out), "--device", "cuda", "--fsdp", "--beta", "0.04", "--save-every",
              "2"]
-    _torchrun(1, os.path.join(ROOT, "train.py"), *flags, "--steps", "2")
-    _torchrun(1, os.path.join(ROOT, "train.py"), *flags, "--steps", "3", "--resume")
+    torchrun(1, os.path.join(ROOT, "train.py"), *flags, "--steps", "2")
+    torchrun(1, os.path.join(ROOT, "train.py"), *flags, "--steps", "3", "--resume")
     rows = _train_rows(out)
     assert ([r["step"] for r in rows] == [1, 2, 3]
             and all(math.isfinite(v) for r in rows for v in r.values()))
-    w, start = _weights(out / "final"), _weights(d / "model")
+    w, start = weights_of(out / "final"), weights_of(d / "model")
     assert ({v.dtype for v in w.values()} == {torch.float32}
             and any(not torch.equal(start[k], w[k]) for k in w))
 
@@ -87,7 +87,7 @@ def test_gpu_two_ranks_nccl_ddp_and_fsdp(tiny_run_inputs, tmp_path):
     d, state = tiny_run_inputs, {}
     for mode, extra in (("ddp", []), ("fsdp", ["--fsdp", "--save-every", "2"])):
         out = tmp_path / mode
-        _torchrun(2, os.path.join(ROOT, "train.py"), *_tiny_flags(d, out), "--device", "cuda",
+        torchrun(2, os.path.join(ROOT, "train.py"), *tiny_flags(d, out), "--device", "cuda",
                   "--steps", "2", "--beta", "0.04", *extra)
         rows = _train_rows(out)
         assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values())

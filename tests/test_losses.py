@@ -18,13 +18,13 @@ from infra import (
     variants,
 )
 from test_grpo import (
-    _reduce_by_hand,
+    reduce_by_hand,
 )
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
+# infra/variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
 #
 # The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
 # PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
@@ -243,16 +243,16 @@ def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
         kw = dict(reduction=reduction, num_tokens=torch.tensor(30.0), max_len=9, num_seqs=8)
         w = grpo.token_weights(mask, **kw)
         base, _ = grpo.policy_loss(logp, old, adv, mask, w, ppo)
-        assert torch.allclose(base, _reduce_by_hand(per_token, mask, **kw), atol=1e-12)
+        assert torch.allclose(base, reduce_by_hand(per_token, mask, **kw), atol=1e-12)
         with_kl, m = grpo.policy_loss(logp, old, adv, mask, w, ppo, ref_logp=ref, beta=0.04)
         kl, mk = grpo.kl_term(logp, ref, mask, w, grpo.kl_k3)
         assert (torch.allclose(with_kl, base + 0.04 * kl, atol=1e-12)
                 and abs(m["kl"] - mk["kl"]) < 1e-9)
-        want = _reduce_by_hand(per_token + 0.04 * grpo.kl_k3(logp, ref), mask, **kw)
+        want = reduce_by_hand(per_token + 0.04 * grpo.kl_k3(logp, ref), mask, **kw)
         assert torch.allclose(with_kl, want, atol=1e-12)
         # another estimator: same "kl" metric (k3)
         k2, mk2 = grpo.kl_term(logp, ref, mask, w, grpo.kl_k2)
-        assert torch.allclose(k2, _reduce_by_hand(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
+        assert torch.allclose(k2, reduce_by_hand(grpo.kl_k2(logp, ref), mask, **kw)) and mk2 == mk
     with pytest.raises(ValueError):
         grpo.token_weights(mask, "mean")
 
@@ -293,7 +293,7 @@ def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
     (g_got,) = torch.autograd.grad(got, logits)
     x = logits / 0.7
     naive = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # [N, T]
-    want = _reduce_by_hand(naive, mask, **kw)
+    want = reduce_by_hand(naive, mask, **kw)
     (g_want,) = torch.autograd.grad(want, logits)
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(g_got, g_want, atol=1e-6)
     # micro-batches with global denominators add up, as the losses do
@@ -353,5 +353,5 @@ def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
     per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None]) * w
     got, _ = grpo.policy_loss(logp, old, adv, mask, grpo.token_weights(mask, "token"), ref_logp=ref,
                               beta=0.1, is_weights=w)
-    want = _reduce_by_hand(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
+    want = reduce_by_hand(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
     assert torch.allclose(got, want, atol=1e-12)

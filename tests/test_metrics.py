@@ -26,17 +26,18 @@ from sampler import Rollout, sample_groups
 from test_grpo import (
     INSTRUCTION,
     LONG_PROMPTS,
-    _one_step,
-    _read,
-    _spy,
-    _tiny_flags,
-    _weights,
+    one_step,
+    read_file,
+    spy_on,
+    tiny_flags,
+    weights_of,
 )
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# perf.py: model FLOPs by hand and as torch's FLOP counter sees the code run, the peak, MFU rows
+# infra/perf.py: model FLOPs by hand and as torch's FLOP counter sees the code run, the peak, MFU
+# rows
 # ---------------------------------------------------------------------------------------------
 
 def _tiny_qwen2(**kw):
@@ -124,10 +125,9 @@ def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
     assert roll.lengths.unique().numel() > 1 and p == 143
     assert weights == 2 * sh.body * w.tokens + 2 * sh.head * w.logits
     assert attn == 4 * sh.layers * sh.d_attn * (w.context + 2 * (p * p - p * (p + 1) // 2))
-    # the training forward on 8 responses of 5 tokens (no padding) in micro-batches of 3 and 5
-    # rows: the weights' matmuls are the count plus what the code computes and drops: one logit
-    # per group and micro-batch at the prompt's end (3), or per response (8) its last token and
-    # one logit
+    # the training forward on 8 responses of 5 tokens (no padding) in micro-batches of 3 and 5 rows:
+    # the weights' matmuls are the count plus what the code computes and drops: one logit per group
+    # and micro-batch at the prompt's end (3), or per response (8) its last token and one logit
     T, g = 5, torch.Generator().manual_seed(1)
     full = Rollout(prompts=prompts, G=4, pad_token_id=0,
                    response_ids=torch.randint(2, 50, (8, T), generator=g), mask=torch.ones(8, T),
@@ -176,9 +176,9 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     # (beta), 2 mini-batches in micro-batches of 3 rows (groups of 4 split) and --peak-tflops: the
     # row's FLOPs are the step's counts, its MFU those over the phase's seconds and that peak
     from infra import perf
-    updates = _spy(monkeypatch, update, "update_policy")
+    updates = spy_on(monkeypatch, update, "update_policy")
     peak = 0.02e12
-    row = _one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
+    row = one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
                     "--beta", "0.04", "--mini-batches", "2", "--micro-batch-size", "3")
     (_, roll, *_), stats = updates.pop()
     sh = perf.model_shape(models.load_model(str(tiny_run_inputs / "model"))[2])
@@ -196,12 +196,13 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     # tokens/s: the step's sampled response tokens (4 prompts x G 4) over the step's seconds
     assert row["perf/tokens_per_s"] * row["time/step_s"] == pytest.approx(row["len/mean"] * 16)
     assert f"mfu={100 * row['perf/mfu']:.3g}%" in capsys.readouterr().err  # the progress bar
-    glossary = _read(os.path.join(HERE, "docs", "metrics.md"))
+    glossary = read_file(os.path.join(HERE, "docs", "metrics.md"))
     assert all(f"`{k}`" in glossary for k in row if k.startswith("perf/"))
 
 
 # ---------------------------------------------------------------------------------------------
-# metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
+# infra/metrics.py, infra/lora.py and the optional integrations: the no-signal warning, --report-to,
+# LoRA
 # ---------------------------------------------------------------------------------------------
 
 def _signal_row(step, correct, zero_std, kept=None, truncated=0.0):
@@ -281,7 +282,7 @@ def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, mo
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     out = tmp_path / "run"
-    _one_step(tiny_run_inputs, out, "--report-to", "wandb", "--run-name", "w")
+    one_step(tiny_run_inputs, out, "--report-to", "wandb", "--run-name", "w")
     (_, kw), *logs, finish = calls
     assert kw == {"project": "grpo-dapo", "name": "w", "dir": str(out),
                   "config": json.loads((out / "config.json").read_text())} and finish == ("finish",)
@@ -296,7 +297,7 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
     import train
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(SystemExit) as e:
-        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to",
+        train.main([*tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--report-to",
                     "wandb"])
     err = capsys.readouterr().err.strip()
     assert (e.value.code == 2 and err == "error: --report-to wandb: the wandb package is not "
@@ -405,7 +406,7 @@ def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny
     tok, model, config = _lora_model(tiny_run_inputs)
     model.save_pretrained(tmp_path / "final", state_dict=lora.merged_state_dict(model))
     lora.save_adapter(model, config, str(tmp_path / "adapter"))
-    merged, base = _weights(tmp_path / "final"), _weights(tiny_run_inputs / "model")
+    merged, base = weights_of(tmp_path / "final"), weights_of(tiny_run_inputs / "model")
     sd, adapted = model.state_dict(), 0
     for k in base:
         prefix = k.removesuffix(".weight")
@@ -432,7 +433,7 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     import importlib.util
 
     import train
-    run = [*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
+    run = [*tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
     for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
                            (["--lora-r", "4", "--rollout", "vllm"],
                             "--lora-r with --rollout vllm is not supported"),
@@ -452,3 +453,62 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
             == "error: --lora-r: the peft package is not installed (pip install peft)")
     assert (flags.parse_train_args(["--lora-r", "8"]).lora_alpha == 16
             and flags.parse_train_args(["--lora-r", "8"]).lr == 2e-3)
+
+
+def _update_stats(first: dict, rest: dict, mismatch_max: float = 0.0):
+    zero = dict.fromkeys(update.UPDATE_SUMS, 0.0)
+    return update.UpdateStats({**zero, **first}, {**zero, **rest}, mismatch_max, logprob_s=0.0,
+                              update_s=0.0)
+
+
+def test_step_metrics_worked_by_hand():
+    # one step, summed over ranks: 2 groups of G = 4 drawn (8 samples), 2 optimizer updates (--mu 2,
+    # one mini-batch), 10 loss tokens a pass; a --reward component "fmt" scored 6 of the 8 samples,
+    # "len" none
+    d = {"samples": 8.0, "reward": 2.0, "correct": 3.0, "length": 40.0, "truncated": 2.0,
+         "groups": 2.0, "groups_zero_std": 1.0, "groups_all_correct": 0.0, "groups_all_wrong": 1.0,
+         "reward/fmt": 1.5, "scored:reward/fmt": 6.0, "reward/len": 0.0, "scored:reward/len": 0.0}
+    first = {"loss": 0.5, "kl": 0.2, "tokens": 10.0, "entropy": 6.0, "entropy_tokens": 12.0,
+             "grad_norm": 3.0,
+             "updates": 1.0, "mismatch/abs": 0.6, "mismatch/kl": 0.12, "mismatch/tokens": 12.0,
+             # the first update: ratio 1
+             "clip/low_frac": 0.0, "clip/high_frac": 0.0, "ratio/mean": 10.0}
+    rest = {"loss": 0.3, "kl": 0.4, "tokens": 10.0, "grad_norm": 1.0, "updates": 1.0,
+            "clip/low_frac": 1.0, "clip/high_frac": 2.0, "clip/dual_frac": 0.5, "ratio/mean": 10.5}
+    row = metrics.step_metrics(d, _update_stats(first, rest, 0.25), mu=2, clip_c=3.0)
+    assert row == pytest.approx({
+        "loss": 0.4,                     # (0.5 + 0.3) / 2 updates
+        "reward/mean": 0.25,             # 2 / 8 samples
+        "reward/correct": 0.375,         # 3 / 8
+        "reward/frac_zero_std": 0.5,     # 1 / 2 groups
+        "groups/all_correct": 0.0,       # 0 / 2
+        "groups/all_wrong": 0.5,         # 1 / 2
+        "reward/fmt": 0.25,              # 1.5 / the 6 samples it scored ("len" scored none: no key)
+        "kl": 0.03,                      # (0.2 + 0.4) / 20 loss tokens of both updates
+        "entropy": 0.5,                  # 6 / 12 tokens, counted in the first pass only
+        "mismatch/logp_abs_mean": 0.05,  # 0.6 / 12
+        "mismatch/logp_abs_max": 0.25,   # as update_policy gave it
+        "mismatch/kl": 0.01,             # 0.12 / 12
+        # 1 / the 10 tokens of the off-policy update (the first is left out)
+        "clip/low_frac": 0.1,
+        "clip/high_frac": 0.2,           # 2 / 10
+        "ratio/mean": 1.05,              # 10.5 / 10
+        "clip/dual_frac": 0.05,          # 0.5 / 10 (--clip-c is on)
+        "len/mean": 5.0,                 # 40 / 8
+        "len/truncated_frac": 0.25,      # 2 / 8
+        "tokens/in_loss": 10.0,          # 20 / --mu 2: the step's loss tokens once
+        "grad_norm": 2.0,                # (3 + 1) / 2 updates
+        "updates": 2.0,
+    })
+    # one update only (--mu 1): the clip and ratio keys are the first update's; no --clip-c, no dual
+    # key
+    row = metrics.step_metrics(d, _update_stats(first, {}), mu=1, clip_c=0.0)
+    assert (row["ratio/mean"], row["clip/high_frac"], row["loss"],
+            row["kl"]) == pytest.approx((1.0, 0.0, 0.5, 0.02))
+    assert "clip/dual_frac" not in row
+    # nothing trained (dynamic sampling kept no group): means over updates and tokens are 0, no clip
+    # keys
+    row = metrics.step_metrics(d, _update_stats({}, {}), mu=1, clip_c=3.0)
+    assert ((row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"])
+            == (0.0, 0.0, 0.0, 0.0, 0.0))
+    assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)

@@ -24,15 +24,15 @@ from logprobs import rollout_logprobs
 from sampler import sample_groups
 from test_grpo import (
     PROMPTS,
-    _mixed_rollout,
-    _tiny_flags,
-    _weights,
+    mixed_rollout,
+    tiny_flags,
+    weights_of,
 )
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# checkpoint.py, parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient
+# infra/checkpoint.py, infra/parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient
 # checkpointing
 # ---------------------------------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
     from types import SimpleNamespace
 
     from infra import parallel
-    roll = _mixed_rollout(tiny_model, 1.0)
+    roll = mixed_rollout(tiny_model, 1.0)
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
     adv = torch.randn(N, generator=torch.Generator().manual_seed(0))
@@ -308,7 +308,7 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
     for rank in (1, 0):
         monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, rank=rank: _Twin(rank))
         out = tmp_path / f"rank{rank}"
-        train.main([*_tiny_flags(tiny_run_inputs, out), "--steps", "1", "--save-every", "1",
+        train.main([*tiny_flags(tiny_run_inputs, out), "--steps", "1", "--save-every", "1",
                     "--no-dynamic-sampling"])
         files[rank] = sorted(str(f.relative_to(out)) for f in out.rglob("*"))  # none: no folder
     assert files[1] == []
@@ -352,13 +352,14 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
 
 
 def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, capsys):
-    """errors.CheckpointError (checkpoint.py raises its own, not errors.InputError) reaches the
+    """errors.CheckpointError (infra/checkpoint.py raises its own, not errors.InputError) reaches
+    the
     same one line."""
     import train
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as e:
-        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1", "--resume"])
+        train.main([*tiny_flags(tiny_run_inputs, tmp_path / "out"), "--steps", "1", "--resume"])
     err = capsys.readouterr().err.strip()
     assert (e.value.code == 2 and "checkpoint.pt: not a usable checkpoint" in err
             and len(err.splitlines()) == 1), err
@@ -583,7 +584,7 @@ def test_save_final_replaces_final_and_a_kill_between_its_renames_still_loads(ti
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     models.save_final(out, model, tok, model.state_dict())
     assert os.listdir(tmp_path) == ["final"]
-    assert all(torch.equal(v, trained[k]) for k, v in _weights(final).items())
+    assert all(torch.equal(v, trained[k]) for k, v in weights_of(final).items())
 
 
 def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, capsys):
@@ -646,3 +647,148 @@ def test_load_restores_the_global_rng_states_that_a_reward_may_draw_from(tmp_pat
     checkpoint.load(str(tmp_path / "c.pt"), model, opt, sched)
     resumed = torch.rand(5), random.random()
     assert torch.equal(resumed[0], unbroken[0]) and resumed[1] == unbroken[1]
+
+
+class _AloneAs:
+    """A Dist for update_policy that says it is one of `world` ranks; each collective sees only
+    itself."""
+    rank, master, device = 0, True, "cpu"
+
+    def __init__(self, world):
+        self.world = world
+
+    def sum(self, x):
+        return x.detach().double().clone()
+
+    def sum_named(self, sums):
+        return dict(sums)
+
+    def max(self, n):
+        return n
+
+    def gather(self, x):
+        return [x]
+
+
+@pytest.mark.parametrize("fsdp,checkpointing,world,nograd,grad", [
+    (False, False, 1, (True, True), (True, True)),      # one process: shared prefix, length buckets
+    # FSDP2 all-gathers in every forward: per response
+    (True, False, 1, (False, True), (False, True)),
+    # checkpointed layers drop the cache with gradients
+    (False, True, 1, (True, True), (False, True)),
+    # DDP syncs in each forward: one bucket per slice
+    (False, False, 2, (True, False), (True, False))])
+def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypatch, fsdp,
+                                                           checkpointing, world, nograd, grad):
+    """rollout_logprobs does not inspect the model: update_policy passes (shared_prefix, buckets),
+    for the
+    no-grad old log-prob pass and for the gradient passes."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+    seen, real = set(), update.rollout_logprobs
+
+    def spy(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
+        seen.add((torch.is_grad_enabled(), shared_prefix, buckets))
+        return real(model, roll, rows, temperature, with_entropy)
+
+    monkeypatch.setattr(update, "rollout_logprobs", spy)
+    roll = mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0,
+                           reduction="token", loss="ppo",
+                           fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20,
+                           eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                           kl="k3", grad_clip=1.0)
+    model = copy.deepcopy(tiny_model)
+    learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0),
+                             contextlib.nullcontext)
+    update.update_policy(learner, roll, torch.randn(N), roll.mask, args, _AloneAs(world))
+    assert seen == {(False, *nograd), (True, *grad)}
+
+
+def _update_args(**kw):
+    """update_policy's args (the flags.TrainArgs fields it reads): 2 mini-batches, micro-batches of
+    3,
+    no clip."""
+    from types import SimpleNamespace
+    base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
+                loss="ppo", fsdp=False, gradient_checkpointing=False, max_new_tokens=20,
+                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                kl="k3", grad_clip=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_update_policy_backwards_world_times_the_loss_for_ddps_mean(tiny_model):
+    # DDP averages the ranks' gradients, and each rank's loss is its share of the global mean (the
+    # denominators are all ranks' counts), so each rank backwards W x its share: the mean is then
+    # the sum. A rank that says it is one of 2 (its collectives see itself alone) backwards twice
+    # the gradient of one process on the same rows; SGD (lr 1, no clip) moves each weight by it.
+    import contextlib
+    import copy
+    roll = mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    moves, losses = [], []
+    for world in (1, 2):
+        model = copy.deepcopy(tiny_model)
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        learner = update.Learner(model, model, None, sgd, contextlib.nullcontext)
+        stats = update.update_policy(learner, roll, advantages, roll.mask,
+                                     _update_args(mini_batches=1), _AloneAs(world))
+        moves.append(torch.cat([(p - q).detach().view(-1)
+                                for p, q in zip(model.parameters(), tiny_model.parameters())]))
+        losses.append(stats.first["loss"])
+    assert moves[0].abs().max() > 1e-3
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)            # the logged loss: unscaled
+    assert torch.allclose(moves[1], 2 * moves[0], atol=1e-6, rtol=1e-4)  # float32, weights ~1
+
+
+class _NoSyncRecorder(torch.nn.parallel.DistributedDataParallel):
+    """A DDP (so parallel.grad_sync takes it for one) without a process group: it runs the model and
+    records, for each forward, its rows and whether it ran outside no_sync (DDP reads that flag as a
+    forward starts: outside, the backward all-reduces). A real DDP in this process can deadlock when
+    it is freed (its gloo threads wait for the GIL, held by the thread that joins them)."""
+
+    def __init__(self, module):
+        torch.nn.Module.__init__(self)
+        self.module, self.inside, self.synced = module, False, []
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def inside():
+            assert not self.inside
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+        return inside()
+
+    def forward(self, *args, **kwargs):
+        self.synced.append((kwargs["input_ids"].shape[0], not self.inside))
+        return self.module(*args, **kwargs)
+
+
+def test_ddp_syncs_only_the_last_micro_batch_of_each_update(tiny_model):
+    # 3 groups of 4 in 2 mini-batches (8 + 4 rows), micro-batches of 3: [3, 3, 2] then [3, 1], twice
+    # (--mu 2); only each update's last micro-batch all-reduces. The Dist says 2 ranks, so each
+    # micro-batch runs as one DDP forward (ranks' forwards must pair up); the old log-probs run on
+    # the model, not through DDP.
+    import contextlib
+    import copy
+    roll = mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    model = copy.deepcopy(tiny_model)
+    policy = _NoSyncRecorder(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    learner = update.Learner(policy, model, None, sgd, contextlib.nullcontext)
+    update.update_policy(learner, roll, torch.randn(N), roll.mask, _update_args(mu=2), _AloneAs(2))
+    one_pass = [(3, False), (3, False), (2, True), (3, False), (1, True)]
+    assert policy.synced == one_pass * 2

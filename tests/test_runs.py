@@ -19,20 +19,21 @@ import pytest
 import torch
 
 from infra import builtin, checkpoint, data, flags, models
-from launch import _KILL_DRIVER, ROOT, _run_record, _run_train, _thread_counting_driver, _torchrun
+from launch import KILL_DRIVER, ROOT, run_record, run_train, thread_counting_driver, torchrun
 from test_data import SCHEMA_PROBLEMS, _chat_tokenizer, _chatml, _doc_commands, _schema_rows
-from test_grpo import _one_step, _tiny_flags, _weights
+from test_grpo import one_step, tiny_flags, weights_of
 from verifier import verify
 
 # ---------------------------------------------------------------------------------------------
-# data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for bad input
+# infra/data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for bad
+# input
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):
-    row = _one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length",
+    row = one_step(tiny_run_inputs, tmp_path / "run", "--reward", "test_grpo:trl_length",
                     "--reward-weights", "1", "0.5")
-    # --reward test_grpo:has_x (from _tiny_flags) and trl_length: the score is has_x + 0.5 *
+    # --reward test_grpo:has_x (from tiny_flags) and trl_length: the score is has_x + 0.5 *
     # trl_length
     assert row["reward/correct"] == pytest.approx(
         row["reward/has_x"] + 0.5 * row["reward/trl_length"], abs=1e-6)
@@ -131,8 +132,8 @@ def test_evaluate_command_writes_the_table_and_per_problem_lines(tiny_run_inputs
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py, flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss flags
-# reach the update
+# train.py, infra/flags.py: flags, the step's metrics, end-to-end runs through subprocess, the loss
+# flags reach the update
 # ---------------------------------------------------------------------------------------------
 
 METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zero_std", "kl",
@@ -146,7 +147,7 @@ METRIC_KEYS = {"step", "loss", "reward/mean", "reward/correct", "reward/frac_zer
 @pytest.mark.slow
 def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
-    res = _run_train(d, tmp_path / "run", "--algo", "dapo")
+    res = run_train(d, tmp_path / "run", "--algo", "dapo")
     assert "held-out greedy accuracy" in res.stdout and "no learning signal" not in res.stderr
     rows = [json.loads(line)
             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -167,7 +168,7 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
     # AdamW (no decay) moves an element by lr * |m / sqrt(v)| an update, <= 1.0014 lr in the first
     # two: the largest moves are those of steady gradients (lr each time), and every weight tensor
     # moved
-    before, after = _weights(d / "model"), _weights(tmp_path / "run" / "final")
+    before, after = weights_of(d / "model"), weights_of(tmp_path / "run" / "final")
     moved, lr_sum = {k: (after[k] - before[k]).abs() for k in before}, sum(r["lr"] * r["updates"]
                                                                            for r in train_rows)
     assert 0.99 * lr_sum <= max(float(m.max()) for m in moved.values()) <= 1.01 * lr_sum
@@ -188,7 +189,7 @@ def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_
              "--warmup-steps", "4"]
     rows = {}
     for name, extra in (("on", []), ("off", ["--no-overlong-filter"])):
-        _run_train(tiny_run_inputs, tmp_path / name, *flags, *extra)
+        run_train(tiny_run_inputs, tmp_path / name, *flags, *extra)
         rows[name] = [json.loads(x)
                       for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
                       if "loss" in x]
@@ -208,15 +209,15 @@ def test_end_to_end_overlong_filter_grad_norm_and_schedule(tiny_run_inputs, tmp_
 def test_end_to_end_dapo_with_fixes_off_equals_grpo(tiny_run_inputs, tmp_path):
     d = tiny_run_inputs
     # --mu 2 takes the old-policy pass and beta 0.04 the reference pass: both paths are compared too
-    _run_train(d, tmp_path / "grpo", "--algo", "grpo", "--mu", "2", "--reward", "tinyreward:has_x")
-    _run_train(d, tmp_path / "dapo", "--algo", "dapo", "--eps-high", "0.2", "--reduction",
+    run_train(d, tmp_path / "grpo", "--algo", "grpo", "--mu", "2", "--reward", "tinyreward:has_x")
+    run_train(d, tmp_path / "dapo", "--algo", "dapo", "--eps-high", "0.2", "--reduction",
                "sequence", "--beta", "0.04",
                "--wrong-reward", "0", "--no-dynamic-sampling", "--no-overlong-filter",
                "--no-overlong-penalty", "--mu", "2",
                "--reward", "tinyreward:has_x", "--log-completions", "0")
-    a, b = _weights(tmp_path / "grpo" / "final"), _weights(tmp_path / "dapo" / "final")
+    a, b = weights_of(tmp_path / "grpo" / "final"), weights_of(tmp_path / "dapo" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    start = _weights(d / "model")
+    start = weights_of(d / "model")
     assert any(not torch.equal(start[k], a[k]) for k in a)  # the runs did learn something
     ka = [json.loads(x)["loss"]
           for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
@@ -245,7 +246,7 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     # --bf16 asks for bfloat16 autocast on the run's device; a CUDA-only autocast would leave a CPU
     # run in float32
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
-        _run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *extra)
+        run_train(tiny_run_inputs, tmp_path / name, "--steps", "1", *extra)
     fp32, bf16 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()
                    if "loss" in x][0]
                   for n in ("fp32", "bf16"))
@@ -254,12 +255,11 @@ def test_bf16_flag_autocasts_on_cpu_too(tiny_run_inputs, tmp_path):
     for k in ("entropy", "grad_norm"):
         assert 0 < abs(bf16[k] - fp32[k]) <= 2 ** -8 * fp32[k], (k, bf16[k], fp32[k])
     # the sampler (KV cache, one token at a time) and the training forward round differently in
-    # bfloat16:
-    # the mismatch metrics see it, and it is far larger than float32's
+    # bfloat16: the mismatch metrics see it, and it is far larger than float32's
     assert (bf16["mismatch/logp_abs_max"] > 100 * fp32["mismatch/logp_abs_max"]
             and bf16["mismatch/kl"] > 0)
     # weights stay float32
-    assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "bf16" / "final").values())
+    assert all(v.dtype == torch.float32 for v in weights_of(tmp_path / "bf16" / "final").values())
 
 
 @pytest.mark.slow
@@ -275,7 +275,7 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     _, _, model = models.load_model(str(tmp_path / "bf16"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    _run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1",
+    run_train(tiny_run_inputs, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1",
                "--save-every", "1")
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert {v.dtype for v in ckpt["model"].values()} == {torch.float32}
@@ -288,10 +288,10 @@ def test_bf16_checkpoint_trains_with_float32_weights_and_adam(tiny_run_inputs, t
 def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
     # The same samples each time (same seed); each flag must change the update as its math says.
     d = tiny_run_inputs
-    base = _one_step(d, tmp_path / "base")
+    base = one_step(d, tmp_path / "base")
     # float32: pi_old and the sampler agree to ~1e-7, so a cap of 0.5 makes every weight 0.5: half
     # the gradient
-    tis = _one_step(d, tmp_path / "tis", "--tis-cap", "0.5")
+    tis = one_step(d, tmp_path / "tis", "--tis-cap", "0.5")
     assert tis["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-4)
     assert tis["loss"] == pytest.approx(0.5 * base["loss"], rel=1e-4, abs=1e-7)
 
@@ -304,49 +304,49 @@ def test_loss_flags_reach_the_update(tiny_run_inputs, tmp_path):
 
     # entropy bonus: loss - c * H, H the token mean of the entropy over the loss's tokens (all of
     # them without the overlong filter: the metric "entropy"); gradient g - c grad H
-    ent = {c: _one_step(d, tmp_path / f"ent{c}", "--entropy-coef", str(c), "--no-overlong-filter")
+    ent = {c: one_step(d, tmp_path / f"ent{c}", "--entropy-coef", str(c), "--no-overlong-filter")
            for c in (0, 0.5, 1, 2)}
     g_plus_c_h([r["grad_norm"] for r in ent.values()])
     assert all(r["loss"] == pytest.approx(ent[0]["loss"] - c * r["entropy"], abs=1e-5) for c,
                r in ent.items())
     # GSPO: on-policy (one update) its gradient is the policy gradient, as PPO's; off-policy (a
     # second pass, where the paper's 3e-4 / 4e-4 clip most responses) it is not
-    gspo = _one_step(d, tmp_path / "gspo", "--loss", "gspo")
+    gspo = one_step(d, tmp_path / "gspo", "--loss", "gspo")
     assert gspo["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
     # (the same weights after the first, on-policy update): in the second, GSPO's ratio is per
     # response, the geometric mean of its tokens' ratios, so its mean is below PPO's (Jensen; equal
     # only if all are 1)
     tiny = ["--mu", "2", "--eps-low", "3e-4", "--eps-high", "4e-4"]  # GSPO's clip range for both
-    ppo2, gspo2 = _one_step(d, tmp_path / "ppo2", *tiny), _one_step(d, tmp_path / "gspo2", "--loss",
+    ppo2, gspo2 = one_step(d, tmp_path / "ppo2", *tiny), one_step(d, tmp_path / "gspo2", "--loss",
                                                                     "gspo", *tiny)
     assert gspo2["ratio/mean"] < ppo2["ratio/mean"] - 1e-4
     # GSPO-token with one advantage per response is GSPO
-    tok2 = _one_step(d, tmp_path / "tok2", "--loss", "gspo-token", *tiny)
+    tok2 = one_step(d, tmp_path / "tok2", "--loss", "gspo-token", *tiny)
     assert tok2["grad_norm"] == pytest.approx(gspo2["grad_norm"], rel=1e-5)
     # CISPO: off-policy, a clipped token keeps a gradient where PPO's is zero (same clip range for
     # both)
     narrow = ["--mu", "2", "--eps-low", "0.01", "--eps-high", "0.01"]
-    ppo3, cispo3 = _one_step(d, tmp_path / "ppo3", *narrow), _one_step(d, tmp_path / "cispo3",
+    ppo3, cispo3 = one_step(d, tmp_path / "ppo3", *narrow), one_step(d, tmp_path / "cispo3",
                                                                        "--loss", "cispo", *narrow)
     assert (cispo3["grad_norm"] > ppo3["grad_norm"]
             and ppo3["clip/low_frac"] + ppo3["clip/high_frac"] > 0)
     # the KL estimator reaches the loss. On-policy (pi = pi_ref) every estimator is 0, and so is
     # k3's gradient ((1 - pi_ref / pi) grad log pi), not k1's (grad log pi): k1's gradient is g +
     # beta h, h != 0
-    k3_on = _one_step(d, tmp_path / "k3on", "--beta", "0.5")
+    k3_on = one_step(d, tmp_path / "k3on", "--beta", "0.5")
     assert k3_on["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-6) and k3_on["kl"] < 1e-10
-    k1_on = [_one_step(d, tmp_path / f"k1on{b}", "--beta", b, "--kl", "k1")
+    k1_on = [one_step(d, tmp_path / f"k1on{b}", "--beta", b, "--kl", "k1")
              for b in ("0.5", "1", "2")]
     g_plus_c_h([base["grad_norm"]] + [r["grad_norm"] for r in k1_on])
     assert all(r["loss"] == pytest.approx(base["loss"], abs=1e-6) and r["kl"] < 1e-10
                for r in k1_on)
     # in the second pass the policy has left the reference
-    k3 = _one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")
+    k3 = one_step(d, tmp_path / "k3", "--beta", "0.5", "--mu", "2")
     assert k3["kl"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
-# checkpoint.py, parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient
+# infra/checkpoint.py, infra/parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient
 # checkpointing
 # ---------------------------------------------------------------------------------------------
 
@@ -362,7 +362,7 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
     --micro-batch-size
     3), gradient checkpointing."""
     d = tiny_run_inputs
-    flags = [*_tiny_flags(d, tmp_path / "unused"), "--overlong-cache", "12", "--micro-batch-size",
+    flags = [*tiny_flags(d, tmp_path / "unused"), "--overlong-cache", "12", "--micro-batch-size",
              "3", "--eval-every", "3",
              "--algo", "dapo", "--beta", "0.04", "--mu", "2", "--mini-batches", "2"]
     fsdp = ["--fsdp", "--gradient-checkpointing", "--save-every", "3"]
@@ -370,10 +370,10 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
     def step_rows(out):
         return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
                 if "loss" in json.loads(x)]
-    _run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
-    _torchrun(2, os.path.join(ROOT, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp,
+    run_train(d, tmp_path / "one", *flags[flags.index("--overlong-cache"):], "--steps", "3")
+    torchrun(2, os.path.join(ROOT, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp,
               "--steps", "3")
-    (m1, w1), (m2, w2) = ((step_rows(tmp_path / n), _weights(tmp_path / n / "final"))
+    (m1, w1), (m2, w2) = ((step_rows(tmp_path / n), weights_of(tmp_path / n / "final"))
                           for n in ("one", "two"))
     assert len(m1) == len(m2) == 3
     for a, b in zip(m1, m2):
@@ -384,18 +384,18 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert sum(r["sampling/groups_kept"] for r in m1) > 0 and all(r["kl"] > 0 for r in m1[1:])
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
-    assert any(not torch.equal(_weights(d / "model")[k], w1[k]) for k in w1)
+    assert any(not torch.equal(weights_of(d / "model")[k], w1[k]) for k in w1)
     ratio = m2[-1]["memory/state_bytes"] / m1[-1]["memory/state_bytes"]
     print(f"per-rank bytes of weights + gradients + AdamW state + reference: 1 process "
           f"{m1[-1]['memory/state_bytes']}, "
           f"FSDP rank 0 of 2 {m2[-1]['memory/state_bytes']} ({ratio:.3f}x)")
     assert ratio <= 0.55
     # resume: the 3-step run's sharded checkpoint, continued to 6, against 6 straight steps
-    _torchrun(2, os.path.join(ROOT, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp,
+    torchrun(2, os.path.join(ROOT, "train.py"), *flags, "--out", str(tmp_path / "two"), *fsdp,
               "--steps", "6", "--resume")
-    _torchrun(2, os.path.join(ROOT, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp,
+    torchrun(2, os.path.join(ROOT, "train.py"), *flags, "--out", str(tmp_path / "six"), *fsdp,
               "--steps", "6")
-    a, b = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "six" / "final")
+    a, b = weights_of(tmp_path / "two" / "final"), weights_of(tmp_path / "six" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], w2[k]) for k in a)
     assert ([r["loss"] for r in step_rows(tmp_path / "two")]
             == [r["loss"] for r in step_rows(tmp_path / "six")])
@@ -406,7 +406,7 @@ def test_fsdp_two_ranks_agree_with_one_process_shard_the_state_and_resume_exactl
 @pytest.mark.parametrize("adv_scale,extra", [
     ("group", ["--mini-batches", "2", "--mu", "2"]),
     ("group", ["--mini-batches", "4"]),  # more mini-batches than ranks: each update a group or two
-    # the objectives of variants.py: GSPO off-policy, the KL term with k2, the entropy bonus,
+    # the objectives of infra/variants.py: GSPO off-policy, the KL term with k2, the entropy bonus,
     # truncated IS
     ("batch", ["--loss", "gspo", "--mu", "2", "--beta", "0.04", "--kl", "k2", "--entropy-coef",
                "0.01", "--tis-cap", "2"]),
@@ -428,13 +428,13 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"w{n}"
-        _torchrun(n, _thread_counting_driver(tmp_path) if n == 2
-                  else os.path.join(ROOT, "train.py"), *_tiny_flags(d, out),
+        torchrun(n, thread_counting_driver(tmp_path) if n == 2
+                  else os.path.join(ROOT, "train.py"), *tiny_flags(d, out),
                   "--steps", "3", "--overlong-cache", "12", "--micro-batch-size", "3",
                   "--eval-every", "3", "--algo", "dapo",
                   "--adv-scale", adv_scale, "--grad-clip", "0", "--eval-samples", "2", *extra)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[n] = ([r for r in rows if "loss" in r], _weights(out / "final"),
+        runs[n] = ([r for r in rows if "loss" in r], weights_of(out / "final"),
                    [r for r in rows if "eval/mean@2" in r])
     (m1, w1, e1), (m2, w2, e2) = runs[1], runs[2]
     assert len(m1) == len(m2) == 3
@@ -454,7 +454,7 @@ def test_torchrun_one_and_two_ranks_agree(tiny_run_inputs, tmp_path, adv_scale, 
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert sum(r["sampling/groups_kept"] for r in m1) > 0       # something was trained on
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-3
-    start = _weights(d / "model")
+    start = weights_of(d / "model")
     assert any(not torch.equal(start[k], w1[k]) for k in w1)
     if os.path.isdir("/proc/self/task"):                      # Linux: gloo threads left per rank
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == ["0", "0"]
@@ -467,7 +467,7 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_n
     from infra import parallel
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
-                               *_tiny_flags(tiny_run_inputs, out),
+                               *tiny_flags(tiny_run_inputs, out),
                                "--steps", "100000", "--eval-data", "", "--log-completions", "0"],
                               cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -478,7 +478,7 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_a_killed_run_leaves_n
             assert holder.poll() is None, "the first run ended early"
             time.sleep(0.1)
         with pytest.raises(SystemExit) as e:
-            train.main(_tiny_flags(tiny_run_inputs, out) + ["--steps", "1", "--resume"])
+            train.main(tiny_flags(tiny_run_inputs, out) + ["--steps", "1", "--resume"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"error: --out {out} is in use by another run (pid {holder.pid} "
@@ -500,12 +500,12 @@ def test_finished_fsdp_runs_exit_0_every_time_with_no_gloo_thread_left(tiny_run_
     active exception"): DTensor's caches kept the process group alive past destroy_process_group,
     and its gloo threads ran on into interpreter exit. Now the group is freed when train.main
     returns (no gloo thread on either rank: what decides the race, checked every time) and each of 3
-    runs exits 0 (_torchrun)."""
+    runs exits 0 (torchrun)."""
     d = tiny_run_inputs
     for i in range(3):
         for r in (0, 1):
             (tmp_path / f"threads{r}").unlink(missing_ok=True)
-        _torchrun(2, _thread_counting_driver(tmp_path), "--model", str(d / "model"), "--data",
+        torchrun(2, thread_counting_driver(tmp_path), "--model", str(d / "model"), "--data",
                   str(d / "train.jsonl"),
                   "--eval-data", "", "--prompts-per-step", "2", "--group-size", "2",
                   "--max-new-tokens", "4", "--steps", "1",
@@ -517,12 +517,12 @@ def test_finished_fsdp_runs_exit_0_every_time_with_no_gloo_thread_left(tiny_run_
 
 @pytest.mark.slow
 def test_resume_gives_the_same_weights_as_an_unbroken_run(tiny_run_inputs, tmp_path):
-    _run_train(tiny_run_inputs, tmp_path / "full", "--steps", "6", "--save-every", "3")
-    _run_train(tiny_run_inputs, tmp_path / "part", "--steps", "3", "--save-every", "3")
-    _run_train(tiny_run_inputs, tmp_path / "part", "--steps", "6", "--save-every", "3", "--resume")
-    a, b = _weights(tmp_path / "full" / "final"), _weights(tmp_path / "part" / "final")
+    run_train(tiny_run_inputs, tmp_path / "full", "--steps", "6", "--save-every", "3")
+    run_train(tiny_run_inputs, tmp_path / "part", "--steps", "3", "--save-every", "3")
+    run_train(tiny_run_inputs, tmp_path / "part", "--steps", "6", "--save-every", "3", "--resume")
+    a, b = weights_of(tmp_path / "full" / "final"), weights_of(tmp_path / "part" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    start = _weights(tiny_run_inputs / "model")
+    start = weights_of(tiny_run_inputs / "model")
     assert any(not torch.equal(start[k], a[k]) for k in a)
     steps = [json.loads(x)["step"]
              for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines() if "loss" in x]
@@ -556,7 +556,7 @@ def test_sigkill_then_resume_logs_each_step_once(tiny_run_inputs, tmp_path):
 @pytest.mark.slow
 def test_final_model_loads_and_generates(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    _run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1", "--save-every", "1")
+    run_train(tiny_run_inputs, tmp_path / "run", "--steps", "1", "--save-every", "1")
     tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     # the policy as the loop held it after its last step (checkpoint.pt's weights), and the base
@@ -594,11 +594,11 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
     4 s importing), then runs train.main as `python train.py` would:
     44 tries, about 35 kills, in 30-40 s on 2 cores."""
     d = tiny_run_inputs
-    flags = _tiny_flags(d, "OUT")
+    flags = tiny_flags(d, "OUT")
     flags[flags.index("test_grpo:has_x")] = "test_grpo:flip_x"
     flags += ["--steps", "6", "--save-every", "2", "--eval-every", "3", "--log-completions", "16"]
     with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen([sys.executable, "-c", _KILL_DRIVER, str(d / "model")],
+        driver = subprocess.Popen([sys.executable, "-c", KILL_DRIVER, str(d / "model")],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                   text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     runs = [0]
@@ -619,7 +619,7 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
         return res, log
 
     def finished_like_the_unbroken_one(out, attempt):
-        got = _run_record(out)
+        got = run_record(out)
         for key in want:
             assert got[key] == want[key], (key, out, attempt)
 
@@ -627,7 +627,7 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
         res, log = run(tmp_path / "unbroken")
         assert not res["killed"]
         seconds, written = res["seconds"], int((tmp_path / (log.name + ".bytes")).read_text())
-        want = _run_record(tmp_path / "unbroken")
+        want = run_record(tmp_path / "unbroken")
         assert [r["step"] for r in want["metrics"] if "loss" in r] == [1, 2, 3, 4, 5, 6]
         assert written > 15000 and len(want["completions"]) == 96
         rng = random.Random(0)
@@ -659,7 +659,8 @@ def test_sigkill_at_random_moments_and_bytes_then_resume_equals_an_unbroken_run(
 
 
 # ---------------------------------------------------------------------------------------------
-# metrics.py, lora.py and the optional integrations: the no-signal warning, --report-to, LoRA
+# infra/metrics.py, infra/lora.py and the optional integrations: the no-signal warning, --report-to,
+# LoRA
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -722,7 +723,7 @@ def test_report_to_tensorboard_holds_the_metrics_rows(tiny_run_inputs, tmp_path)
     pytest.importorskip("tensorboard", reason="--report-to tensorboard needs the tensorboard "
                         "package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "tensorboard", "--run-name", "tb")
+    one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "tensorboard", "--run-name", "tb")
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "tb"))
     acc.Reload()
     got = {(k, e.step): e.value for k in acc.Tags()["scalars"] for e in acc.Scalars(k)}
@@ -740,7 +741,7 @@ def test_report_to_wandb_offline_holds_the_metrics_rows_and_config(tiny_run_inpu
     pytest.importorskip("wandb", reason="--report-to wandb needs the wandb package")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    _one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "wandb")
+    one_step(tiny_run_inputs, tmp_path / "run", "--report-to", "wandb")
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     deadline = time.time() + 60
     while not (history := _wandb_history(run_file))[1]["exit"] and time.time() < deadline:
@@ -760,13 +761,13 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
     d = tiny_run_inputs
     lora_flags = ["--lora-r", "4", "--beta", "0.04", "--algo", "grpo", "--save-every", "1",
                   "--eval-every", "5"]
-    _run_train(d, tmp_path / "full", *lora_flags, "--steps", "2")
-    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "1")
-    _run_train(d, tmp_path / "part", *lora_flags, "--steps", "2", "--resume")
-    a, b = _weights(tmp_path / "full" / "final"), _weights(tmp_path / "part" / "final")
+    run_train(d, tmp_path / "full", *lora_flags, "--steps", "2")
+    run_train(d, tmp_path / "part", *lora_flags, "--steps", "1")
+    run_train(d, tmp_path / "part", *lora_flags, "--steps", "2", "--resume")
+    a, b = weights_of(tmp_path / "full" / "final"), weights_of(tmp_path / "part" / "final")
     # merged finals of resumed and straight runs
     assert all(torch.equal(a[k], b[k]) for k in a)
-    start = _weights(d / "model")
+    start = weights_of(d / "model")
     assert any(not torch.equal(start[k], a[k]) for k in a) and a.keys() == start.keys()
     assert (tmp_path / "full" / "adapter" / "adapter_model.safetensors").exists()
     # AdamW holds the adapters alone; memory/state_bytes: all weights once, the adapters' gradients
@@ -787,9 +788,9 @@ def test_lora_run_saves_state_resumes_exactly_and_two_ranks_agree(tiny_run_input
     # 2 gloo ranks (DDP over the adapters) end where one process does; rank 0 alone reports to
     # tensorboard
     tb = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
-    _torchrun(2, os.path.join(ROOT, "train.py"), *_tiny_flags(d, tmp_path / "w2"), *lora_flags,
+    torchrun(2, os.path.join(ROOT, "train.py"), *tiny_flags(d, tmp_path / "w2"), *lora_flags,
               "--steps", "2", *tb)
-    w2 = _weights(tmp_path / "w2" / "final")
+    w2 = weights_of(tmp_path / "w2" / "final")
     assert max((a[k] - w2[k]).abs().max().item() for k in a) <= 1e-4
     events = (tmp_path / "w2" / "tensorboard" / "w2").glob("events.out.tfevents.*")
     assert len(list(events)) == (1 if tb else 0)

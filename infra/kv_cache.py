@@ -1,0 +1,134 @@
+"""The KV cache sampler.sample_groups decodes with: Hugging Face's DynamicCache, every layer a
+buffer allocated once and written in place, and the prefill and prompt helpers the static step
+(infra/static_decode.py) and the training forward (logprobs.py) share with it.
+
+Article section: "Step 1: Rollout 采样" (the old policy's G answers are decoded with a KV cache;
+this is how the cache is held, not what is sampled).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+
+class BufferedLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values live in buffers of `rows` x `capacity` positions,
+    allocated once.
+
+    DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor
+    (O(T^2) copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one
+    column per row, row i at its own column at[i] (rows admitted at different steps have different
+    lengths); attention reads a view of the first `seen` columns, and the attention mask hides the
+    columns a row has not written.
+    """
+
+    def __init__(self, capacity: int, rows: int | None = None):
+        super().__init__()
+        self.capacity, self.rows, self.seen, self.kbuf, self.at = capacity, rows, 0, None, None
+
+    def get_seq_length(self) -> int:                                     # the masks' query position
+        return self.seen
+
+    def alloc(self, like: torch.Tensor, n: int) -> None:
+        self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
+        # zeros, not empty: a column a row never wrote is masked, and 0 x NaN garbage would still be
+        # NaN
+        self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
+                                               like.shape[-1]) for _ in "kv")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, t = key_states.shape[0], key_states.shape[-2]                      # [n, H, t, D]
+        if self.kbuf is None:
+            self.alloc(key_states, n)
+        if self.seen + t > self.capacity:
+            raise RuntimeError(f"the KV buffer holds {self.capacity} positions, {self.seen + t} "
+                               f"were written")
+        if self.at is None:                                              # a prefill: columns [0, t)
+            self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
+        else:                                                 # a decode step: row i at column at[i]
+            rows = torch.arange(n, device=self.kbuf.device)
+            # autocast: prefill's dtype
+            k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
+            self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
+        self.seen += t
+        # [n, H, seen, D] views
+        self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]
+        return self.keys, self.values
+
+    def put(self, start: int, prompt: BufferedLayer, G: int) -> None:
+        """Rows [start, start + k*G) take the KV of k prefilled prompts (columns [0, P)), each for
+        its G rows."""
+        k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
+        if self.kbuf is None:
+            self.alloc(prompt.kbuf, k * G)
+        for buf, src in ((self.kbuf, prompt.kbuf),
+                         (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
+            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = (
+                src[:, None, :, :P])
+        self.seen = max(self.seen, P)                            # keep_rows copies what was written
+
+    def keep_rows(self, indices: torch.Tensor) -> None:
+        n, L = indices.shape[0], self.seen                      # kept rows move to [0, n), in place
+        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = (self.kbuf[indices, :, :L],
+                                                      self.vbuf[indices, :, :L])
+
+
+def make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:
+    """The cache generate would build, every attention layer made a BufferedLayer, and its smallest
+    sliding window.
+
+    A sliding-window layer keeps all positions here: the model's mask applies the window (by
+    column index)."""
+    cache = DynamicCache(config=model.config)                 # one layer per decoder layer, by type
+    other = {type(la).__name__ for la in cache.layers} - {"DynamicLayer",
+                                                          "DynamicSlidingWindowLayer"}
+    if other:
+        raise ValueError(f"sample_groups handles full and sliding-window attention caches, not "
+                         f"{sorted(other)}")
+    window = min((la.sliding_window for la in cache.layers
+                  if isinstance(la, DynamicSlidingWindowLayer)), default=None)
+    cache.layers = [BufferedLayer(capacity, rows) for _ in cache.layers]
+    return cache, window
+
+
+def left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
+    """Prompts left-padded to the longest, P: ids [n, P] and attention mask [n, P], built from the
+    lengths. sample_groups and the training forward (logprobs.py) both use it, so sampling and
+    training see the same positions."""
+    P = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in prompts],
+                       device=device)  # [n, P]
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts],
+                        device=device)  # [n, P]
+    return ids, mask
+
+
+def cache_kwarg(model) -> str:
+    """transformers 5 names the cache argument `cache`; earlier releases call it
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
+    """One forward over k left-padded prompts [k, P] -> (the logits at each prompt's last position
+    [k, V], their cache of BufferedLayers, columns [0, P))."""
+    prompt_cache, _ = make_cache(model, ids.shape[1])
+    pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
+    logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
+                   logits_to_keep=1,
+                   **{cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
+    return logits, prompt_cache
+
+
+def prefill_into(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
+             start: int, G: int) -> torch.Tensor:
+    """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
+    [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
+    last position, [k, V]."""
+    logits, prompt_cache = prefill_prompts(model, ids, pmask)
+    for layer, prompt in zip(cache.layers, prompt_cache.layers):
+        layer.put(start, prompt, G)
+    return logits

@@ -1,0 +1,197 @@
+"""How Step 1 runs (infra/rollout.py, infra/kv_cache.py, infra/static_decode.py): the --kv-cache-gb
+sizing against the buffers allocated, and --compile's static-shape batch against the eager one.
+
+    python -m pytest -q tests/test_rollout.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infra import (
+    flags,
+    kv_cache,
+    rollout,
+    static_decode,
+)
+from sampler import sample_groups
+from test_grpo import MIXED_PROMPTS, PROMPTS, one_step, tiny, tiny_gpt2_sampler
+
+
+def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
+    made, make = [], kv_cache.make_cache
+    monkeypatch.setattr(kv_cache, "make_cache", lambda *a, **k: made.append(make(*a, **k))
+                        or made[-1])
+    for model, per_pos in ((tiny("qwen2", torch.float32), 2 * 2 * 8 * 2 * 4),
+                           (tiny_gpt2_sampler(), 2 * 4 * 8 * 2 * 4)):
+        # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all
+        # heads) x 8; per row: the longest of MIXED_PROMPTS, 6, + T = 20
+        per_row = per_pos * (6 + 20)
+        # a multiple of G
+        assert rollout.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9
+        # at least G
+        assert rollout.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3
+        # bf16 keys: half the bytes, twice the rows
+        with torch.autocast("cpu", torch.bfloat16):
+            assert rollout.num_seqs_within(model, MIXED_PROMPTS, 3, 20,
+                                           10.5 * per_row / 2**30) == 21
+        made.clear()
+        sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0),
+                      max_num_seqs=9)
+        layers = made[0][0].layers
+        # what was allocated
+        assert sum(la.kbuf.nbytes + la.vbuf.nbytes for la in layers) == 9 * per_row
+
+
+def _static_case():
+    """--compile's test case: a Qwen2 with 2 KV heads for 4 query heads, 5 prompts of 131-144 tokens
+    sharing a 130-token prefix (past a 128-token KV block; left-padded to P = 144), G = 3, T = 24,
+    2 of 64 ids end a response. Returns (model, rollout(S, temperature, top_p, compile)), one
+    generator per prompt."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        initializer_range=0.2)).eval()            # peaked logits: a wrong position shows in tokens
+    prefix = [17 + i % 47 for i in range(130)]
+    prompts = [prefix + [20 + (7 * j + i) % 40 for i in range(k)]
+               for j, k in enumerate((1, 14, 6, 9, 3))]
+    return model, lambda S, temperature, top_p=1.0, compile=True: sample_groups(
+        model, prompts, 3, 24, [1, 2], 0, temperature=temperature, top_p=top_p, max_num_seqs=S,
+        generator=[torch.Generator().manual_seed(60 + i) for i in range(5)],
+        static=static_decode if compile else None)
+
+
+def _same_rollout(a, b, tol=1e-5) -> None:
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.lengths, b.lengths)
+    assert torch.equal(a.truncated, b.truncated)
+    assert (a.logprobs - b.logprobs).abs().max() <= tol
+
+
+def _eager_static_step(monkeypatch, shapes: list):
+    """static_decode with its step eager (no compile) and the shapes of each step's inputs."""
+    from infra import static_decode
+
+    def step(model, cache, tok, pos, mask):
+        shapes.append((tuple(tok.shape), tuple(pos.shape), tuple(mask.shape)))
+        return static_decode.decode_step(model, cache, tok, pos, mask)
+    monkeypatch.setattr(static_decode, "compiled_step", lambda device: step)
+    return step
+
+
+def test_static_decode_gives_the_eager_rollout_at_every_slot_count(monkeypatch):
+    # --compile's loop (S slots x a fixed buffer of C = 192 >= P + T columns, a mask of the columns
+    # each slot wrote, per-slot positions, a freed slot refilled by the next group) with its step
+    # left eager: every step has the same shapes, and the rollout is the eager loop's, greedy and
+    # sampled at 3 slots (one group at a time), 7 (one slot never used), 12, all 15 and 20 (more
+    # than the rows: 15), top-p at 7 and 15
+    shapes = []
+    _eager_static_step(monkeypatch, shapes)
+    _, rollout = _static_case()
+    every = (3, 7, 12, 15, 20)
+    for temperature, top_p, slots in ((0.0, 1.0, every), (1.0, 1.0, every), (0.9, 0.8, (7, 15))):
+        want = rollout(None, temperature, top_p, compile=False)
+        assert temperature == 0 or (want.lengths.min() < 5 and want.truncated.any())
+        for S in slots:
+            shapes.clear()
+            _same_rollout(rollout(S, temperature, top_p), want)
+            S = min(S, 15)
+            assert set(shapes) == {((S, 1), (S, 1), (S, 1, 1, 192))}, (S, set(shapes))
+            assert len(shapes) >= want.lengths.max() - 1
+
+
+def test_compile_where_it_cannot_run_warns_once_and_decodes_eagerly(monkeypatch):
+    # no C++ compiler for inductor (CPU), and a sliding window shorter than P + T: one line, then
+    # the eager loop (the static one is never entered)
+    import shutil
+
+    from infra import static_decode
+    monkeypatch.setattr(static_decode, "StaticSteps",
+                        lambda *a, **k: pytest.fail("static loop ran"))
+    _, rollout = _static_case()
+    want = rollout(6, 1.0, compile=False)
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "which", lambda *a, **k: None)
+        with pytest.warns(UserWarning, match=r"^--compile: no C\+\+ compiler .*decoding eagerly$"):
+            _same_rollout(rollout(6, 1.0), want, tol=0)
+    mistral = tiny("mistral", torch.float32)                                  # window 5
+    with pytest.warns(UserWarning, match=r"a sliding window \(5\) shorter than P \+ T") as w:
+        got = sample_groups(mistral, PROMPTS, 2, 8, 1, 0, temperature=0.0, static=static_decode)
+    assert len(w) == 1 and "\n" not in str(w[0].message)
+    assert torch.equal(got.response_ids, sample_groups(mistral, PROMPTS, 2, 8, 1, 0,
+                                                       temperature=0.0).response_ids)
+
+
+def test_compile_on_cuda_is_a_cuda_graph_and_its_path_runs(monkeypatch):
+    # No GPU here: the mode chosen for a cuda device (torch.compile recorded, not run), then the
+    # loop's CUDA-graph path on CPU with a step that, like a graph replay, returns the same output
+    # tensor every time: the inputs and KV buffers marked static, a step begun per replay, the
+    # output copied out before the next replay overwrites it. Untested on CUDA hardware.
+    from infra import static_decode
+    made = []
+    monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or fn)
+    static_decode.compiled_step(torch.device("cuda"))
+    static_decode.compiled_step(torch.device("cpu"))
+    assert made == [dict(mode="reduce-overhead", dynamic=False, fullgraph=True),
+                    dict(mode=None, dynamic=False, fullgraph=True)]
+    out, marked, begun = {}, [], []
+
+    def replay(model, cache, tok, pos, mask):
+        logits = static_decode.decode_step(model, cache, tok, pos, mask)
+        out.setdefault("buf", torch.empty_like(logits)).copy_(logits)
+        return out["buf"]
+    monkeypatch.setattr(static_decode, "compiled_step", lambda device: replay)
+    monkeypatch.setattr(static_decode, "uses_graphs", lambda device: True)
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", marked.append)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
+    model, rollout = _static_case()
+    want = rollout(7, 1.0, compile=False)
+    _same_rollout(rollout(7, 1.0), want)
+    shapes = sorted(tuple(x.shape) for x in marked)
+    assert shapes == sorted([(7,), (7, 1), (7, 1), (7, 1, 1, 192)] + [(7, 2, 192, 8)] * 4)
+    assert len(begun) >= want.lengths.max() - 1
+
+
+def test_compile_flag_reaches_the_sampler_in_train_and_evaluate(tiny_run_inputs, tmp_path,
+                                                                 monkeypatch):
+    # --compile parsed by train.py and evaluate.py (flags.EvalArgs) must decode with the static
+    # loop (its step left eager here); without it, never
+    import evaluate
+    shapes = []
+    _eager_static_step(monkeypatch, shapes)
+    d = tiny_run_inputs
+    one_step(d, tmp_path / "off")
+    assert shapes == []
+    one_step(d, tmp_path / "on", "--compile")
+    # its evaluation (8 held-out problems, greedy: 8 slots) and its step (4 prompts x G = 4: 16)
+    assert {s[0][0] for s in shapes} == {8, 16}
+    shapes.clear()
+    evaluate.main(["--model", str(d / "model"), "--data", str(d / "eval.jsonl"), "--eval-size",
+                   "4", "--max-new-tokens", "6", "--device", "cpu", "--compile"])
+    assert shapes and {s[0][0] for s in shapes} == {4}
+    with pytest.raises(SystemExit) as e:                     # the engine's rollout never reads it
+        flags.parse_train_args(["--compile", "--rollout", "vllm"])
+    assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_rollout_and_follows_the_weights(capfd):
+    # torch.compile for real (inductor, a C++ compiler): one compile (~40 s on 2 loaded cores), its
+    # time printed once; greedy and sampled rollouts as eager's; and after an in-place update of the
+    # weights (an optimizer step) the compiled step reads the new ones (no stale constants)
+    import shutil
+    if not any(shutil.which(x) for x in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler: inductor cannot build the compiled step on CPU")
+    model, rollout = _static_case()
+    for temperature in (0.0, 1.0):
+        _same_rollout(rollout(6, temperature), rollout(6, temperature, compile=False), tol=1e-4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    after = rollout(6, 1.0, compile=False)
+    _same_rollout(rollout(6, 1.0), after, tol=1e-4)
+    err = capfd.readouterr().err
+    assert err.count("sampler: compiled the decode step (6 slots x 192 positions) in") == 1, err
