@@ -43,12 +43,14 @@ shared_prefix and buckets).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
 import torch
 from transformers import DynamicCache
 
+from infra import lm_head
 from infra.kv_cache import cache_kwarg, left_padded
 from sampler import Rollout
 
@@ -230,8 +232,34 @@ def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
     return out
 
 
+def scores(model, resp: torch.Tensor, temperature: float, with_entropy: bool,
+           entropy_grad: bool, keep: int | None = None, **inputs):
+    """One forward of `model` on `inputs` -> (log-probs [m, T] of the response tokens resp [m, T],
+    their entropies [m, T] or None). keep: logits_to_keep, the positions scored (T + 1 when the
+    inputs end with the response; the last one predicts nothing). The LM head is fused with the
+    log-softmax (infra/lm_head.py: no [m, T, V] tensor) where it can be; else the full logits and
+    the block kernels above, the entropy without a graph unless entropy_grad."""
+    kw = {"logits_to_keep": keep} if keep else {}
+    why = lm_head.fusable(model)
+    if why is None:
+        ids = torch.nn.functional.pad(resp, (0, 1)) if keep else resp       # [m, T(+1)]
+        with lm_head.fused_head(model, ids, temperature, with_entropy, entropy_grad):
+            both = model(**inputs, **kw).logits                              # [m, T(+1), 2]
+        both = both[:, :-1] if keep else both                                # [m, T, 2]
+        return both[..., 0], (both[..., 1] if with_entropy else None)
+    lm_head.warn_unfused(why)
+    logits = model(**inputs, **kw).logits                                    # [m, T(+1), V]
+    logits = logits[:, :-1] if keep else logits                              # [m, T, V]
+    ent = None
+    if with_entropy:
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            ent = token_entropy(logits if entropy_grad else logits.detach(), temperature)
+    return token_logprobs(logits, resp, temperature), ent
+
+
 def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
-                     with_entropy: bool = False, shared_prefix: bool = True, buckets: bool = True):
+                     with_entropy: bool = False, shared_prefix: bool = True, buckets: bool = True,
+                     entropy_grad: bool | None = None):
     """log pi(response token) of rollout rows [n, T] under `model` (float32), optionally the entropy
     [n, T], and the mask [n, T]; T is the rollout's width, values past a bucket's longest response
     are 0.
@@ -243,11 +271,13 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     all-gathers in every forward so that ranks must run one forward per micro-batch as a
     zero-weight pass does; gradient checkpointing with gradients, whose recompute transformers runs
     without the cache); buckets=False keeps one bucket (DDP, which syncs in each of its forwards:
-    one per micro-batch on every rank).
+    one per micro-batch on every rank). entropy_grad: whether the entropy is differentiated (the
+    --entropy-coef bonus); None: when it is asked for.
     """
     a, b = _rows(roll, rows)
+    entropy_grad = with_entropy if entropy_grad is None else entropy_grad
     if not shared_prefix:
-        return per_response_logprobs(model, roll, rows, temperature, with_entropy)
+        return per_response_logprobs(model, roll, rows, temperature, with_entropy, entropy_grad)
     inner = getattr(model, "module", model)                          # under DDP, the wrapped model
     G, dev = roll.G, next(model.parameters()).device
     T_all = roll.response_ids.shape[1]
@@ -273,15 +303,15 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
         resp = roll.response_ids[a:b][r, :T].cpu()                   # [m, T]
         ids = torch.cat([last[group[r], None], resp[:, :T - 1]], 1)  # [m, T] the rows' inputs
         pos = plen[group[r], None] - 1 + torch.arange(T)           # [m, T] going on from the prompt
-        kw, attn = {}, torch.ones(ids.shape, dtype=torch.long)       # [m, T]
+        kw, attn = {"use_cache": False}, torch.ones(ids.shape, dtype=torch.long)  # [m, T]
         if cache is not None:                                        # 2. one cache row per response
             kw = {name: _cache_rows(cache, group[r].to(dev)), "use_cache": True}
             attn = torch.cat([head_mask[group[r]], attn], 1)         # [m, P-1 + T]
-        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev),  # 3. [m, T, V]
-                       position_ids=pos.to(dev), **kw).logits
+        lp, ent = scores(model, resp.to(dev), temperature, with_entropy, entropy_grad,  # 3.
+                         input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                         position_ids=pos.to(dev), **kw)             # [m, T] each
         pad = lambda x, T=T: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  -> [m, T_all]
-        out.append((pad(token_logprobs(logits, resp.to(dev), temperature)),
-                    pad(token_entropy(logits, temperature)) if with_entropy else None))
+        out.append((pad(lp), pad(ent) if with_entropy else None))
         order.append(r)
     back = torch.cat(order).argsort().to(dev)                        # [n] bucket order -> row order
     logp = torch.cat([lp for lp, _ in out])[back]                    # [n, T_all]
@@ -290,26 +320,26 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
 
 
 def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
-                          with_entropy: bool = False):
-    """The reference form of `rollout_logprobs` (same arguments and results): every response with
-    its own copy of the prompt, left-padded prompt + response right-padded to the rollout's longest,
-    in one forward. Only the last T + 1 positions' logits are materialised (logits_to_keep), of
-    those the T that predict the response. Kept for tests and bench/; the trainer uses
-    `rollout_logprobs`.
+                          with_entropy: bool = False, entropy_grad: bool | None = None):
+    """The plain form of `rollout_logprobs` (same arguments and results): every response with its
+    own copy of the prompt, left-padded prompt + response right-padded to the slice's longest
+    response (values past it are 0), in one forward without a KV cache. Only the last T + 1
+    positions are scored (logits_to_keep), of those the T that predict the response. The
+    reference in tests and bench/; the trainer runs it under FSDP2 and gradient checkpointing.
     """
     a, b = _rows(roll, rows)
+    entropy_grad = with_entropy if entropy_grad is None else entropy_grad
     prompts = [roll.prompts[i // roll.G] for i in range(a, b)]
-    resp, rmask = roll.response_ids[a:b], roll.mask[a:b]                     # [n, T]
-    n, T = resp.shape
+    T_all, T = roll.response_ids.shape[1], int(roll.lengths[a:b].max())      # rollout's, slice's
+    resp, rmask = roll.response_ids[a:b, :T], roll.mask[a:b]                 # [n, T], [n, T_all]
+    n = resp.shape[0]
     pids, pmask = left_padded(prompts, roll.pad_token_id)                   # [n, P] each
     dev = next(model.parameters()).device
     ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
     # pads after EOS are masked by loss
     attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]
     pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                   logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-    # of softmax(logits / temperature)
-    logp = token_logprobs(logits, resp.to(dev), temperature)  # [n, T]
-    ent = token_entropy(logits, temperature) if with_entropy else None        # [n, T]
-    return logp, ent, rmask.to(dev)
+    logp, ent = scores(model, resp.to(dev), temperature, with_entropy, entropy_grad, keep=T + 1,
+                       input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+    pad = lambda x: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  [n, T] -> [n, T_all]
+    return pad(logp), (pad(ent) if with_entropy else None), rmask.to(dev)

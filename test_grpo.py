@@ -179,7 +179,7 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
     grad = w * (-A[:, None] + beta * (1 - r))                                 # [4, 3]
 
     def given_logprobs(model, roll, rows, temperature, with_entropy=False, shared_prefix=True,
-                       buckets=True):
+                       buckets=True, entropy_grad=None):
         logp = model.logp[rows]                                               # [n, 3]
         return logp, torch.zeros_like(logp) if with_entropy else None, roll.mask[rows]
 

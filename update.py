@@ -227,7 +227,8 @@ def micro_loss(learner: Learner, batch: StepBatch, s: slice, mb: Minibatch, args
     --tis-cap) + beta * KL (--kl), - entropy_coef * entropy."""
     bonus = args.entropy_coef != 0
     logp, ent, valid = rollout_logprobs(learner.policy, batch.roll, s, args.temperature,
-                                        epoch == 0 or bonus, **forward_options(args, ranks, True))
+                                        epoch == 0 or bonus, entropy_grad=bonus,
+                                        **forward_options(args, ranks, True))
     key, dev = (s.start, s.stop), logp.device
     old = batch.old_logp[key] if batch.old_logp is not None else logp.detach()  # [n, T]
     mask_s = batch.mask[s].to(dev)                                   # [n, T]

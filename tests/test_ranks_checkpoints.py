@@ -688,9 +688,10 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
     from types import SimpleNamespace
     seen, real = set(), update.rollout_logprobs
 
-    def spy(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True):
+    def spy(model, roll, rows, temperature, with_entropy=False, shared_prefix=True, buckets=True,
+            entropy_grad=None):
         seen.add((torch.is_grad_enabled(), shared_prefix, buckets))
-        return real(model, roll, rows, temperature, with_entropy)
+        return real(model, roll, rows, temperature, with_entropy, entropy_grad=entropy_grad)
 
     monkeypatch.setattr(update, "rollout_logprobs", spy)
     roll = mixed_rollout(tiny_model, 1.0)

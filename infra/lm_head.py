@@ -1,0 +1,154 @@
+"""The LM head fused with the log-softmax: log-probs and entropies of the response tokens from the
+last hidden states, a chunk of rows at a time, so no [n, T, V] logits tensor exists on any path.
+
+Article section: "Step 4: PPO Loss 计算" (log pi_theta, log pi_old and log pi_ref of each response
+token; logprobs.py is the forward that asks for them, this is how they are computed at V = 151,936).
+
+The model runs as usual, but for the call its output layer (`get_output_embeddings()`, an nn.Linear)
+returns [n, T, 2] (the token's log-prob and the distribution's entropy) instead of its [n, T, V]
+logits. Inside, `_FusedHead` walks the rows in chunks of `chunk_rows(V, device)`: logits of the
+chunk (x W^T + b, under the caller's autocast), log-softmax in float32, the token's entry and the
+entropy; backward recomputes each chunk's logits (the fused linear + log-softmax that Liger and verl
+use) and accumulates the gradients of the hidden states, W and b. What stays alive between forward
+and backward is the hidden states (already held by the model's graph) and two floats per token. The
+entropy gets a gradient only where the caller asks (the --entropy-coef bonus); else its backward
+term is skipped.
+
+Because the head runs inside the model's own forward, it composes with DDP (the call goes through
+DDP's forward), FSDP2 (the head's weight is the gathered one during the forward and backward) and
+peft. Heads that are not a plain linear, or models that transform the logits after it (final
+logit soft-capping, a logit scale), are not fused: `fusable` says why and logprobs.py falls back to
+the full logits (one warning).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+# elements (rows x V) of one chunk's float32 logits: 16 MB on CPU (cache-sized), 256 MB on an
+# accelerator (441 rows at V = 151,936: a few hundred launches per pass, not thousands)
+CHUNK_ELEMENTS = {"cpu": 1 << 22}
+CHUNK_ELEMENTS_ACCEL = 1 << 26
+# config fields that transform the logits after the head: the fused path would skip them
+POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_WARNED: set = set()
+
+
+def chunk_rows(V: int, device: torch.device) -> int:
+    """Rows per chunk: the device's element budget over the vocabulary, at least one."""
+    budget = CHUNK_ELEMENTS.get(torch.device(device).type, CHUNK_ELEMENTS_ACCEL)
+    return max(1, budget // max(V, 1))
+
+
+def output_layer(model):
+    """The model's LM head module (through DDP's `.module` and peft's wrappers)."""
+    inner = getattr(model, "module", model)
+    return inner.get_output_embeddings()
+
+
+def fusable(model) -> str | None:
+    """None when the head can be fused, else why not (one line)."""
+    head = output_layer(model)
+    if not isinstance(head, torch.nn.Linear):
+        return f"the output layer is a {type(head).__name__}, not a plain nn.Linear"
+    cfg = getattr(getattr(model, "module", model), "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for name in POST_HEAD:
+        value = getattr(cfg, name, None)
+        if value not in (None, 0, 0.0, 1, 1.0, False):
+            return f"the model's config sets {name}={value} after the head"
+    return None
+
+
+def warn_unfused(why: str) -> None:
+    """One warning per reason: the full [n, T, V] logits are built instead."""
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"the LM head is not fused with the log-softmax ({why}); the training "
+                      f"forward builds the full [n, T, V] logits", stacklevel=3)
+
+
+def _chunk_logits(h, weight, bias, s: float, amp) -> torch.Tensor:
+    """float32 logits * s of rows h [c, H], under the autocast state `amp` (device, dtype, on)."""
+    with torch.autocast(amp[0], amp[1], enabled=amp[2]):
+        z = torch.nn.functional.linear(h, weight, bias)                       # [c, V]
+    return z.float().mul_(s) if s != 1.0 else z.float()
+
+
+class _FusedHead(torch.autograd.Function):
+    """[n, T, H] hidden states -> [n, T, 2] (log softmax(s z)[id], entropy of softmax(s z)),
+    z = h W^T + b, chunk by chunk; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, s, want_entropy, entropy_grad):
+        dev = hidden.device.type
+        amp = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+        H, V = hidden.shape[-1], weight.shape[0]
+        h, flat_ids = hidden.reshape(-1, H), ids.reshape(-1, 1)              # [N, H], [N, 1]
+        out = hidden.new_zeros(h.shape[0], 2, dtype=torch.float32)           # [N, 2]
+        rows = chunk_rows(V, hidden.device)
+        for a in range(0, h.shape[0], rows):
+            logp = torch.log_softmax(_chunk_logits(h[a:a + rows], weight, bias, s, amp), -1)
+            out[a:a + rows, 0] = logp.gather(-1, flat_ids[a:a + rows]).squeeze(-1)
+            if want_entropy:                                                 # -sum p log p
+                out[a:a + rows, 1] = -(logp.exp() * logp.clamp_min(_FLOOR)).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, ids, out)
+        ctx.s, ctx.amp, ctx.entropy_grad, ctx.has_bias = s, amp, entropy_grad, bias is not None
+        return out.view(*ids.shape, 2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        # per row, with p = softmax(s z): d logp_id / dz_v = s (1[v = id] - p_v) and
+        # dH / dz_v = -s p_v (log p_v + H); chunk by chunk, the logits' gradient dz [c, V] is
+        # multiplied out into dh = dz W and dW = dz^T h, db = sum dz
+        hidden, weight, bias, ids, out = ctx.saved_tensors
+        H, V = hidden.shape[-1], weight.shape[0]
+        h, flat_ids, g = hidden.reshape(-1, H), ids.reshape(-1, 1), g.reshape(-1, 2).float()
+        dh = torch.empty_like(h)                                             # [N, H]
+        dW = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
+        db = torch.zeros(V, dtype=torch.float32, device=weight.device) if ctx.has_bias else None
+        cdt = ctx.amp[1] if ctx.amp[2] else weight.dtype                     # the matmuls' dtype
+        rows = chunk_rows(V, hidden.device)
+        for a in range(0, h.shape[0], rows):
+            hc, gl = h[a:a + rows], g[a:a + rows, :1]                        # [c, H], [c, 1]
+            logp = torch.log_softmax(_chunk_logits(hc, weight, bias, ctx.s, ctx.amp), -1)
+            p = logp.exp()                                                   # [c, V]
+            dz = p.mul(-gl)                                                  # logp's term
+            dz.scatter_add_(-1, flat_ids[a:a + rows], gl)
+            if ctx.entropy_grad:                                             # the entropy's term
+                ge, Hc = g[a:a + rows, 1:], out[a:a + rows, 1:]              # [c, 1] each
+                dz -= p * (logp.clamp_min(_FLOOR) + Hc) * ge
+            dz = dz.mul_(ctx.s).to(cdt)                                      # [c, V] d/d(logits)
+            dh[a:a + rows] = (dz @ weight.to(cdt)).to(dh.dtype)
+            dW += (dz.t() @ hc.to(cdt)).float()                              # [V, H]
+            if db is not None:
+                db += dz.float().sum(0)
+        return (dh.view(hidden.shape), dW.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None)
+
+
+_FLOOR = torch.finfo(torch.float32).min   # log p of a -inf logit, so that p log p = 0 there
+
+
+@contextlib.contextmanager
+def fused_head(model, ids: torch.Tensor, temperature: float, want_entropy: bool,
+               entropy_grad: bool):
+    """For the calls in the block, the model's output layer returns [n, T, 2] (log-prob of ids
+    [n, T] under softmax(logits / temperature), its entropy (zeros unless want_entropy)) in place of
+    the logits; the entropy has a gradient only with entropy_grad. Set `.ids` on the yielded object
+    to change the ids between calls."""
+    head = output_layer(model)
+    state = type("FusedIds", (), {})()
+    state.ids = ids
+
+    def forward(hidden):                                                     # [n, T, H]
+        return _FusedHead.apply(hidden, head.weight, head.bias, state.ids.to(hidden.device),
+                                1.0 / temperature, want_entropy, entropy_grad)
+    head.forward = forward                               # an instance attribute, removed after
+    try:
+        yield state
+    finally:
+        del head.forward

@@ -1,0 +1,170 @@
+"""Memory at the recipes' shapes (infra/lm_head.py, logprobs.py, update.py): the LM head fused with
+the log-softmax against the plain head, no [n, T, V] tensor in the training forward at Qwen's
+vocabulary of 151,936, the entropy without a graph unless its bonus is on, no KV cache written by
+the training forward.
+
+    python -m pytest -q tests/test_memory.py
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import logprobs
+from infra import lm_head
+from sampler import Rollout
+
+V_QWEN = 151_936
+
+
+def _naive(h, W, b, ids, t):
+    """The plain head: logits [.., V] = h W^T + b, log softmax(logits / t), its entropy."""
+    logp = torch.log_softmax((h @ W.t() + b) / t, -1)
+    return logp.gather(-1, ids[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_fused_head_equals_the_plain_head_values_and_gradients(entropy_grad, monkeypatch):
+    # 3 rows a chunk over 2 x 5 positions, temperature 0.7, a bias: the log-probs and entropies,
+    # and the gradients of the hidden states, W and b, equal autograd through the plain head; the
+    # entropy's gradient term is there only when asked for
+    torch.manual_seed(0)
+    V, H = 300, 8
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
+    h = torch.randn(2, 5, H, requires_grad=True)
+    W, b = (torch.randn(V, H) * 2).requires_grad_(True), torch.randn(V).requires_grad_(True)
+    ids, w1, w2 = torch.randint(0, V, (2, 5)), torch.randn(2, 5), torch.randn(2, 5)
+    out = lm_head._FusedHead.apply(h, W, b, ids, 1 / 0.7, True, entropy_grad)  # [2, 5, 2]
+    want_lp, want_ent = _naive(h, W, b, ids, 0.7)
+    assert torch.allclose(out[..., 0], want_lp, atol=1e-5)
+    assert torch.allclose(out[..., 1], want_ent, atol=1e-5)
+    got = torch.autograd.grad((out[..., 0] * w1 + out[..., 1] * w2).sum(), (h, W, b))
+    loss = (want_lp * w1 + (want_ent * w2 if entropy_grad else 0)).sum()
+    for g, want in zip(got, torch.autograd.grad(loss, (h, W, b))):
+        assert torch.allclose(g, want, atol=1e-5), (g - want).abs().max()
+
+
+def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
+    # under CPU autocast the chunk's matmul runs in bf16 as the plain head's would, the softmax in
+    # float32, and backward recomputes under the same autocast: gradients within bf16 rounding
+    torch.manual_seed(1)
+    V, H = 500, 16
+    h = torch.randn(3, 4, H, requires_grad=True)
+    W = torch.randn(V, H, requires_grad=True)
+    ids = torch.randint(0, V, (3, 4))
+    with torch.autocast("cpu", torch.bfloat16):
+        out = lm_head._FusedHead.apply(h, W, None, ids, 1.0, False, False)
+        logits = torch.nn.functional.linear(h, W)                             # bf16 [3, 4, V]
+    want = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(out[..., 0], want, atol=1e-4)
+    g = torch.autograd.grad(out[..., 0].sum(), (h, W))
+    g_want = torch.autograd.grad(want.sum(), (h, W))
+    for a, b in zip(g, g_want):
+        assert torch.allclose(a, b, atol=3e-2 * b.abs().max())
+
+
+def _tiny_qwen(V: int, softcap: float | None = None):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    model = Qwen2ForCausalLM(cfg)
+    if softcap:
+        model.config.final_logit_softcapping = softcap
+    return model
+
+
+def _rollout(V: int, n: int, T: int, G: int = 4) -> Rollout:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, V, (n, T), generator=g)
+    lengths = torch.full((n,), T)
+    lengths[0] = T // 2
+    prompts = [torch.randint(2, V, (7,), generator=g).tolist() for _ in range(n // G)]
+    return Rollout.from_lengths(prompts, G, 0, ids, torch.zeros(n, T), lengths,
+                                torch.zeros(n, dtype=torch.bool))
+
+
+class _Storages(TorchDispatchMode):
+    """The bytes of every storage an aten op returns (the largest is what the test bounds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_the_training_forward_builds_no_vocabulary_sized_logits(shared_prefix, monkeypatch):
+    # Qwen's vocabulary, 8 responses of 64 tokens: one [8, 64, V] float32 logits tensor is 311 MB.
+    # The fused head's largest storage, forward and backward, is a chunk (27 rows x V, 16 MB) or
+    # the head's own gradient (V x 16); the plain head (the fallback, forced here) builds the
+    # [n, T, V] logits, so the bound fails without the fusion.
+    model, roll = _tiny_qwen(V_QWEN), _rollout(V_QWEN, 8, 64)
+    full = 8 * 64 * V_QWEN * 4
+    sizes = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(lm_head, "fusable", lambda m: "forced off by the test")
+        with warnings.catch_warnings(), _Storages() as seen:
+            warnings.simplefilter("ignore")
+            logp, ent, _ = logprobs.rollout_logprobs(model, roll, slice(0, 8), 1.0, True,
+                                                     shared_prefix=shared_prefix,
+                                                     entropy_grad=False)
+            logp.sum().backward()
+        sizes[fused] = seen.largest
+        model.zero_grad(set_to_none=True)
+    chunk = lm_head.chunk_rows(V_QWEN, torch.device("cpu")) * V_QWEN * 4
+    assert sizes[True] <= chunk < full / 10, sizes
+    assert sizes[False] >= full, sizes
+
+
+def test_the_entropy_has_no_graph_unless_its_bonus_asks(tiny_model):
+    # the first pass measures the entropy (with_entropy) and differentiates it only with the bonus
+    roll = _rollout(40, 4, 6)
+    for grad in (False, True):
+        _, ent, _ = logprobs.rollout_logprobs(tiny_model, roll, slice(0, 4), 1.0, True,
+                                              entropy_grad=grad)
+        g = torch.autograd.grad(ent.sum(), [p for p in tiny_model.parameters()],
+                                allow_unused=True)
+        assert any(x is not None and x.abs().sum() > 0 for x in g) == grad
+
+
+def test_a_head_that_cannot_be_fused_falls_back_with_one_warning(monkeypatch):
+    # final logit soft-capping transforms the logits after the head: the fused path would skip it,
+    # so the plain head runs (one warning, then quiet) and the values are the capped model's
+    monkeypatch.setattr(lm_head, "_WARNED", set())
+    model, roll = _tiny_qwen(50, softcap=30.0), _rollout(50, 4, 5)
+    assert "final_logit_softcapping" in lm_head.fusable(model)
+    assert lm_head.fusable(_tiny_qwen(50)) is None
+    with pytest.warns(UserWarning, match="not fused") as w:
+        a = logprobs.rollout_logprobs(model, roll, slice(0, 4), 1.0)[0]
+        b = logprobs.rollout_logprobs(model, roll, slice(0, 4), 1.0)[0]
+    assert len(w) == 1 and torch.equal(a, b)
+
+
+def test_the_training_forward_writes_no_kv_cache_it_does_not_read(tiny_model, monkeypatch):
+    # the per-response forward (FSDP2, gradient checkpointing) and a one-token-prompt slice run
+    # with use_cache=False: no cache is built and thrown away
+    calls = []
+    real = type(tiny_model).forward
+
+    def spy(self, *a, **kw):
+        calls.append(kw.get("use_cache"))
+        return real(self, *a, **kw)
+    monkeypatch.setattr(type(tiny_model), "forward", spy)
+    roll = _rollout(40, 4, 6)
+    logprobs.rollout_logprobs(tiny_model, roll, slice(0, 4), 1.0, shared_prefix=False)
+    one = Rollout.from_lengths([[5]], 4, 0, roll.response_ids, roll.logprobs, roll.lengths,
+                               roll.truncated)
+    logprobs.rollout_logprobs(tiny_model, one, slice(0, 4), 1.0)
+    assert calls == [False, False]
