@@ -189,7 +189,8 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
                    response_ids=torch.zeros(4, 3, dtype=torch.long), mask=mask,
                    lengths=lengths, truncated=torch.zeros(4, dtype=torch.bool), logprobs=pi.log(),
                    index=torch.zeros(4, dtype=torch.long))
-    args = SimpleNamespace(micro_batch_size=3, mini_batches=1, mu=1, temperature=1.0,
+    args = SimpleNamespace(micro_batch_size=3,
+                           micro_batch_tokens=10**6, mini_batches=1, mu=1, temperature=1.0,
                            reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
@@ -843,7 +844,8 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)  # each response's prompt
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(1))
     mask = dapo.overlong_filter(roll.mask, roll.truncated)
-    args = SimpleNamespace(micro_batch_size=3, mini_batches=2, mu=1, temperature=t,
+    args = SimpleNamespace(micro_batch_size=3,
+                           micro_batch_tokens=10**6, mini_batches=2, mu=1, temperature=t,
                            reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0,

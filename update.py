@@ -122,6 +122,9 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
                 if epoch == 0:  # entropy and sampler/trainer mismatch, once per response
                     abs_max = max(abs_max, add_once_sums(sums, micro))
             optimizer_step(learner, sums, args, ranks)
+    # the gradients are not kept through the rollout, evaluation and the engine's wake-up that
+    # follow (the next update's zero_grad would free them only then)
+    learner.opt.zero_grad(set_to_none=True)
     abs_max = torch.tensor([abs_max], dtype=torch.float64)
     abs_max = torch.cat(ranks.gather(abs_max)).max()                   # over all ranks
     return UpdateStats(ranks.sum_named(first), ranks.sum_named(rest), float(abs_max), t_logprob,
@@ -164,15 +167,34 @@ class MicroLoss:
     valid: torch.Tensor         # [n, T] the response's positions
 
 
+def micro_slices(roll: Rollout, rows: slice, size: int, budget: int) -> list[slice]:
+    """rows cut, in order, into contiguous micro-batches of at most `size` responses and `budget`
+    padded positions: responses x (longest prompt + longest response), what the per-response
+    forward computes and a bound on the shared-prefix one; a response longer than the budget runs
+    alone. Each micro-batch is padded to its own longest response (logprobs.py)."""
+    G, out, a = roll.G, [], rows.start
+    lengths = roll.lengths.tolist()
+    while a < rows.stop:
+        b, P, T = a, 0, 0
+        while b < rows.stop and b - a < size:
+            P2, T2 = max(P, len(roll.prompts[b // G])), max(T, lengths[b])
+            if b > a and (b - a + 1) * (P2 + T2) > budget:
+                break
+            P, T, b = P2, T2, b + 1
+        out.append(slice(a, b))
+        a = b
+    return out
+
+
 def plan_minibatches(roll: Rollout, mask, args, ranks: parallel.Dist) -> list[Minibatch]:
-    """This rank's rows of each mini-batch (minibatch_rows) cut into --micro-batch-size slices,
-    as many on every rank (DDP synchronises in each backward), and each update's denominators."""
-    size = args.micro_batch_size
+    """This rank's rows of each mini-batch (minibatch_rows) cut into micro-batches by
+    --micro-batch-size and --micro-batch-tokens (micro_slices), as many on every rank (DDP
+    synchronises in each backward: a rank with fewer runs empty slices), and each update's
+    denominators (the mini-batch's over all ranks, whatever the cut)."""
     minibatches = []
     for rows in minibatch_rows(roll, args.mini_batches, ranks):
-        n = rows.stop - rows.start
-        starts = range(rows.start, rows.start + ranks.max(math.ceil(n / size)) * size, size)
-        micro = [slice(a, min(a + size, rows.stop)) for a in starts]
+        micro = micro_slices(roll, rows, args.micro_batch_size, args.micro_batch_tokens)
+        micro += [slice(rows.stop, rows.stop)] * (ranks.max(len(micro)) - len(micro))
         rows_mask = mask[rows]                                          # [n, T]
         num_tokens = ranks.sum(rows_mask.sum()).float()
         num_seqs = ranks.sum((rows_mask.sum(-1) > 0).sum()).float()

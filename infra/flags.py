@@ -248,8 +248,11 @@ class TrainArgs(EvalArgs):
                              "groups (DAPO paper: 16)")
     mu: int = flag(1, "passes over the step's mini-batches; old log-probs are the sampling "
                    "policy's")
-    micro_batch_size: int = flag(64, "responses per forward pass in the update and the no-grad "
-                                 "log-prob passes")
+    micro_batch_size: int = flag(64, "at most this many responses per forward pass in the update "
+                                 "and the no-grad log-prob passes")
+    micro_batch_tokens: int = flag(8192, "and at most this many padded positions per pass (its "
+                                   "responses x (longest prompt + longest response); verl's "
+                                   "ppo_max_token_len_per_gpu); a longer response runs alone")
     fsdp: bool = flag(False, "shard weights, gradients, AdamW state and the reference model over "
                       "the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = flag(False, "recompute each layer's activations in backward "
@@ -330,6 +333,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
 MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= v
+                micro_batch_tokens=1,
                 max_rounds=1, eval_every=1, save_every=0, max_samples=0, log_completions=0)
 LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
 VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (as TRL and verl)

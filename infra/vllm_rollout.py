@@ -133,6 +133,9 @@ class Engine:
         """The policy's current weights into the engine,
         in place (every rank calls it under FSDP2)."""
         if self.asleep:
+            # the update's freed blocks back to the device first (TRL does the same), else the
+            # engine wakes into what PyTorch's caching allocator still holds
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": full_weights(model, self.dtype)})

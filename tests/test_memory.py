@@ -168,3 +168,74 @@ def test_the_training_forward_writes_no_kv_cache_it_does_not_read(tiny_model, mo
                                roll.truncated)
     logprobs.rollout_logprobs(tiny_model, one, slice(0, 4), 1.0)
     assert calls == [False, False]
+
+
+def test_micro_batches_by_a_token_budget_by_hand():
+    # G = 2, prompts of 3 and 5 tokens; lengths 2, 10 | 3, 3 | 20, 1 (rows 4-5: the first prompt
+    # again). Budget 30 positions = responses x (longest prompt + longest response): [0, 2) is
+    # 2 x (3 + 10) = 26; adding row 2 would be 3 x (5 + 10) = 45; [2, 4) 2 x 8 = 16, then row 4
+    # (3 + 20 = 23 alone) cannot join 3 x (5 + 20); row 5 joins it: 2 x 23 = 46 > 30, so alone
+    from update import micro_slices
+    roll = Rollout.from_lengths([[1] * 3, [1] * 5, [1] * 3], 2, 0, torch.zeros(6, 20).long(),
+                                torch.zeros(6, 20), torch.tensor([2, 10, 3, 3, 20, 1]),
+                                torch.zeros(6, dtype=torch.bool))
+    cut = lambda size, budget, rows=slice(0, 6): [(s.start, s.stop) for s in  # noqa: E731
+                                                  micro_slices(roll, rows, size, budget)]
+    assert cut(64, 30) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert cut(64, 10**6) == [(0, 6)] and cut(4, 10**6) == [(0, 4), (4, 6)]
+    assert cut(64, 1) == [(i, i + 1) for i in range(6)]          # a row over the budget: alone
+    assert cut(64, 30, slice(2, 5)) == [(2, 4), (4, 5)] and cut(64, 30, slice(3, 3)) == []
+    # another rank cut its rows into 2 more: this one runs as many, the extra ones empty
+    from types import SimpleNamespace
+
+    from update import plan_minibatches
+    roll.index = torch.arange(3).repeat_interleave(2)
+    other = SimpleNamespace(world=2, max=lambda n: n + 2, gather=lambda x: [x],
+                            sum=lambda x: x.double())
+    args = SimpleNamespace(mini_batches=1, micro_batch_size=64, micro_batch_tokens=30)
+    (mb,) = plan_minibatches(roll, roll.mask, args, other)
+    assert [(s.start, s.stop) for s in mb.micro] == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 6),
+                                                     (6, 6)]
+
+
+def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(tiny_model):
+    # the same update (SGD, so the gradient shows one to one) with the whole step in one pass and
+    # cut by a budget of 24 positions into several micro-batches of different sizes: the global
+    # denominators make the summed micro-batch gradients the whole batch's; every rank runs as
+    # many passes (here one rank: the cuts are its own)
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    import update
+    from infra import parallel
+    from test_grpo import mixed_rollout
+    roll = mixed_rollout(tiny_model, 1.0)
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    planned = []
+
+    def run(budget):
+        model = copy.deepcopy(tiny_model)
+        args = SimpleNamespace(micro_batch_size=64, micro_batch_tokens=budget, mini_batches=2,
+                               mu=1, temperature=1.0, reduction="token", loss="ppo", fsdp=False,
+                               gradient_checkpointing=False, max_new_tokens=20, eps_low=0.2,
+                               eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0,
+                               beta=0.0, kl="k3", grad_clip=0.0)
+        learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 contextlib.nullcontext)
+        stats = update.update_policy(learner, roll, adv, roll.mask, args, parallel.Dist("cpu"))
+        planned.append(stats.micro)
+        # no gradient held past the update (through the rollout, evaluation, the engine's wake-up)
+        assert all(p.grad is None for p in model.parameters())
+        return model
+    whole, cut = run(10**6), run(24)
+    assert len(planned[0]) == 2 and len(planned[1]) > 4                   # 2 mini-batches
+    P = lambda s: max(len(roll.prompts[i // roll.G]) for i in range(s.start, s.stop))  # noqa: E731
+    assert all((s.stop - s.start) * (P(s) + int(roll.lengths[s].max())) <= 24
+               or s.stop - s.start == 1 for s in planned[1])
+    moved = max((p - q).abs().max().item() for p, q in zip(whole.parameters(),
+                                                            tiny_model.parameters()))
+    diff = max((p - q).abs().max().item() for p, q in zip(whole.parameters(), cut.parameters()))
+    assert moved > 1e-3 and diff <= 1e-6 * max(1.0, moved), (moved, diff)

@@ -381,7 +381,8 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
                          generator=torch.Generator().manual_seed(1))
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    args = SimpleNamespace(micro_batch_size=5, mini_batches=2, mu=1, temperature=1.0,
+    args = SimpleNamespace(micro_batch_size=5,
+                           micro_batch_tokens=10**6, mini_batches=2, mu=1, temperature=1.0,
                            reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=8, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
                            entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)

@@ -228,7 +228,8 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
         model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))
         # once per forward of the model
         model.model.register_forward_hook(lambda *_: forwards.append(1))
-        args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=1, temperature=1.0,
+        args = SimpleNamespace(micro_batch_size=4,
+                               micro_batch_tokens=10**6, mini_batches=1, mu=1, temperature=1.0,
                                reduction="token",
                                loss="ppo", fsdp=False, gradient_checkpointing=checkpointing,
                                max_new_tokens=20,
@@ -697,7 +698,8 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
     roll = mixed_rollout(tiny_model, 1.0)
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)
-    args = SimpleNamespace(micro_batch_size=4, mini_batches=1, mu=2, temperature=1.0,
+    args = SimpleNamespace(micro_batch_size=4,
+                           micro_batch_tokens=10**6, mini_batches=1, mu=2, temperature=1.0,
                            reduction="token", loss="ppo",
                            fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20,
                            eps_low=0.2,
@@ -715,7 +717,8 @@ def _update_args(**kw):
     3,
     no clip."""
     from types import SimpleNamespace
-    base = dict(micro_batch_size=3, mini_batches=2, mu=1, temperature=1.0, reduction="token",
+    base = dict(micro_batch_size=3,
+                micro_batch_tokens=10**6, mini_batches=2, mu=1, temperature=1.0, reduction="token",
                 loss="ppo", fsdp=False, gradient_checkpointing=False, max_new_tokens=20,
                 eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
                 kl="k3", grad_clip=0.0)

@@ -100,16 +100,18 @@ class _RecordingLLM:
 
 
 @pytest.mark.parametrize("cuda", [True, False])
-def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda):
+def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda, monkeypatch):
     from infra import vllm_rollout
     engine = object.__new__(vllm_rollout.Engine)
+    # PyTorch's cached blocks are handed back before the engine wakes (a stand-in: no CUDA here)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.llm.calls.append(("empty",)))
     engine.llm, engine.cuda, engine.dtype, engine.asleep = (_RecordingLLM(), cuda, torch.bfloat16,
                                                             False)
     model = tiny("qwen2", torch.float32)
     engine.sleep()
     engine.push(model)
     reload = ("reload_weights", [(n, torch.bfloat16) for n in model.state_dict()])
-    want = [("sleep", 2), ("wake_up", ["weights"]), reload,
+    want = [("sleep", 2), ("empty",), ("wake_up", ["weights"]), reload,
             ("wake_up", ["kv_cache"])] if cuda else [reload]
     # then the prefix cache goes, on CPU too: no prompt is decoded on K/V the old weights computed
     assert engine.llm.calls == [*want, ("reset_prefix_cache",)] and not engine.asleep
