@@ -26,6 +26,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import zlib
 
 import torch
@@ -36,14 +37,25 @@ from infra.errors import InputError
 DATASETS_FILES = (".parquet", ".arrow")
 
 
+def say_line(line: str) -> None:
+    """A line for the user, on stderr (the default `say` of load_rows)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
-              limit: int | None = None, hf_split: str = "train") -> list[dict]:
+              limit: int | None = None, hf_split: str = "train", say=say_line) -> list[dict]:
     """Rows {"prompt", "answer", "columns"} from 'builtin' (split 'train' or 'eval'); a JSONL file,
     or a .json file holding one array of objects; a Parquet or Arrow file, a folder (data files, or
     a save_to_disk folder) or a Hugging Face hub id, split `hf_split`, through `datasets`. The
     fields are names, or dotted paths into nested columns; "prompt" is a text or a list of chat
     messages, as the row holds it, "answer" a text. "columns" keeps every top-level field but the
-    prompt's, for reward functions with TRL's signature."""
+    prompt's, for reward functions with TRL's signature.
+
+    Rows that repeat an earlier row's prompt and answer (verl's aime-2024.parquet is 30 problems
+    copied 32 times; DAPO-Math-17k holds each prompt ~100 times) are said, in one line to `say`:
+    held-out ("eval") rows are evaluated once each (copies stand for avg@n, which --eval-samples
+    computes), `limit` counting distinct rows; training rows are kept, each copy drawn as often as
+    it appears."""
     if path == "builtin":
         from infra import builtin
         # a stream drawn from the task's distribution (repeats allowed), never held-out problems
@@ -57,19 +69,31 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
         raise InputError(f"{path}: no such data file")
     else:
         records = _json_records(path)
-    rows = []
+    rows, seen, read, repeats = [], set(), 0, 0
     for i, row in records:
         if not isinstance(row, dict):
             raise InputError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
         where = f"{path}:{i}"
         prompt = _prompt(_field(row, prompt_field, where), f"{where}: field {prompt_field!r}")
-        answer = _field(row, answer_field, where)
-        rows.append({"prompt": prompt, "answer": str(answer),  # columns: for TRL-style rewards
+        answer = str(_field(row, answer_field, where))
+        read, key = read + 1, json.dumps([prompt, answer], sort_keys=True)
+        repeats += key in seen
+        if key in seen and split == "eval":
+            continue
+        seen.add(key)
+        rows.append({"prompt": prompt, "answer": answer,  # columns: for TRL-style rewards
                      "columns": {k: v for k, v in row.items() if k != prompt_field}})
         if limit and len(rows) >= limit:
             break
     if not rows:
         raise InputError(f"{path}: no rows")
+    cut = f", the first {limit} (--eval-size)" if split == "eval" and len(rows) == limit else ""
+    if split == "eval" and (repeats or cut):
+        say(f"{path}: {len(rows)} of {read} rows read evaluated ({repeats} repeat an earlier "
+            f"row's prompt and answer and are evaluated once{cut})")
+    elif repeats:
+        say(f"{path}: {repeats} of {read} rows repeat an earlier row's prompt and answer; kept, "
+            f"each copy drawn as often as it appears")
     return rows
 
 

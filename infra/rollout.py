@@ -5,11 +5,46 @@ Article section: "Step 1: Rollout 采样" (sampler.py is the step; this picks ho
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import sampler
 from infra import static_decode
+from infra.errors import InputError
 from sampler import Rollout
+
+_SCALED: set = set()   # the models already warned about (scaled RoPE: the limit is theirs)
+
+
+def context_limit(model) -> tuple[int | None, bool]:
+    """(the positions the model was trained on, `max_position_embeddings` of its text config, or
+    None where the config has none; whether its config scales RoPE past them)."""
+    c = getattr(getattr(model, "module", model), "config", None)
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    limit = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+    rope = getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+    return limit, kind not in (None, "default")
+
+
+def check_context(model, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """The longest prompt + max_new_tokens within the model's context: else errors.InputError (one
+    line; a model past its trained positions decodes garbage, and an engine caps the responses
+    it is asked for so they come back "truncated"), or one warning where RoPE is scaled."""
+    limit, scaled = context_limit(model)
+    need = max(map(len, prompts), default=0) + max_new_tokens
+    if limit is None or need <= limit:
+        return
+    what = (f"the longest prompt ({need - max_new_tokens} tokens) + --max-new-tokens "
+            f"{max_new_tokens} = {need} positions, past the model's context of {limit} "
+            f"(max_position_embeddings)")
+    if not scaled:
+        raise InputError(f"{what}: lower --max-new-tokens, shorten the prompts, or use a model "
+                         f"with a longer context")
+    if id(model) not in _SCALED:
+        _SCALED.add(id(model))
+        warnings.warn(f"{what}; its config scales RoPE, so it may hold them", stacklevel=3)
 
 
 def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
@@ -20,6 +55,7 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
     which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
     flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16, compile)."""
     T = args.max_new_tokens
+    check_context(model, prompts, T)
     if sample is not None:
         return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
     S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)

@@ -106,13 +106,14 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
         raise InputError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the "
                               f"{ranks.world} ranks")
     torch.manual_seed(args.seed)
-    reward_fn, train_rows, eval_rows = load_data(args)
+    reward_fn, train_rows, eval_rows = load_data(args, ranks)
     ckpt_path = find_checkpoint(args)
     path, tokenizer, model, lora_config = load_policy(args, ranks)
+    rollout.check_context(model, [[0]], args.max_new_tokens)   # before anything is built on it
     meter = perf.Meter.start(model, args, ranks)  # --peak-tflops, a GPU's by name, or a probe
     task = make_task(args, tokenizer, model, train_rows, eval_rows, reward_fn)
     ref = make_reference(args, model, ranks)
-    engine = start_engine(args, path, ranks)
+    engine = start_engine(args, path, model, ranks)
     if engine:
         task.sample = engine.sample_groups  # Step 1 on the engine instead of sampler.py
     learner, sched = make_learner(args, model, ref, ranks)
@@ -126,13 +127,16 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
                  ckpt_path, out, meter, metrics.SignalCheck(args)), state
 
 
-def load_data(args: flags.TrainArgs) -> tuple[data.Reward, list[dict], list[dict]]:
-    """The --reward functions, the --data rows and the held-out --eval-data rows ([] without)."""
+def load_data(args: flags.TrainArgs, ranks: parallel.Dist
+              ) -> tuple[data.Reward, list[dict], list[dict]]:
+    """The --reward functions, the --data rows and the held-out --eval-data rows ([] without);
+    repeated rows said by rank 0."""
     reward_fn = data.Reward.load(args.reward, args.reward_weights)
     fields = args.prompt_field, args.answer_field
-    train_rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split)
-    eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split) \
-        if args.eval_data else []
+    say = data.say_line if ranks.master else (lambda line: None)
+    train_rows = data.load_rows(args.data, "train", *fields, hf_split=args.data_split, say=say)
+    eval_rows = data.load_rows(args.eval_data, "eval", *fields, args.eval_size, args.eval_split,
+                               say=say) if args.eval_data else []
     return reward_fn, train_rows, eval_rows
 
 
@@ -191,13 +195,14 @@ def make_reference(args: flags.TrainArgs, model, ranks: parallel.Dist):
     return ref
 
 
-def start_engine(args: flags.TrainArgs, path: str, ranks: parallel.Dist):
+def start_engine(args: flags.TrainArgs, path: str, model, ranks: parallel.Dist):
     """--rollout vllm: a colocated vLLM engine on this rank's device, loaded from `path`; else
     None."""
     if args.rollout != "vllm":
         return None
     return vllm_rollout.Engine(path, ranks.device, args.bf16, args.seed,
-                               args.vllm_gpu_memory_utilization, args.max_num_seqs)
+                               args.vllm_gpu_memory_utilization, args.max_num_seqs,
+                               rollout.context_limit(model)[0])
 
 
 def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):

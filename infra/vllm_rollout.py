@@ -66,7 +66,7 @@ class Engine:
     folder the run starts from."""
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, max_model_len: int | None = None):
         # the engine core in this process (weight sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -84,7 +84,10 @@ class Engine:
             distributed_executor_backend="external_launcher" if world > 1 else None,
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
             enforce_eager=not self.cuda,
-            **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}))
+            **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}),
+            # the positions a sequence may take: the model's context, said, never vLLM's guess
+            # (rollout.check_context refuses a run that needs more before it samples)
+            **({} if max_model_len is None else {"max_model_len": max_model_len}))
         self.asleep = False
 
     @torch.no_grad()
