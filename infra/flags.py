@@ -253,6 +253,9 @@ class TrainArgs(EvalArgs):
     micro_batch_tokens: int = flag(8192, "and at most this many padded positions per pass (its "
                                    "responses x (longest prompt + longest response); verl's "
                                    "ppo_max_token_len_per_gpu); a longer response runs alone")
+    dist_timeout_min: float = flag(60.0, "minutes a collective waits for the slowest rank before "
+                                   "the run fails (torch's default is 10; one rank's 20k-token "
+                                   "rollout can end minutes after another's)")
     fsdp: bool = flag(False, "shard weights, gradients, AdamW state and the reference model over "
                       "the ranks (FSDP2) instead of DDP")
     gradient_checkpointing: bool = flag(False, "recompute each layer's activations in backward "
@@ -333,7 +336,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
 MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= v
-                micro_batch_tokens=1,
+                micro_batch_tokens=1, dist_timeout_min=1e-3,
                 max_rounds=1, eval_every=1, save_every=0, max_samples=0, log_completions=0)
 LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
 VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (as TRL and verl)

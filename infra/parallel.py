@@ -35,6 +35,7 @@ memory), for `save_pretrained`.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import os
 
@@ -61,7 +62,7 @@ except ImportError:  # an older torch still runs DDP; `shard` says why --fsdp ca
 class Dist:
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them this is a single process."""
 
-    def __init__(self, device: str, fsdp: bool = False):
+    def __init__(self, device: str, fsdp: bool = False, timeout_min: float = 60.0):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.master = self.rank == 0
@@ -71,7 +72,8 @@ class Dist:
             if device.startswith("cuda"):
                 self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(backend)
+            # how long a collective waits for the slowest rank (--dist-timeout-min)
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
         # FSDP2 needs a process group, even of one rank; an in-memory store needs no address
         elif fsdp:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -40,7 +40,7 @@ def session(args: flags.TrainArgs):
     """The ranks (parallel.Dist: torchrun's environment, or one process) for the run's body, with
     OUT/.lock held by rank 0 throughout; a user's error (errors.USER_ERRORS) is printed as one line
     and exits 2."""
-    ranks = parallel.Dist(args.device, args.fsdp)
+    ranks = parallel.Dist(args.device, args.fsdp, args.dist_timeout_min)
     lock = None
     try:
         lock = checkpoint.lock_folder(args.out, ranks)  # rank 0 holds OUT/.lock for the whole run

@@ -5,6 +5,7 @@ the run lock, a kill at any byte; DDP, FSDP and gradient checkpointing.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -49,7 +50,15 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
                         **kw: calls.append(("init", backend, kw)))
     ranks = parallel.Dist("cuda")
     assert (ranks.device, ranks.rank, ranks.world, ranks.master) == ("cuda:1", 3, 2, False)
-    assert calls == [("set_device", "cuda:1"), ("init", "nccl", {})]
+    hour = datetime.timedelta(minutes=60)             # not torch's 10-minute default
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl", {"timeout": hour})]
+    # --dist-timeout-min reaches the group through train.py's session
+    calls.clear()
+    from infra import flags, setup
+    monkeypatch.setattr(setup.checkpoint, "lock_folder", lambda out, ranks: None)
+    with setup.session(flags.parse_train_args(["--device", "cuda", "--dist-timeout-min", "90"])):
+        pass
+    assert calls[-1] == ("init", "nccl", {"timeout": datetime.timedelta(minutes=90)})
     # without torchrun: no process group, except for --fsdp, which shards over one rank (an
     # in-memory store)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -307,7 +316,8 @@ def test_only_rank_0_writes_the_runs_folder(tiny_run_inputs, tmp_path, monkeypat
     monkeypatch.setattr(parallel, "wrap", lambda model, ranks, fsdp: model)
     files = {}
     for rank in (1, 0):
-        monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, rank=rank: _Twin(rank))
+        monkeypatch.setattr(parallel, "Dist", lambda device, fsdp=False, timeout_min=60.0,
+                            rank=rank: _Twin(rank))
         out = tmp_path / f"rank{rank}"
         train.main([*tiny_flags(tiny_run_inputs, out), "--steps", "1", "--save-every", "1",
                     "--no-dynamic-sampling"])

@@ -97,3 +97,28 @@ def test_duplicated_evaluation_rows_are_said_and_evaluated_once(tmp_path):
     other = [{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": "2"}]
     assert len(data.load_rows(rows_file("o.jsonl", other), "eval", say=said.append)) == 2
     assert said == []
+
+
+def test_final_is_saved_in_the_dtype_the_model_came_in(tmp_path, tiny_run_inputs):
+    # a hub model in bfloat16 trains in float32 masters; OUT/final was written in float32 (a 7B:
+    # 30 GB instead of 15); now in the dtype it came in, config.json saying so
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infra import models
+    _, tok, fp32 = models.load_model(str(tiny_run_inputs / "model"))
+    src = tmp_path / "bf16"
+    fp32.to(torch.bfloat16).save_pretrained(src)
+    tok.save_pretrained(src)
+    _, tok, model = models.load_model(str(src))
+    assert next(model.parameters()).dtype == torch.float32 and model.source_dtype == torch.bfloat16
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)                                              # "trained" float32 masters
+    final = models.save_final(str(tmp_path / "out"), model, tok, model.state_dict())
+    assert json.load(open(f"{final}/config.json"))["dtype"] == "bfloat16"
+    back = AutoModelForCausalLM.from_pretrained(final)
+    for (name, p), q in zip(model.state_dict().items(), back.state_dict().values()):
+        assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16)), name
