@@ -31,9 +31,9 @@ import zlib
 import torch
 
 import verifier
-from infra import data, flags, models
+from infra import data, flags, models, vllm_rollout
 from infra.errors import USER_ERRORS
-from infra.rollout import sample_rollout
+from infra.rollout import check_context, context_limit, sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -209,11 +209,22 @@ def main(argv=None) -> list[tuple[str, dict]]:
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
-            _, tokenizer, model = models.load_model(spec, args.trust_remote_code)
+            path, tokenizer, model = models.load_model(spec, args.trust_remote_code)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
-            m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
-                                        OneProcess(), reward_fn)
+            engine = None
+            if args.rollout == "vllm":           # the model's own engine, its weights from disk
+                check_context(model, [[0]], args.max_new_tokens)
+                engine = vllm_rollout.Engine(path, args.device, args.bf16, args.seed,
+                                             args.vllm_gpu_memory_utilization, args.max_num_seqs,
+                                             context_limit(model)[0])
+            try:
+                m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
+                                            OneProcess(), reward_fn,
+                                            engine.sample_groups if engine else None)
+            finally:
+                if engine is not None:
+                    engine.close()
             results.append((spec, m))
             lines += [json.dumps({"model": spec, **r}) for r in records]
             del model

@@ -9,6 +9,8 @@ The sections (each prints both sides of its comparison from one run):
   training step split into its phases, gradient checkpointing;
 - bench/ranks.py, Step 4's updates over 2 gloo ranks: --mini-batches 4 against 1, with the
   step's prompts spread every W-th (train.py) and in blocks (before);
+- bench/memory.py, GPU memory at the recipes' shapes: one update's peak with the fused and the
+  plain LM head, activations per token per layer at real widths, the per-GPU model of each recipe;
 - bench/warm_start.py, the warm start: one supervised step of demonstrations packed into rows vs
   padded to the longest;
 - bench/vs_trl.py, its own command (`python -m bench.vs_trl`): a GRPO step of train.py vs TRL's
@@ -31,14 +33,15 @@ import time
 
 import torch
 
-from bench import compiled, ranks, rollouts, training, warm_start
+from bench import compiled, memory, ranks, rollouts, training, warm_start
 from bench.common import header
 
 SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
             "logprobs": training.bench_logprobs, "forward": training.bench_forward,
             "step": training.bench_step, "checkpointing": training.bench_checkpointing,
             "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines,
-            "ranks": ranks.bench_ranks, "compile": compiled.bench_compile}
+            "ranks": ranks.bench_ranks, "compile": compiled.bench_compile,
+            "memory": memory.bench_memory}
 
 
 def main(argv=None) -> None:

@@ -8,7 +8,8 @@ this folder holds the rest, which the article's modules and the two commands imp
   checkpoints, the final model)
 - the task and its data: data (rows, prompts, rewards), builtin (the built-in task and base model)
 - the objective's family: variants (--loss, --kl, --entropy-coef, --tis-cap)
-- ranks and memory: parallel (DDP, FSDP2, all-reduces), lora (--lora-r)
+- ranks and memory: parallel (DDP, FSDP2, all-reduces), lora (--lora-r), lm_head (the LM head
+  fused with the log-softmax: no [n, T, V] logits)
 - disk: checkpoint (atomic saves, resume, the run lock), models (loading and saving a model)
 - what is measured: metrics (the metric rows and run files), perf (model FLOPs and MFU), curves
 - how Step 1 runs: kv_cache (the sampler's preallocated KV cache and prefill), static_decode

@@ -78,6 +78,12 @@ class EvalArgs:
                                    "1 (DAPO: 1.0)")
     eval_top_p: float = flag(1.0, "nucleus sampling of evaluation when --eval-samples > 1 (DAPO: "
                              "0.7)")
+    rollout: str = flag("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a "
+                        "colocated vLLM engine per rank, in evaluate.py one per model, "
+                        "infra/vllm_rollout.py; needs vLLM installed)",
+                        ["hf", "vllm"])
+    vllm_gpu_memory_utilization: float = flag(0.3, "--rollout vllm: fraction of GPU memory the "
+                                              "engine may take (on CPU: of host memory)")
     # -- the run
     seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation "
                      "(evaluation: with the problem index)")
@@ -158,6 +164,8 @@ def resolve(ns, error, builtin: bool) -> None:
         (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
         (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
         (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
+        (0 < ns.vllm_gpu_memory_utilization <= 1,
+         "--vllm-gpu-memory-utilization must be in (0, 1]"),
         (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
          "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)"),
         (ns.reward_weights is None or len(ns.reward_weights) == len(ns.reward),
@@ -228,12 +236,6 @@ class TrainArgs(EvalArgs):
     temperature: float = flag(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, "
                               "--eval-temperature)")
     top_p: float = flag(1.0, "nucleus sampling of rollouts")
-    rollout: str = flag("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a "
-                        "colocated vLLM engine per rank, infra/vllm_rollout.py; needs vLLM "
-                        "installed)",
-                        ["hf", "vllm"])
-    vllm_gpu_memory_utilization: float = flag(0.3, "--rollout vllm: fraction of GPU memory the "
-                                              "engine may take (on CPU: of host memory)")
     eval_every: int = flag(20, "evaluate every this many steps (and before the first and after the "
                            "last)")
     max_samples: int = flag(0, "also stop once this many responses were sampled (0: no limit); "
@@ -392,8 +394,6 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
         (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
         (not (ns.lora_r and ns.fsdp),
          "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)"),
-        (0 < ns.vllm_gpu_memory_utilization <= 1,
-         "--vllm-gpu-memory-utilization must be in (0, 1]"),
         (not (ns.lora_r and ns.rollout == "vllm"),
          "--lora-r with --rollout vllm is not supported yet (the engine takes plain weights: merge "
          "the adapters, or use --rollout hf)"),

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import logprobs
+from bench.memory import rollout_of, tiny_qwen
 from infra import lm_head
 from sampler import Rollout
 
@@ -66,28 +67,6 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
         assert torch.allclose(a, b, atol=3e-2 * b.abs().max())
 
 
-def _tiny_qwen(V: int, softcap: float | None = None):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
-    model = Qwen2ForCausalLM(cfg)
-    if softcap:
-        model.config.final_logit_softcapping = softcap
-    return model
-
-
-def _rollout(V: int, n: int, T: int, G: int = 4) -> Rollout:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, V, (n, T), generator=g)
-    lengths = torch.full((n,), T)
-    lengths[0] = T // 2
-    prompts = [torch.randint(2, V, (7,), generator=g).tolist() for _ in range(n // G)]
-    return Rollout.from_lengths(prompts, G, 0, ids, torch.zeros(n, T), lengths,
-                                torch.zeros(n, dtype=torch.bool))
-
-
 class _Storages(TorchDispatchMode):
     """The bytes of every storage an aten op returns (the largest is what the test bounds)."""
 
@@ -109,7 +88,7 @@ def test_the_training_forward_builds_no_vocabulary_sized_logits(shared_prefix, m
     # The fused head's largest storage, forward and backward, is a chunk (27 rows x V, 16 MB) or
     # the head's own gradient (V x 16); the plain head (the fallback, forced here) builds the
     # [n, T, V] logits, so the bound fails without the fusion.
-    model, roll = _tiny_qwen(V_QWEN), _rollout(V_QWEN, 8, 64)
+    model, roll = tiny_qwen(V_QWEN), rollout_of(V_QWEN, 8, 64)
     full = 8 * 64 * V_QWEN * 4
     sizes = {}
     for fused in (True, False):
@@ -130,7 +109,7 @@ def test_the_training_forward_builds_no_vocabulary_sized_logits(shared_prefix, m
 
 def test_the_entropy_has_no_graph_unless_its_bonus_asks(tiny_model):
     # the first pass measures the entropy (with_entropy) and differentiates it only with the bonus
-    roll = _rollout(40, 4, 6)
+    roll = rollout_of(40, 4, 6)
     for grad in (False, True):
         _, ent, _ = logprobs.rollout_logprobs(tiny_model, roll, slice(0, 4), 1.0, True,
                                               entropy_grad=grad)
@@ -143,9 +122,9 @@ def test_a_head_that_cannot_be_fused_falls_back_with_one_warning(monkeypatch):
     # final logit soft-capping transforms the logits after the head: the fused path would skip it,
     # so the plain head runs (one warning, then quiet) and the values are the capped model's
     monkeypatch.setattr(lm_head, "_WARNED", set())
-    model, roll = _tiny_qwen(50, softcap=30.0), _rollout(50, 4, 5)
+    model, roll = tiny_qwen(50, softcap=30.0), rollout_of(50, 4, 5)
     assert "final_logit_softcapping" in lm_head.fusable(model)
-    assert lm_head.fusable(_tiny_qwen(50)) is None
+    assert lm_head.fusable(tiny_qwen(50)) is None
     with pytest.warns(UserWarning, match="not fused") as w:
         a = logprobs.rollout_logprobs(model, roll, slice(0, 4), 1.0)[0]
         b = logprobs.rollout_logprobs(model, roll, slice(0, 4), 1.0)[0]
@@ -162,7 +141,7 @@ def test_the_training_forward_writes_no_kv_cache_it_does_not_read(tiny_model, mo
         calls.append(kw.get("use_cache"))
         return real(self, *a, **kw)
     monkeypatch.setattr(type(tiny_model), "forward", spy)
-    roll = _rollout(40, 4, 6)
+    roll = rollout_of(40, 4, 6)
     logprobs.rollout_logprobs(tiny_model, roll, slice(0, 4), 1.0, shared_prefix=False)
     one = Rollout.from_lengths([[5]], 4, 0, roll.response_ids, roll.logprobs, roll.lengths,
                                roll.truncated)

@@ -122,3 +122,33 @@ def test_final_is_saved_in_the_dtype_the_model_came_in(tmp_path, tiny_run_inputs
     back = AutoModelForCausalLM.from_pretrained(final)
     for (name, p), q in zip(model.state_dict().items(), back.state_dict().values()):
         assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16)), name
+
+
+def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
+    # evaluate.py --rollout vllm: one engine per --model, built from the model's folder with its
+    # context and --max-num-seqs, drawing every response, closed after; a stand-in engine here
+    # (the real one: tests/test_vllm.py) draws with the built-in sampler, so the scores equal the
+    # hf path's
+    import evaluate
+    from infra import vllm_rollout
+    from sampler import sample_groups
+    made = []
+
+    class Engine:
+        def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len):
+            made.append({"path": path, "max_model_len": max_model_len, "calls": 0,
+                         "closed": False, "max_num_seqs": max_num_seqs})
+
+        def sample_groups(self, model, *a, **kw):
+            made[-1]["calls"] += 1
+            return sample_groups(model, *a, **kw)
+
+        def close(self):
+            made[-1]["closed"] = True
+    monkeypatch.setattr(vllm_rollout, "Engine", Engine)
+    argv = ["--model", "builtin", "--eval-size", "8", "--max-num-seqs", "8"]
+    hf = evaluate.main(argv)
+    vllm = evaluate.main([*argv, "--rollout", "vllm"])
+    assert vllm == hf and len(made) == 1
+    assert made[0]["calls"] >= 1 and made[0]["closed"] and made[0]["max_model_len"] == 256
+    assert made[0]["max_num_seqs"] == 8 and made[0]["path"].endswith("base_model")

@@ -1,0 +1,230 @@
+"""GPU memory before renting GPUs: what an update holds at the recipes' shapes, worked out from
+figures measured here at the models' real widths ("Step 4: PPO Loss 计算" as it runs at scale).
+
+Three parts, each from one run (`python -m bench --only memory`):
+1. Measured: one update's peak resident memory on a tiny Qwen2 with Qwen's vocabulary of 151,936,
+   8 responses of 16 and of 512 tokens, the LM head fused with the log-softmax (infra/lm_head.py)
+   and the plain head (the [n, T, V] logits; what main held before), each in a fresh process.
+2. Measured: activation bytes saved for backward per token per decoder layer at the real widths
+   of Qwen2.5-0.5B / 1.5B / 7B (two layers, a small vocabulary: the figure does not depend on it),
+   under bf16 autocast, without and with gradient checkpointing (saved tensors counted exactly by
+   torch.autograd.graph.saved_tensors_hooks, not read off a noisy RSS).
+3. The model: per GPU, the training state (float32 weights, gradients and AdamW moments; under
+   --fsdp divided by the ranks, plus the root's gathered embeddings and head and two layers in
+   flight), the activations of one micro-batch (--micro-batch-tokens positions x layers x part 2's
+   figure), the head's chunks, and in the rollout phase the engine's share; for each GPU recipe of
+   the README and docs/real-models.md. Only a GPU confirms it: tests/test_gpu.py's memory check
+   compares a bf16 step at 7B widths (few layers) with it.
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.common import RSS_READABLE, in_fresh_process, rss_peak
+from sampler import Rollout
+
+V_QWEN = 151_936
+GIB = 2**30
+# Qwen2.5 shapes from their config.json: layers, hidden, intermediate, heads, KV heads, params,
+# tied embeddings, max_position_embeddings
+SHAPES = {
+    "Qwen2.5-0.5B": dict(layers=24, hidden=896, inter=4864, heads=14, kv=2, params=0.49e9,
+                         tied=True),
+    "Qwen2.5-1.5B": dict(layers=28, hidden=1536, inter=8960, heads=12, kv=2, params=1.54e9,
+                         tied=True),
+    "Qwen2.5-7B": dict(layers=28, hidden=3584, inter=18944, heads=28, kv=4, params=7.62e9,
+                       tied=False),
+}
+# the GPU recipes the docs hand a user: (where, model, GPUs, fsdp, checkpointing, --micro-batch-
+# tokens, prompt + response positions of the longest row, beta > 0, engine fraction of 80 GB,
+# --micro-batch-size)
+RECIPES = [
+    ("README, 8 GPUs DDP", "Qwen2.5-0.5B", 8, False, False, 8192, 512 + 1024, True, 0.0, 64),
+    ("README, --fsdp --gradient-checkpointing", "Qwen2.5-7B", 8, True, True, 8192, 512 + 1024,
+     True, 0.0, 64),
+    ("GRPO on one GPU at the defaults", "Qwen2.5-1.5B", 1, False, False, 8192, 512 + 1024, True,
+     0.0, 64),
+    ("real-models.md GSM8K, vLLM", "Qwen2.5-1.5B", 8, False, False, 8192, 256 + 1024, False, 0.3,
+     16),
+    ("real-models.md DAPO-Math, vLLM", "Qwen2.5-7B", 8, True, True, 8192, 512 + 20480, False,
+     0.3, 4),
+]
+PLAIN_HEAD = 1.95  # part 1: the plain head's extra peak, in float32 [n, T, V] tensors (measured)
+
+
+def tiny_qwen(V: int, softcap: float | None = None):
+    """A 2-layer Qwen2 of hidden 16 with a vocabulary of V (Qwen's: 151,936), untied head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    model = Qwen2ForCausalLM(cfg)
+    if softcap:
+        model.config.final_logit_softcapping = softcap
+    return model
+
+
+def rollout_of(V: int, n: int, T: int, G: int = 4) -> Rollout:
+    """n random responses of T tokens (the first T // 2) to n // G prompts of 7 tokens."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, V, (n, T), generator=g)
+    lengths = torch.full((n,), T)
+    lengths[0] = T // 2
+    prompts = [torch.randint(2, V, (7,), generator=g).tolist() for _ in range(n // G)]
+    return Rollout.from_lengths(prompts, G, 0, ids, torch.zeros(n, T), lengths,
+                                torch.zeros(n, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. one update's peak, fused head vs plain
+# ---------------------------------------------------------------------------------------------
+
+def update_child(T: int, fused: bool) -> None:
+    """In a fresh process: prints the peak RSS bytes of one update_policy (first epoch: the entropy
+    measured too) on 8 responses of T tokens, after a warm-up update at 8 tokens."""
+    import contextlib as cl
+    from types import SimpleNamespace
+
+    import update
+    from infra import lm_head, parallel
+    torch.set_num_threads(1)
+    if not fused:
+        lm_head.fusable = lambda model: "bench: the plain head"
+    model = tiny_qwen(V_QWEN)
+    args = SimpleNamespace(micro_batch_size=8, micro_batch_tokens=10**6, mini_batches=1, mu=1,
+                           temperature=1.0, reduction="token", loss="ppo", fsdp=False,
+                           gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                           kl="k3", grad_clip=1.0)
+    learner = update.Learner(model, model, None, torch.optim.AdamW(model.parameters()),
+                             cl.nullcontext)
+
+    def step(roll):
+        roll.index = torch.arange(roll.num_groups).repeat_interleave(roll.G)
+        update.update_policy(learner, roll, torch.randn(8), roll.mask, args,
+                             parallel.Dist("cpu"))
+    import warnings
+    warnings.simplefilter("ignore")
+    step(rollout_of(V_QWEN, 8, 8))                                   # AdamW state, kernels warm
+    roll = rollout_of(V_QWEN, 8, T)
+    print(rss_peak(lambda: step(roll)))
+
+
+def measured_update() -> None:
+    if not RSS_READABLE:
+        print("  (not measured: the peak is read from Linux's /proc/self)")
+        return
+    one = 8 * 512 * V_QWEN * 4
+    print(f"\n## 1. One update's peak above its start: tiny Qwen2 (hidden 16, 2 layers), V = "
+          f"{V_QWEN:,}, 8 responses, one micro-batch; one float32 [8, 512, V] = "
+          f"{one / GIB:.2f} GiB")
+    print(f"{'head':28s}{'16 tokens':>12s}{'512 tokens':>12s}{'512 - 16':>12s}{'x [8,512,V]':>13s}")
+    for fused in (False, True):
+        peaks = [in_fresh_process(f"from bench import memory as b; b.update_child({T}, {fused})")
+                 for T in (16, 512)]
+        extra = peaks[1] - peaks[0]
+        print(f"{'fused (infra/lm_head.py)' if fused else 'plain ([n, T, V] logits)':28s}"
+              f"{peaks[0] / GIB:>10.2f} G{peaks[1] / GIB:>10.2f} G{extra / GIB:>10.2f} G"
+              f"{extra / one:>12.2f}x")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. activations per token per layer at real widths
+# ---------------------------------------------------------------------------------------------
+
+def saved_bytes(shape: dict, layers: int, T: int, checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in one forward of a Qwen2 of `shape`'s widths with
+    `layers` layers and a 1,000-token vocabulary over T tokens, under bf16 autocast (storages
+    counted once)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from infra import parallel
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=shape["hidden"],
+                      intermediate_size=shape["inter"], num_hidden_layers=layers,
+                      num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
+                      max_position_embeddings=4096, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(cfg)
+    if checkpointing:
+        parallel.checkpoint_activations(model)
+    model.train()
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    ids = torch.randint(0, 1000, (1, T))
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          torch.autocast("cpu", torch.bfloat16)):
+        model(input_ids=ids, use_cache=False, logits_to_keep=1).logits.sum()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(b for ptr, b in seen.items() if ptr not in params)
+
+
+def per_token_layer(shape: dict, checkpointing: bool, T1: int = 32, T2: int = 96) -> float:
+    """Bytes per token per decoder layer: what one more layer saves, at T2 tokens less at T1, over
+    T2 - T1 (the differences cancel what does not grow with tokens: autocast's bf16 copies of the
+    weights, which a layer also saves, and the embedding's)."""
+    layer = [saved_bytes(shape, 2, T, checkpointing) - saved_bytes(shape, 1, T, checkpointing)
+             for T in (T1, T2)]
+    return (layer[1] - layer[0]) / (T2 - T1)
+
+
+def measured_activations() -> dict:
+    print("\n## 2. Activations saved for backward, per token per decoder layer, bf16 autocast "
+          "(2 layers minus 1, 96 tokens minus 32)")
+    print(f"{'model widths':16s}{'plain':>12s}{'checkpointed':>14s}")
+    out = {}
+    for name, shape in SHAPES.items():
+        out[name] = (per_token_layer(shape, False), per_token_layer(shape, True))
+        print(f"{name:16s}{out[name][0] / 1024:>9.0f} KiB{out[name][1] / 1024:>11.1f} KiB")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the model
+# ---------------------------------------------------------------------------------------------
+
+def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, checkpointing: bool,
+            tokens: int, row: int, beta: bool, engine: float, gpu_gb: float = 80.0,
+            chunk_bytes: int = 4 * 2**26, before: int = 0) -> dict:
+    """GiB per GPU by part, and the peaks of the update and the rollout phases. before=m: as the
+    update ran before the fused head and the token budget, m responses per micro-batch padded to
+    the longest row (`row`, its response all but 512 prompt positions) with the plain head's
+    PLAIN_HEAD float32 [m, T, V] logits."""
+    P, L, H = shape["params"], shape["layers"], shape["hidden"]
+    head = V_QWEN * H * (1 if shape["tied"] else 2)           # embedding (+ untied head) params
+    share = world if fsdp else 1
+    states = P * (4 + 4 + 8) / share + (P * 4 / share if beta else 0)  # weights, grads, AdamW, ref
+    states += 0 if fsdp else P * 2                   # --bf16 autocast's bf16 copies of the weights
+    gathered = (head * 4 * 2 + 2 * (P - head) / L * 4) if fsdp else 0  # root + grads, 2 layers
+    positions = max(tokens, row)                     # a row longer than the budget runs alone
+    plain, ckpt = act
+    if before:
+        positions = before * row
+    acts = positions * (L * ckpt + plain) if checkpointing else positions * L * plain
+    head_bytes = PLAIN_HEAD * before * (row - 512) * V_QWEN * 4 if before else 4 * chunk_bytes
+    update_peak = states + gathered + acts + head_bytes
+    rollout_peak = P * (4 + 8) / share + (P * 4 / share if beta else 0) + engine * gpu_gb * GIB
+    if not engine:                                   # the built-in sampler on gathered weights
+        rollout_peak += (P * 2 if fsdp else 0) + 8 * GIB      # bf16 gather, --kv-cache-gb
+    return dict(states=states / GIB, gathered=gathered / GIB, acts=acts / GIB,
+                update=update_peak / GIB, rollout=rollout_peak / GIB)
+
+
+def recipe_table(acts: dict) -> None:
+    print("\n## 3. Per GPU (80 GB) at each recipe's settings, GiB (the model above)")
+    print("| recipe | model | state | FSDP gathers | activations | update peak | rollout peak "
+          "| update peak before |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for where, name, world, fsdp, ckpt, tokens, row, beta, engine, size in RECIPES:
+        shape, act = SHAPES[name], acts[name]
+        m = per_gpu(shape, act, world, fsdp, ckpt, tokens, row, beta, engine)
+        old = per_gpu(shape, act, world, fsdp, ckpt, tokens, row, beta, engine, before=size)
+        print(f"| {where} | {name} | {m['states']:.1f} | {m['gathered']:.1f} | {m['acts']:.1f} | "
+              f"{m['update']:.1f} | {m['rollout']:.1f} | {old['update']:.0f} |")
+
+
+def bench_memory(device: str, repeats: int) -> None:
+    measured_update()
+    recipe_table(measured_activations())
