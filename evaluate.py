@@ -173,7 +173,7 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
         reward_fn = data.Reward.load(args.reward, args.reward_weights)
     reward_fn = data.as_reward(reward_fn)
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
-                                  args.chat_template)
+                                  args.chat_template, args.max_prompt_tokens)
     eos = models.end_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     mine = list(range(ranks.rank, len(rows), ranks.world))

@@ -304,7 +304,8 @@ class PromptFormatter:
     """
 
     def __init__(self, tokenizer, template: str = "{prompt}", system: str | None = None,
-                 chat: bool = True):
+                 chat: bool = True, max_tokens: int = 0):
+        self.max_tokens, self.cut = max_tokens, 0       # --max-prompt-tokens; prompts cut so far
         if "{prompt}" not in template:
             raise InputError(f"--prompt-template must contain {{prompt}}, got {template!r}")
         self.tokenizer, self.template, self.system = tokenizer, template, system
@@ -314,6 +315,20 @@ class PromptFormatter:
             if not chat else "the tokenizer has no chat template to render a list of messages with")
 
     def __call__(self, prompt: str | list[dict]) -> list[int]:
+        """The prompt's token ids; with max_tokens, a longer one keeps its last max_tokens (as TRL's
+        max_prompt_length cuts: the question's end and the chat's generation prompt stay), said
+        on the first cut."""
+        ids = self._encode(prompt)
+        if self.max_tokens and len(ids) > self.max_tokens:
+            if not self.cut:
+                say_line(f"--max-prompt-tokens {self.max_tokens}: a prompt of {len(ids)} tokens "
+                         f"keeps its last {self.max_tokens} (the first one cut; none is "
+                         f"dropped, later cuts are not said)")
+            self.cut += 1
+            ids = ids[-self.max_tokens:]
+        return ids
+
+    def _encode(self, prompt: str | list[dict]) -> list[int]:
         if isinstance(prompt, list):
             if not self.chat:
                 raise InputError(f"a prompt is a list of chat messages: {self.why_not}")

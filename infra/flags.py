@@ -65,6 +65,9 @@ class EvalArgs:
     # -- how much
     max_new_tokens: int | None = flag(None, "longest response, L_max (default: 40 builtin, 1024 "
                                       "otherwise)")
+    max_prompt_tokens: int = flag(0, "a longer prompt keeps its last N tokens (TRL's "
+                                  "max_prompt_length; 0: no limit, the model's context is checked "
+                                  "either way)")
     max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; "
                                     "continuous batching): the KV cache holds N x (P + T) "
                                     "positions (default: as many as --kv-cache-gb holds)")
@@ -159,6 +162,7 @@ def resolve(ns, error, builtin: bool) -> None:
     checks = [  # (holds, the one-line error if not)
         (ns.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         (ns.eval_size >= 1, "--eval-size must be >= 1"),
+        (ns.max_prompt_tokens >= 0, "--max-prompt-tokens must be >= 0 (0: no limit)"),
         ("{prompt}" in ns.prompt_template, "--prompt-template needs {prompt}"),
         (ns.eval_samples >= 1, "--eval-samples must be >= 1"),
         (ns.eval_temperature > 0, "--eval-temperature must be > 0"),

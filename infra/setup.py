@@ -173,7 +173,7 @@ def make_task(args: flags.TrainArgs, tokenizer, model, train_rows: list[dict],
     """The prompts' encoding (checked on every row now: messages need a chat template), the end
     ids and pad, the decoding of a response, the reward; Step 1 on sampler.py."""
     encode = data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
-                                  args.chat_template)
+                                  args.chat_template, args.max_prompt_tokens)
     encode.check(train_rows, f"--data {args.data}")
     encode.check(eval_rows, f"--eval-data {args.eval_data}")
     eos = models.end_ids(tokenizer, model)

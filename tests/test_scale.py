@@ -152,3 +152,23 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     assert vllm == hf and len(made) == 1
     assert made[0]["calls"] >= 1 and made[0]["closed"] and made[0]["max_model_len"] == 256
     assert made[0]["max_num_seqs"] == 8 and made[0]["path"].endswith("base_model")
+
+
+def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys, monkeypatch):
+    # TRL's max_prompt_length: the end of the prompt (the question and the generation prompt)
+    # stays; said on the first cut; the flag reaches both commands' encoders
+    import evaluate
+    from infra import builtin, data
+    tok = builtin.make_tokenizer()
+    fmt = data.PromptFormatter(tok, max_tokens=5)
+    full = data.PromptFormatter(tok)("2x + 3 = 11")
+    assert fmt("2x + 3 = 11") == full[-5:] and fmt("1") == data.PromptFormatter(tok)("1")
+    fmt("4x + 3 = 11")
+    err = capsys.readouterr().err
+    assert err.count("--max-prompt-tokens 5") == 1 and fmt.cut == 2
+    seen = []
+    real = data.PromptFormatter.__call__
+    monkeypatch.setattr(data.PromptFormatter, "__call__",
+                        lambda self, p: seen.append(self.max_tokens) or real(self, p))
+    evaluate.main(["--eval-size", "2", "--max-prompt-tokens", "7"])
+    assert seen and set(seen) == {7}
