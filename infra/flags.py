@@ -398,9 +398,6 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
         (ns.lora_alpha > 0 or not ns.lora_r, "--lora-alpha must be > 0"),
         (not (ns.lora_r and ns.fsdp),
          "--lora-r with --fsdp is not supported (the adapters' state is small: use DDP)"),
-        (not (ns.lora_r and ns.rollout == "vllm"),
-         "--lora-r with --rollout vllm is not supported yet (the engine takes plain weights: merge "
-         "the adapters, or use --rollout hf)"),
     ]
     for ok, msg in checks:
         if not ok:

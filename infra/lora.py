@@ -84,6 +84,11 @@ def adapters_off(model):
             m.enable_adapters(True)
 
 
+def has_adapters(model) -> bool:
+    """Whether --lora-r's adapters are in the model (peft is then installed)."""
+    return any(".lora_" in n for n, _ in model.named_parameters())
+
+
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The base model's state dict with each adapted weight replaced by W + (alpha / r) B A: what
     AutoModelForCausalLM loads as a plain model. The model itself is left as it is."""

@@ -34,6 +34,7 @@ import os
 import torch
 
 import sampler
+from infra import lora
 from infra.errors import InputError
 from sampler import Rollout
 
@@ -140,8 +141,12 @@ class Engine:
             # engine wakes into what PyTorch's caching allocator still holds
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": full_weights(model, self.dtype)})
+        if lora.has_adapters(model):              # --lora-r: the merged weights, as TRL pushes
+            merged = lora.merged_state_dict(model)
+            weights = ((n, t.detach().to(self.dtype)) for n, t in merged.items())
+        else:
+            weights = full_weights(model, self.dtype)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

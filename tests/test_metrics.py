@@ -436,8 +436,6 @@ def test_lora_flags_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, monkey
     import train
     run = [*tiny_flags(tiny_run_inputs, tmp_path / "run"), "--steps", "1"]
     for extra, message in ((["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp is not supported"),
-                           (["--lora-r", "4", "--rollout", "vllm"],
-                            "--lora-r with --rollout vllm is not supported"),
                            (["--lora-r", "-1"], "--lora-r must be >= 0"),
                            (["--lora-r", "4", "--lora-target-modules", "wq,wk"],
                             "--lora-target-modules wq,wk: ")):

@@ -293,3 +293,28 @@ def test_vllm_dapo_runs_agree_on_one_rank_and_two_fsdp_ranks(vllm_env, vllm_mode
     start = weights_of(vllm_model[0])
     # the steps moved the weights
     assert max((start[k] - w1[k]).abs().max().item() for k in w1) > 1e-2
+
+
+def test_engine_takes_the_merged_weights_of_a_lora_policy():
+    # --lora-r with --rollout vllm (refused before; the adapters never reaching the engine is
+    # verl#7495): the engine gets the plain model's names with W + alpha / r B A, as TRL pushes
+    pytest.importorskip("peft")
+    from infra import lora, vllm_rollout
+    model = tiny("qwen2", torch.float32)
+    names = list(model.state_dict())
+    lora.add_adapters(model, 4, 8.0, "q_proj,v_proj", "tiny")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()                                   # B != 0: the delta shows
+    engine = object.__new__(vllm_rollout.Engine)
+    engine.llm, engine.cuda, engine.dtype, engine.asleep = (_RecordingLLM(), False, torch.float32,
+                                                            False)
+    pushed = {}
+    engine.llm.collective_rpc = lambda method, kwargs: pushed.update(kwargs["weights_iterator"])
+    engine.push(model)
+    merged = lora.merged_state_dict(model)
+    assert list(pushed) == names and all(torch.equal(pushed[n], merged[n]) for n in names)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(pushed[q], model.state_dict()[q.replace(".weight",
+                                                                   ".base_layer.weight")])
