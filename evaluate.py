@@ -33,7 +33,7 @@ import torch
 import verifier
 from infra import data, flags, models, vllm_rollout
 from infra.errors import USER_ERRORS
-from infra.rollout import check_context, context_limit, sample_rollout
+from infra.rollout import check_context, sample_rollout
 
 EVAL_BATCH = 128  # responses sampled at once (problems per batch: EVAL_BATCH // n, at least 1)
 
@@ -215,9 +215,7 @@ def main(argv=None) -> list[tuple[str, dict]]:
             engine = None
             if args.rollout == "vllm":           # the model's own engine, its weights from disk
                 check_context(model, [[0]], args.max_new_tokens)
-                engine = vllm_rollout.Engine(path, args.device, args.bf16, args.seed,
-                                             args.vllm_gpu_memory_utilization, args.max_num_seqs,
-                                             context_limit(model)[0])
+                engine = vllm_rollout.engine_for(path, model, args, args.device)
             try:
                 m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
                                             OneProcess(), reward_fn,

@@ -138,17 +138,14 @@ def fused_head(model, ids: torch.Tensor, temperature: float, want_entropy: bool,
                entropy_grad: bool):
     """For the calls in the block, the model's output layer returns [n, T, 2] (log-prob of ids
     [n, T] under softmax(logits / temperature), its entropy (zeros unless want_entropy)) in place of
-    the logits; the entropy has a gradient only with entropy_grad. Set `.ids` on the yielded object
-    to change the ids between calls."""
+    the logits; the entropy has a gradient only with entropy_grad."""
     head = output_layer(model)
-    state = type("FusedIds", (), {})()
-    state.ids = ids
 
     def forward(hidden):                                                     # [n, T, H]
-        return _FusedHead.apply(hidden, head.weight, head.bias, state.ids.to(hidden.device),
+        return _FusedHead.apply(hidden, head.weight, head.bias, ids.to(hidden.device),
                                 1.0 / temperature, want_entropy, entropy_grad)
     head.forward = forward                               # an instance attribute, removed after
     try:
-        yield state
+        yield
     finally:
         del head.forward

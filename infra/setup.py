@@ -200,9 +200,7 @@ def start_engine(args: flags.TrainArgs, path: str, model, ranks: parallel.Dist):
     None."""
     if args.rollout != "vllm":
         return None
-    return vllm_rollout.Engine(path, ranks.device, args.bf16, args.seed,
-                               args.vllm_gpu_memory_utilization, args.max_num_seqs,
-                               rollout.context_limit(model)[0])
+    return vllm_rollout.engine_for(path, model, args, ranks.device)
 
 
 def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):

@@ -62,6 +62,15 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype):
         yield name, t.detach().to(dtype)
 
 
+def engine_for(path: str, model, args, device: str) -> Engine:
+    """--rollout vllm's engine for the model loaded from `path` (train.py's set-up, evaluate.py per
+    --model): the run's --bf16, --seed, --vllm-gpu-memory-utilization and --max-num-seqs, and the
+    model's context as max_model_len."""
+    from infra.rollout import context_limit
+    return Engine(path, device, args.bf16, args.seed, args.vllm_gpu_memory_utilization,
+                  args.max_num_seqs, context_limit(model)[0])
+
+
 class Engine:
     """A colocated vLLM engine sampling for this rank; built from the model
     folder the run starts from."""
