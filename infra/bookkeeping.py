@@ -77,7 +77,8 @@ def save_checkpoint(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state
     if args.fsdp:
         checkpoint.save_sharded(s.ckpt_path, s.model, s.learner.opt, s.sched, state, ranks)
     elif ranks.master:
-        checkpoint.save(s.ckpt_path, s.model, s.learner.opt, s.sched, state)
+        checkpoint.save(s.ckpt_path, s.model, s.learner.opt, s.sched,
+                        {**state, "world_size": ranks.world})
 
 
 def show_progress(s: Setup, bar, row: dict, acc: float | None) -> None:

@@ -19,7 +19,8 @@ OUT/checkpoint/latest, so a crash at any point leaves `latest` naming a complete
 tensors go through DCP (its loader unpickles anything else with weights_only=False); the rest
 (optimizer hyperparameters, scheduler, step, data position) is one small torch.save file, and each
 rank's RNG states another, both read back with weights_only=True. `load_sharded` reads the shards
-into the model's and optimizer's own sharded tensors, so a checkpoint is never gathered on one rank.
+into the model's and optimizer's own sharded tensors, so a checkpoint is never gathered on one rank,
+and DCP reshards them: a run saved on N ranks resumes on any other number (`rank_for_rng`).
 
 One run per output folder: `lock_folder` holds an flock on OUT/.lock for the whole run, so a second
 run (a double launch, a --resume while the first still runs) stops at once instead of writing into a
@@ -267,16 +268,28 @@ def save_sharded(folder: str, model, opt, sched, state: dict, ranks) -> None:
     ranks.barrier()                                        # every rank's files are written
     if ranks.master:
         _fsync_tree(tmp)
-        previous = latest(folder)
         # a same-step save that never became `latest`
         if os.path.isdir(target):
             shutil.rmtree(target)
         os.rename(tmp, target)
         with atomic(os.path.join(folder, "latest")) as tmp_latest, open(tmp_latest, "w") as fh:
             fh.write(name)
-        if previous and os.path.abspath(previous) != os.path.abspath(target):
-            shutil.rmtree(previous, ignore_errors=True)
+        # the previous checkpoint, and what a save killed half way left (a step-N.tmp, a step-N
+        # that never became `latest`, one cut by a kill in this rmtree)
+        for entry in os.listdir(folder):
+            if entry.startswith("step-") and entry != name:
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
     ranks.barrier()
+
+
+def rank_for_rng(rank: int, saved_world: int) -> int:
+    """Whose saved RNG states rank `rank` takes when the checkpoint was written by `saved_world`
+    ranks: its own where that rank saved, else rank `rank mod saved_world`'s. The run itself draws
+    from no global RNG (each prompt's responses come from its own generator, data.prompt_generator,
+    and the denominators are global), so a run resumed on another rank count is the unbroken run up
+    to the 1-vs-N-ranks reduction order; only a --reward that draws from torch's or Python's global
+    RNG sees other draws."""
+    return rank % saved_world
 
 
 def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
@@ -289,10 +302,9 @@ def load_sharded(folder: str, model, opt, sched, ranks) -> dict:
         raise CheckpointError(f"{folder}: no sharded checkpoint (no 'latest' file)")
     try:
         meta = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
-        if meta["world_size"] != ranks.world:
-            raise ValueError(f"saved by {meta['world_size']} ranks, resumed on {ranks.world}: the "
-                             f"RNG states are per rank")
-        rng = torch.load(os.path.join(path, f"rng-rank{ranks.rank}.pt"), map_location="cpu",
+        # another rank count: rank r takes saved rank r mod W's global RNG (see rank_for_rng)
+        saver = rank_for_rng(ranks.rank, meta["world_size"])
+        rng = torch.load(os.path.join(path, f"rng-rank{saver}.pt"), map_location="cpu",
                          weights_only=True)["rng"]
         tensors = {}
         # the tensors to read into, sharded as this run shards

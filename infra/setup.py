@@ -225,6 +225,12 @@ def resume_state(args: flags.TrainArgs, ckpt_path: str, model, learner: update.L
         ckpt = checkpoint.load_sharded(ckpt_path, model, learner.opt, sched, ranks)
     else:
         ckpt = checkpoint.load(ckpt_path, model, learner.opt, sched)
+    saved_world = ckpt.get("world_size", ranks.world)
+    if saved_world != ranks.world and ranks.master:
+        print(f"note: the checkpoint was saved by {saved_world} ranks, resumed on {ranks.world}: "
+              f"the same run up to reduction order (data, sampling and denominators do not depend "
+              f"on the rank count; a --reward drawing from a global RNG draws other numbers)",
+              file=sys.stderr)
     return {k: ckpt[k] for k in state}
 
 

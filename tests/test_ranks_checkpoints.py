@@ -102,38 +102,46 @@ def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
     assert parallel.wrap(model, parallel.Dist("cpu"), fsdp=False) is model
 
 
+def _fsdp_llama(ranks):
+    """A 2-layer Llama sharded by FSDP2 over `ranks`, its AdamW and a decaying lr schedule."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infra import parallel
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = parallel.wrap(LlamaForCausalLM(cfg), ranks, fsdp=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+
+def train_step(model, opt, sched):
+    model(input_ids=torch.arange(1, 9)[None]).logits.square().mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def snapshot(model, opt):
+    """The full (gathered) weights and AdamW moments of a sharded model."""
+    return ({k: v.full_tensor().clone() for k, v in model.state_dict().items()},
+            [t.full_tensor().clone() for s in opt.state.values()
+             for t in (s["exp_avg"], s["exp_avg_sq"])])
+
+
 def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp_path, monkeypatch):
     # FSDP2 over a one-rank gloo group in this process. `unsharded` leaves the layers sharded again,
     # and freeing their weights after each forward. Checkpoints: save step 1, crash in the middle of
     # saving step 2, and load: `latest` still names step 1, whose weights, AdamW moments and
     # scheduler come back
     import torch.distributed.checkpoint as dcp
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from infra import parallel
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     ranks = parallel.Dist("cpu", fsdp=True)
     try:
-        def fresh():
-            torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-            model = parallel.wrap(LlamaForCausalLM(cfg), ranks, fsdp=True)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-
-        def train_step(model, opt, sched):
-            model(input_ids=torch.arange(1, 9)[None]).logits.square().mean().backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-
-        def snapshot(model, opt):
-            return ({k: v.full_tensor().clone() for k, v in model.state_dict().items()},
-                    [t.full_tensor().clone() for s in opt.state.values()
-                     for t in (s["exp_avg"], s["exp_avg_sq"])])
-
+        fresh = lambda: _fsdp_llama(ranks)  # noqa: E731
         model, opt, sched = fresh()
         layer = model.model.layers[0].self_attn.q_proj
         sharded = lambda: type(layer.weight).__name__ == "DTensor"  # noqa: E731 - the registered parameter is the shard
@@ -174,6 +182,80 @@ def test_fsdp_in_one_process_gathers_for_rollouts_and_checkpoints_atomically(tmp
         checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8}, ranks)
         # replaces the old one
         assert sorted(os.listdir(folder)) == ["latest", "step-000002"]
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+def test_a_kill_at_any_point_of_a_sharded_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch):
+    """An --fsdp save interrupted at each of its file operations in turn (DCP's shard writes, the
+    RNG and state files, the fsyncs, the renames, `latest`'s replacement, the old checkpoint's
+    removal, each cut half way where it writes or removes several files): `latest` names a whole
+    checkpoint, step 1's or step 2's, whose weights and AdamW moments load back exactly, and the
+    next save leaves only itself. Stops once a save runs to the end without reaching the kill."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from infra import parallel
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    ranks = parallel.Dist("cpu", fsdp=True)
+    calls = {"n": 0, "kill_at": -1}
+
+    def killable(real, partial=None):
+        def op(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == calls["kill_at"]:
+                if partial:
+                    partial(real, *a, **kw)
+                raise KeyboardInterrupt("killed")
+            return real(*a, **kw)
+        return op
+
+    def half_of_the_shards(real, state, checkpoint_id):
+        real(dict(list(state.items())[: len(state) // 2]), checkpoint_id=checkpoint_id)
+
+    def one_file_of_the_tree(real, path, *a, **kw):
+        files = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        if files:
+            os.remove(os.path.join(path, files[0]))
+    try:
+        model, opt, sched = _fsdp_llama(ranks)
+        for kill_at in range(1, 100):
+            folder = str(tmp_path / f"k{kill_at}" / "checkpoint")
+            train_step(model, opt, sched)
+            checkpoint.save_sharded(folder, model, opt, sched, {"step": 1, "data_pos": 4}, ranks)
+            saved = {1: snapshot(model, opt)}
+            train_step(model, opt, sched)
+            saved[2] = snapshot(model, opt)
+            calls.update(n=0, kill_at=kill_at)
+            with monkeypatch.context() as m:
+                m.setattr(dcp, "save", killable(dcp.save, half_of_the_shards))
+                m.setattr(torch, "save", killable(torch.save))
+                for name in ("rename", "replace"):
+                    m.setattr(os, name, killable(getattr(os, name)))
+                m.setattr(shutil, "rmtree", killable(shutil.rmtree, one_file_of_the_tree))
+                m.setattr(checkpoint, "_fsync_tree", killable(checkpoint._fsync_tree))
+                try:
+                    checkpoint.save_sharded(folder, model, opt, sched, {"step": 2, "data_pos": 8},
+                                            ranks)
+                    killed = False
+                except (KeyboardInterrupt, CheckpointException):  # DCP wraps what its writes raise
+                    killed = True
+            model2, opt2, sched2 = _fsdp_llama(ranks)
+            step = checkpoint.load_sharded(folder, model2, opt2, sched2, ranks)["step"]
+            (w, mom), (w2, mom2) = saved[step], snapshot(model2, opt2)
+            assert (all(torch.equal(w[k], w2[k]) for k in w)
+                    and all(torch.equal(a, b) for a, b in zip(mom, mom2))), (kill_at, step)
+            assert killed or step == 2
+            checkpoint.save_sharded(folder, model, opt, sched, {"step": 3, "data_pos": 12}, ranks)
+            assert sorted(os.listdir(folder)) == ["latest", "step-000003"], kill_at
+            if not killed:
+                break
+        print(f"a sharded save interrupted at each of its {kill_at - 1} file operations")
+        assert not killed and kill_at > 6   # every operation of the save was a kill point once
     finally:
         ranks.close()
 
