@@ -215,7 +215,9 @@ def main(argv=None) -> list[tuple[str, dict]]:
             engine = None
             if args.rollout == "vllm":           # the model's own engine, its weights from disk
                 check_context(model, [[0]], args.max_new_tokens)
-                engine = vllm_rollout.engine_for(path, model, args, args.device)
+                engine = vllm_rollout.engine_for(  # beside the model's weights alone
+                    path, model, args, args.device,
+                    vllm_rollout.trainer_resident_bytes(model, optimizer=False))
             try:
                 m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
                                             OneProcess(), reward_fn,

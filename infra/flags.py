@@ -85,8 +85,11 @@ class EvalArgs:
                         "colocated vLLM engine per rank, in evaluate.py one per model, "
                         "infra/vllm_rollout.py; needs vLLM installed)",
                         ["hf", "vllm"])
-    vllm_gpu_memory_utilization: float = flag(0.3, "--rollout vllm: fraction of GPU memory the "
-                                              "engine may take (on CPU: of host memory)")
+    vllm_gpu_memory_utilization: float | None = flag(
+        None, "--rollout vllm: fraction of GPU memory the engine may take for its weights and KV "
+        "cache (default: on CUDA what the trainer leaves while it samples, the GPU less the "
+        "weights, AdamW and reference it keeps there and a 10%% margin, "
+        "vllm_rollout.default_memory_utilization; on CPU 0.3 of host memory)")
     # -- the run
     seed: int = flag(0, "seeds the data order, the sampling and the model's initialisation "
                      "(evaluation: with the problem index)")
@@ -168,7 +171,7 @@ def resolve(ns, error, builtin: bool) -> None:
         (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
         (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
         (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
-        (0 < ns.vllm_gpu_memory_utilization <= 1,
+        (ns.vllm_gpu_memory_utilization is None or 0 < ns.vllm_gpu_memory_utilization <= 1,
          "--vllm-gpu-memory-utilization must be in (0, 1]"),
         (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
          "--max-num-seqs must be >= --eval-samples (a problem's samples decode together)"),
@@ -290,6 +293,11 @@ class TrainArgs(EvalArgs):
                    "(DeepSeekMath)", ["k1", "k2", "k3"])
     entropy_coef: float = flag(0.0, "subtract this times the mean token entropy from the loss (0: "
                                "off)")
+    vllm_tensor_parallel_size: int = flag(1, "--rollout vllm: ranks per engine (vLLM's "
+                                          "tensor_parallel_size): each group of this many "
+                                          "consecutive ranks shares one engine, sharded across "
+                                          "them, and samples the group's prompts together; "
+                                          "must divide the number of ranks")
     tis_cap: float | None = flag(None, "truncated importance sampling: each token's loss times "
                                  "min(pi_old / pi_sampler, C) (0: off; default: 2 with --rollout "
                                  "vllm, as TRL and verl, else 0)")
@@ -342,7 +350,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)
 MINIMUMS = dict(steps=0, prompts_per_step=1, mu=1, mini_batches=1, micro_batch_size=1,  # --x >= v
-                micro_batch_tokens=1, dist_timeout_min=1e-3,
+                micro_batch_tokens=1, dist_timeout_min=1e-3, vllm_tensor_parallel_size=1,
                 max_rounds=1, eval_every=1, save_every=0, max_samples=0, log_completions=0)
 LORA_LR_SCALE = 10.0  # --lora-r: the default learning rate times this
 VLLM_TIS_CAP = 2.0  # --tis-cap's default with --rollout vllm (as TRL and verl)
@@ -380,6 +388,8 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
          "--group-size must be >= 2 (advantages compare answers within a group)"),
         (ns.max_num_seqs is None or ns.max_num_seqs >= ns.group_size,
          "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
+        (ns.vllm_tensor_parallel_size == 1 or ns.rollout == "vllm",
+         "--vllm-tensor-parallel-size is for --rollout vllm"),
         (not (ns.compile and ns.rollout == "vllm"),
          "--compile is for --rollout hf (sampler.py's decode; a vLLM engine compiles its own)"),
         *((getattr(ns, k) >= v, f"--{k.replace('_', '-')} must be >= {v}")

@@ -200,7 +200,10 @@ def start_engine(args: flags.TrainArgs, path: str, model, ranks: parallel.Dist):
     None."""
     if args.rollout != "vllm":
         return None
-    return vllm_rollout.engine_for(path, model, args, ranks.device)
+    resident = vllm_rollout.trainer_resident_bytes(
+        model, ranks.world if args.fsdp else 1, reference=args.beta > 0 and not args.lora_r)
+    return vllm_rollout.engine_for(path, model, args, ranks.device, resident,
+                                   args.vllm_tensor_parallel_size)
 
 
 def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):

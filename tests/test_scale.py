@@ -135,9 +135,9 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     made = []
 
     class Engine:
-        def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len):
+        def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len, tp):
             made.append({"path": path, "max_model_len": max_model_len, "calls": 0,
-                         "closed": False, "max_num_seqs": max_num_seqs})
+                         "closed": False, "max_num_seqs": max_num_seqs, "util": util, "tp": tp})
 
         def sample_groups(self, model, *a, **kw):
             made[-1]["calls"] += 1
@@ -152,6 +152,7 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     assert vllm == hf and len(made) == 1
     assert made[0]["calls"] >= 1 and made[0]["closed"] and made[0]["max_model_len"] == 256
     assert made[0]["max_num_seqs"] == 8 and made[0]["path"].endswith("base_model")
+    assert (made[0]["util"], made[0]["tp"]) == (vllm_rollout.CPU_MEMORY_UTILIZATION, 1)
 
 
 def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys, monkeypatch):
@@ -172,3 +173,119 @@ def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys,
                         lambda self, p: seen.append(self.max_tokens) or real(self, p))
     evaluate.main(["--eval-size", "2", "--max-prompt-tokens", "7"])
     assert seen and set(seen) == {7}
+
+
+def test_the_engines_memory_share_defaults_to_what_the_trainer_leaves(monkeypatch):
+    # The engine sleeps through the update, so while it samples the trainer holds its weights,
+    # AdamW's two moments and the reference (gradients freed): on an 80 GiB GPU a 1.5B policy in
+    # float32 under DDP with a reference keeps 1.5e9 x (4 + 8 + 4) B = 22.4 GiB, leaving the engine
+    # 1 - 22.4 / 80 - 0.1 = 0.62 of it (0.3, TRL's, was the fixed default); under --fsdp on 8 ranks
+    # an eighth; a GPU the trainer nearly fills is refused in one line
+    import torch
+
+    from infra import vllm_rollout as vr
+    GIB = 2**30
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10, bias=False))
+    model[1].requires_grad_(False)                      # a frozen part: no AdamW moments
+    n, trained = 100 * 100 + 100 + 1000, 100 * 100 + 100
+    assert vr.trainer_resident_bytes(model) == 4 * n + 8 * trained
+    assert vr.trainer_resident_bytes(model, 2, reference=True) == (8 * n + 8 * trained) // 2
+    assert vr.trainer_resident_bytes(model, optimizer=False) == 4 * n      # evaluate.py
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=80 * GIB))
+    ddp = 1.5e9 * (4 + 8 + 4)
+    assert vr.default_memory_utilization(ddp, "cuda:0") == pytest.approx(1 - ddp / 80 / GIB - 0.1)
+    assert vr.default_memory_utilization(ddp, "cuda:0") == pytest.approx(0.621, abs=1e-3)
+    assert vr.default_memory_utilization(ddp / 8, "cuda:3") == pytest.approx(0.865, abs=1e-3)
+    assert vr.default_memory_utilization(0, "cuda") == 0.9
+    assert vr.default_memory_utilization(ddp, "cpu") == vr.CPU_MEMORY_UTILIZATION
+    with pytest.raises(InputError, match="leaves the engine no room"):
+        vr.default_memory_utilization(7.6e9 * 12, "cuda:0")       # 7B unsharded: 85 GiB
+    # engine_for hands the default to vLLM, or the flag where given
+    seen = {}
+    fake = types.SimpleNamespace(LLM=lambda **kw: seen.update(kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    args = types.SimpleNamespace(bf16=True, seed=0, vllm_gpu_memory_utilization=None,
+                                 max_num_seqs=None)
+    vr.engine_for("some/model", model, args, "cuda:0", int(ddp))
+    assert seen["gpu_memory_utilization"] == pytest.approx(0.621, abs=1e-3)
+    args.vllm_gpu_memory_utilization = 0.45
+    vr.engine_for("some/model", model, args, "cuda:0", int(ddp))
+    assert seen["gpu_memory_utilization"] == 0.45
+
+
+class _GroupLLM:
+    """Stands in for vllm.LLM: records its construction and each generate call's requests; a
+    request's response is a function of its prompt and seed alone, ended by id 2."""
+    built, asked = {}, []
+
+    def __init__(self, **kw):
+        _GroupLLM.built = kw
+
+    def generate(self, requests, params, use_tqdm=False):
+        _GroupLLM.asked.append([(tuple(r["prompt_token_ids"]), p.seed)
+                                for r, p in zip(requests, params)])
+        outs = []
+        for r, p in zip(requests, params):
+            L = 1 + (sum(r["prompt_token_ids"]) + p.seed) % 4
+            ids = [3 + (p.seed + k) % 5 for k in range(L - 1)] + [2]
+            lps = [{t: types.SimpleNamespace(logprob=-0.1 * (k + 1))} for k, t in enumerate(ids)]
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids,
+                                                                              logprobs=lps)]))
+        return outs
+
+
+def test_tensor_parallel_engines_sample_the_groups_prompts_together(monkeypatch):
+    # --vllm-tensor-parallel-size 2 on 4 ranks: vLLM gets tensor_parallel_size=2, and the 2 ranks
+    # of a group each ask the engine for the group's prompts, in rank order (a TP engine's ranks
+    # must run the same requests); each keeps its own responses, which equal what an engine of its
+    # own (TP 1) draws for its prompts with their seeds
+    import torch
+
+    from infra import vllm_rollout as vr
+    fake = types.SimpleNamespace(LLM=_GroupLLM,
+                                 SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    prompts = {0: [[5, 6, 7], [9] * 130], 1: [[4, 4], [8, 1, 8], [6]]}     # unequal shares
+    gens = lambda r: [torch.Generator().manual_seed(10 * r + j) for j in range(len(prompts[r]))]  # noqa: E731
+    seeds = {r: vr._seeds(gens(r), len(prompts[r])) for r in prompts}
+    items = {r: [(list(p), s) for p, s in zip(prompts[r], seeds[r])] for r in prompts}
+    G, rolls = 3, {}
+    for r in (0, 1):
+        monkeypatch.setattr(vr, "_group_gather", lambda tp, r=r: (
+            lambda mine: [mine if q == r else items[q] for q in (0, 1)], r))
+        engine = vr.Engine("m", "cpu", bf16=False, seed=0, gpu_memory_utilization=0.3,
+                           tensor_parallel_size=2)
+        assert _GroupLLM.built["tensor_parallel_size"] == 2
+        rolls[r] = engine.sample_groups(None, prompts[r], G, 6, 2, 0, generator=gens(r))
+    group = [(tuple(p), s + i) for r in (0, 1) for p, s in items[r] for i in range(G)]
+    assert _GroupLLM.asked[-2:] == [group, group]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for r in (0, 1):
+        alone = vr.Engine("m", "cpu", bf16=False, seed=0, gpu_memory_utilization=0.3)
+        own = alone.sample_groups(None, prompts[r], G, 6, 2, 0, generator=gens(r))
+        assert (torch.equal(own.response_ids, rolls[r].response_ids)
+                and torch.equal(own.lengths, rolls[r].lengths)
+                and torch.equal(own.logprobs, rolls[r].logprobs)), r
+    # lengths differ across the group's responses: a wrong slice would show
+    assert len(set(rolls[0].lengths.tolist() + rolls[1].lengths.tolist())) > 1
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(InputError, match="does not divide the 3 ranks"):
+        vr.Engine("m", "cpu", bf16=False, seed=0, gpu_memory_utilization=0.3,
+                  tensor_parallel_size=2)
+
+
+def test_train_hands_the_engine_its_tensor_parallel_size_and_the_trainers_share(monkeypatch):
+    # the flags reach the engine: --vllm-tensor-parallel-size, and under --fsdp on 4 ranks with a
+    # reference, a quarter of (weights + reference + AdamW) as what the trainer keeps
+    import torch
+
+    from infra import flags, setup, vllm_rollout
+    seen = []
+    monkeypatch.setattr(vllm_rollout, "engine_for", lambda *a: seen.append(a))
+    args = flags.parse_train_args(["--rollout", "vllm", "--vllm-tensor-parallel-size", "2",
+                                   "--fsdp", "--beta", "0.04"], "")
+    model = torch.nn.Linear(10, 10)                                     # 110 float32 parameters
+    setup.start_engine(args, "m", model, types.SimpleNamespace(world=4, device="cuda:1"))
+    assert seen[0][3:] == ("cuda:1", 110 * (4 + 4 + 8) // 4, 2)
