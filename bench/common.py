@@ -40,6 +40,11 @@ def _status_kib(field: str) -> int:
 RSS_READABLE = os.path.exists("/proc/self/clear_refs")  # CPU memory is read from Linux's /proc/self
 
 
+def rss_now() -> int:
+    """This process's resident bytes now (Linux's VmRSS)."""
+    return _status_kib("VmRSS") * 1024
+
+
 def rss_peak(run) -> int:
     """Bytes this process's resident set peaks at above where it is now while `run()` runs (Linux's
     VmHWM, reset just before): run it in a fresh process (`in_fresh_process`), after warming up the
@@ -61,13 +66,14 @@ def cuda_peak(run) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def in_fresh_process(call: str) -> int:
-    """Run the Python statement `call` (it prints a number of bytes) in a fresh interpreter at the
+def in_fresh_process(call: str, count: int = 1) -> int | list[int]:
+    """Run the Python statement `call` (it prints numbers of bytes) in a fresh interpreter at the
     repo root (so `from bench import rollouts` and the project's modules import); return the last
-    number it printed."""
+    number it printed, or with count > 1 the last `count`."""
     res = subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, check=True,
                          cwd=ROOT)
-    return int(res.stdout.split()[-1])
+    numbers = [int(x) for x in res.stdout.split()[-count:]]
+    return numbers[0] if count == 1 else numbers
 
 
 def header(script: str, device: str, repeats: int) -> str:

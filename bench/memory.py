@@ -13,14 +13,18 @@ Three parts, each from one run (`python -m bench --only memory`):
    --fsdp divided by the ranks, plus the root's gathered embeddings and head and two layers in
    flight), the activations of one micro-batch (--micro-batch-tokens positions x layers x part 2's
    figure), the head's chunks, and in the rollout phase the engine's share; for each GPU recipe of
-   the README and docs/real-models.md. Only a GPU confirms it: tests/test_gpu.py's memory check
-   compares a bf16 step at 7B widths (few layers) with it.
+   the README and docs/real-models.md.
+4. The model checked: the measured peaks of a fresh process's two updates (its optimizer step,
+   its backward) at Qwen2.5-0.5B's widths with 4 layers and Qwen's vocabulary on the CPU, against
+   part 3's figures for that configuration. On a GPU, tests/test_gpu.py's memory check compares a
+   bf16 step at 7B widths (few layers) with it.
 """
 from __future__ import annotations
 
 import torch
 
-from bench.common import RSS_READABLE, in_fresh_process, rss_peak
+from bench.common import RSS_READABLE, in_fresh_process, rss_now, rss_peak
+from infra.vllm_rollout import MARGIN
 from sampler import Rollout
 
 V_QWEN = 151_936
@@ -36,7 +40,8 @@ SHAPES = {
                        tied=False),
 }
 # the GPU recipes the docs hand a user: (where, model, GPUs, fsdp, checkpointing, --micro-batch-
-# tokens, prompt + response positions of the longest row, beta > 0, engine fraction of 80 GB,
+# tokens, prompt + response positions of the longest row, beta > 0, the vLLM engine's fraction of
+# 80 GB (None: --vllm-gpu-memory-utilization's default; 0: the built-in sampler),
 # --micro-batch-size)
 RECIPES = [
     ("README, 8 GPUs DDP", "Qwen2.5-0.5B", 8, False, False, 8192, 512 + 1024, True, 0.0, 64),
@@ -44,10 +49,10 @@ RECIPES = [
      True, 0.0, 64),
     ("GRPO on one GPU at the defaults", "Qwen2.5-1.5B", 1, False, False, 8192, 512 + 1024, True,
      0.0, 64),
-    ("real-models.md GSM8K, vLLM", "Qwen2.5-1.5B", 8, False, False, 8192, 256 + 1024, False, 0.3,
+    ("real-models.md GSM8K, vLLM", "Qwen2.5-1.5B", 8, False, False, 8192, 256 + 1024, False, None,
      16),
     ("real-models.md DAPO-Math, vLLM", "Qwen2.5-7B", 8, True, True, 8192, 512 + 20480, False,
-     0.3, 4),
+     None, 4),
 ]
 PLAIN_HEAD = 1.95  # part 1: the plain head's extra peak, in float32 [n, T, V] tensors (measured)
 
@@ -109,6 +114,15 @@ def update_child(T: int, fused: bool) -> None:
     step(rollout_of(V_QWEN, 8, 8))                                   # AdamW state, kernels warm
     roll = rollout_of(V_QWEN, 8, T)
     print(rss_peak(lambda: step(roll)))
+
+
+def _update_args(T: int, budget: int):
+    from types import SimpleNamespace
+    return SimpleNamespace(micro_batch_size=64, micro_batch_tokens=budget, mini_batches=1, mu=1,
+                           temperature=1.0, reduction="token", loss="ppo", fsdp=False,
+                           gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0, beta=0.0,
+                           kl="k3", grad_clip=1.0)
 
 
 def measured_update() -> None:
@@ -187,11 +201,15 @@ def measured_activations() -> dict:
 
 def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, checkpointing: bool,
             tokens: int, row: int, beta: bool, engine: float, gpu_gb: float = 80.0,
-            chunk_bytes: int = 4 * 2**26, before: int = 0) -> dict:
-    """GiB per GPU by part, and the peaks of the update and the rollout phases. before=m: as the
-    update ran before the fused head and the token budget, m responses per micro-batch padded to
-    the longest row (`row`, its response all but 512 prompt positions) with the plain head's
-    PLAIN_HEAD float32 [m, T, V] logits."""
+            chunk_bytes: int = 4 * 2**26, before: int = 0, adam_temp: float | None = None) -> dict:
+    """GiB per GPU by part, and the peaks of the update and the rollout phases. The update's peak
+    is the larger of its backward (the state, one micro-batch's activations and head chunks, and
+    with tied embeddings the embedding's dense gradient beside the head's before autograd sums
+    them) and its optimizer step (the float32 state and AdamW's temporaries: `adam_temp` bytes,
+    by default the CUDA foreach kernel's one list of sqrt(v), 4 B per parameter of the shard).
+    before=m: as the update ran before the fused head and the token budget, m responses per
+    micro-batch padded to the longest row (`row`, its response all but 512 prompt positions) with
+    the plain head's PLAIN_HEAD float32 [m, T, V] logits."""
     P, L, H = shape["params"], shape["layers"], shape["hidden"]
     head = V_QWEN * H * (1 if shape["tied"] else 2)           # embedding (+ untied head) params
     share = world if fsdp else 1
@@ -204,27 +222,111 @@ def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, check
         positions = before * row
     acts = positions * (L * ckpt + plain) if checkpointing else positions * L * plain
     head_bytes = PLAIN_HEAD * before * (row - 512) * V_QWEN * 4 if before else 4 * chunk_bytes
-    update_peak = states + gathered + acts + head_bytes
-    rollout_peak = P * (4 + 8) / share + (P * 4 / share if beta else 0) + engine * gpu_gb * GIB
+    tied = V_QWEN * H * 4 if shape["tied"] else 0
+    backward = states + gathered + acts + head_bytes + tied
+    step = P * 16 / share + (P * 4 / share if beta else 0) + (
+        P * 4 / share if adam_temp is None else adam_temp)
+    update_peak = max(backward, step)
+    resident = P * (4 + 8) / share + (P * 4 / share if beta else 0)  # vllm_rollout's count
+    if engine is None:                      # what --vllm-gpu-memory-utilization defaults to
+        engine = 1 - resident / (gpu_gb * GIB) - MARGIN
+    rollout_peak = resident + engine * gpu_gb * GIB
     if not engine:                                   # the built-in sampler on gathered weights
         rollout_peak += (P * 2 if fsdp else 0) + 8 * GIB      # bf16 gather, --kv-cache-gb
-    return dict(states=states / GIB, gathered=gathered / GIB, acts=acts / GIB,
-                update=update_peak / GIB, rollout=rollout_peak / GIB)
+    return dict(states=states / GIB, gathered=gathered / GIB, acts=acts / GIB, engine=engine,
+                backward=backward / GIB, step=step / GIB, update=update_peak / GIB,
+                rollout=rollout_peak / GIB)
 
 
 def recipe_table(acts: dict) -> None:
     print("\n## 3. Per GPU (80 GB) at each recipe's settings, GiB (the model above)")
-    print("| recipe | model | state | FSDP gathers | activations | update peak | rollout peak "
-          "| update peak before |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| recipe | model | state | FSDP gathers | activations | update peak | vLLM share "
+          "| rollout peak | update peak before |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for where, name, world, fsdp, ckpt, tokens, row, beta, engine, size in RECIPES:
         shape, act = SHAPES[name], acts[name]
         m = per_gpu(shape, act, world, fsdp, ckpt, tokens, row, beta, engine)
         old = per_gpu(shape, act, world, fsdp, ckpt, tokens, row, beta, engine, before=size)
+        share = f"{m['engine']:.2f}" if m["engine"] else "-"
         print(f"| {where} | {name} | {m['states']:.1f} | {m['gathered']:.1f} | {m['acts']:.1f} | "
-              f"{m['update']:.1f} | {m['rollout']:.1f} | {old['update']:.0f} |")
+              f"{m['update']:.1f} | {share} | "
+              f"{m['rollout']:.1f} | {old['update']:.0f} |")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the model against a measured peak
+# ---------------------------------------------------------------------------------------------
+
+CHECK = dict(widths="Qwen2.5-0.5B", layers=4, n=4, T=505)   # 4 x (7 + 505) = 2,048 positions
+
+
+def qwen_at(shape: dict, layers: int, V: int):
+    """A Qwen2 with `shape`'s real widths, `layers` layers and a vocabulary of V, seeded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=V, hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+        num_hidden_layers=layers, num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"], tie_word_embeddings=shape["tied"],
+        max_position_embeddings=4096, attn_implementation="sdpa", pad_token_id=0,
+        eos_token_id=1))
+
+
+def check_child() -> None:
+    """In a fresh process: CHECK's model with Qwen's vocabulary built, then two updates under bf16
+    autocast (one of 8 tokens, whose optimizer step makes AdamW's state, then one of CHECK's 2,048
+    positions in one micro-batch), kernels warmed first on a small model. Prints each update's peak
+    RSS bytes above the process before the model was built (what the allocator kept counts)."""
+    import update
+    from infra import parallel
+    amp = lambda: torch.autocast("cpu", torch.bfloat16)  # noqa: E731
+    c = CHECK
+
+    def updates(model, rolls, say):
+        learner = update.Learner(model, model, None, torch.optim.AdamW(model.parameters()), amp)
+        for roll in rolls:
+            roll.index = torch.arange(roll.num_groups).repeat_interleave(roll.G)
+            args = _update_args(roll.response_ids.shape[1], 4096)
+            start = rss_now()
+            say(start + rss_peak(lambda roll=roll, args=args: update.update_policy(
+                learner, roll, torch.randn(roll.lengths.numel()), roll.mask, args,
+                parallel.Dist("cpu"))))
+    import warnings
+    warnings.simplefilter("ignore")
+    updates(qwen_at(SHAPES[c["widths"]], 1, 1000), [rollout_of(1000, 4, 64)], lambda b: None)
+    rolls = [rollout_of(V_QWEN, c["n"], 8), rollout_of(V_QWEN, c["n"], c["T"])]
+    base = rss_now()
+    updates(qwen_at(SHAPES[c["widths"]], c["layers"], V_QWEN), rolls, lambda b: print(b - base))
+
+
+def checked_model(acts: dict) -> None:
+    """Part 3's model for CHECK's configuration (world 1, no FSDP, CPU head chunks, the CPU AdamW's
+    per-parameter temporaries) against the measured peaks of its first update (the optimizer step
+    that makes AdamW's state) and its second (the backward of 2,048 positions)."""
+    from infra.lm_head import CHUNK_ELEMENTS
+    if not RSS_READABLE:
+        return
+    c, shape = CHECK, dict(SHAPES[CHECK["widths"]])
+    model = qwen_at(shape, c["layers"], V_QWEN)
+    largest = max(p.numel() for p in model.parameters()) * 4
+    shape.update(layers=c["layers"], params=sum(p.numel() for p in model.parameters()))
+    del model
+    positions = c["n"] * (7 + c["T"])
+    m = per_gpu(shape, acts[c["widths"]], 1, False, False, positions, 7 + c["T"], False, 0.0,
+                chunk_bytes=4 * CHUNK_ELEMENTS["cpu"], adam_temp=2 * largest)
+    first, second = (b / GIB for b in in_fresh_process(
+        "from bench import memory as b; b.check_child()", count=2))
+    print(f"\n## 4. The model against measured peaks: {c['widths']} widths, {c['layers']} layers, "
+          f"V = {V_QWEN:,} ({shape['params'] / 1e6:.0f}M parameters), bf16 autocast on CPU, "
+          f"peak RSS above the process before the model")
+    print(f"{'phase':44s}{'predicted':>11s}{'measured':>11s}{'ratio':>8s}")
+    for name, want, got in (("optimizer step (AdamW's state made)", m["step"], first),
+                            (f"backward of {positions:,} positions", m["backward"], second)):
+        print(f"{name:44s}{want:>9.2f} G{got:>9.2f} G{got / want:>8.3f}")
 
 
 def bench_memory(device: str, repeats: int) -> None:
     measured_update()
-    recipe_table(measured_activations())
+    acts = measured_activations()
+    recipe_table(acts)
+    checked_model(acts)

@@ -218,3 +218,26 @@ def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(ti
                                                             tiny_model.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(whole.parameters(), cut.parameters()))
     assert moved > 1e-3 and diff <= 1e-6 * max(1.0, moved), (moved, diff)
+
+
+def test_the_memory_models_update_peak_is_its_backward_or_its_optimizer_step():
+    # bench/memory.py's per_gpu by hand: the backward holds 18 B/param (float32 weights, gradients,
+    # AdamW; bf16 autocast copies), the activations, four head chunks and, tied, the embedding's
+    # second dense gradient; the step 16 B/param and AdamW's foreach temporaries (4 B/param); the
+    # update's peak is the larger. Checked against measured CPU peaks by `python -m bench --only
+    # memory` (part 4)
+    from bench import memory
+    shape = dict(layers=2, hidden=100, inter=400, heads=2, kv=1, params=10**7, tied=True)
+    m = memory.per_gpu(shape, (1000.0, 10.0), 1, False, False, 512, 100, False, 0.0,
+                       chunk_bytes=2**20)
+    tied = memory.V_QWEN * 100 * 4
+    want = 18 * 10**7 + 512 * 2 * 1000 + 4 * 2**20 + tied
+    assert m["backward"] * memory.GIB == pytest.approx(want)
+    assert m["step"] * memory.GIB == pytest.approx(20 * 10**7)
+    assert m["update"] == max(m["backward"], m["step"])
+    untied = memory.per_gpu(dict(shape, tied=False), (1000.0, 10.0), 1, False, False, 512, 100,
+                            False, 0.0, chunk_bytes=2**20)
+    assert (m["backward"] - untied["backward"]) * memory.GIB == pytest.approx(tied)
+    small = memory.per_gpu(shape, (0.0, 0.0), 1, False, False, 1, 1, False, 0.0, chunk_bytes=0,
+                           adam_temp=10**8)                       # a step larger than the backward
+    assert small["update"] == small["step"] == pytest.approx(26 * 10**7 / memory.GIB)
