@@ -6,7 +6,8 @@ log pi_ref of every response token; update.update_policy gets all three from `ro
 
 Two layers:
 - `token_logprobs` / `token_entropy`: from logits [N, T, V] to [N, T], over row blocks of
-  LOGPROB_CHUNK elements, with their own backward. The reference they equal, in one line each, is
+  infra/lm_head.py's chunk for the device (16 MB on CPU, 256 MB on a GPU), with their own
+  backward. The reference they equal, in one line each, is
       logp = torch.log_softmax(logits / t, -1).gather(-1, ids[..., None]).squeeze(-1)
       entropy = -(logp_all.exp() * logp_all).sum(-1),  logp_all = torch.log_softmax(logits / t, -1)
   which autograd would run through three vocabulary-sized tensors;
@@ -54,8 +55,6 @@ from infra import lm_head
 from infra.kv_cache import cache_kwarg, left_padded
 from sampler import Rollout
 
-# elements (rows x V) of logits processed at once: a 16 MB float32 temporary
-LOGPROB_CHUNK = 1 << 22
 # split a slice's responses in two length buckets when that leaves <= 80% of the positions
 BUCKET_KEEP = 0.8
 
@@ -78,7 +77,7 @@ def _row_blocks(x: torch.Tensor, rows: int):
 
 
 def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
-    """(rows, fn(block * s)) over row blocks of logits [..., V] of at most LOGPROB_CHUNK elements.
+    """(rows, fn(block * s)) over row blocks of logits [..., V], lm_head.chunk_rows' rows each.
 
     rows is a slice of the flattened row index; the [c, V] float32 result lives in a workspace
     allocated once and overwritten by the next block (a consumer may modify it in place), so a pass
@@ -86,7 +85,7 @@ def _softmax_blocks(logits: torch.Tensor, s: float, fn=torch.log_softmax):
     and fragments the heap). fn: torch.log_softmax or softmax.
     """
     V = logits.shape[-1]
-    n = min(max(1, LOGPROB_CHUNK // max(V, 1)), logits.numel() // max(V, 1))
+    n = min(lm_head.chunk_rows(V, logits.device), logits.numel() // max(V, 1))
     work = logits.new_empty(n, V, dtype=torch.float32)                        # [n, V]
     x = (logits.new_empty(n, V, dtype=torch.float32)
          if s != 1.0 or logits.dtype != torch.float32 else None)
@@ -133,7 +132,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
     """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32,
     without a second [N, T, V].
 
-    log_softmax then gather, over row blocks of LOGPROB_CHUNK elements in a float32 workspace (also
+    log_softmax then gather, over row blocks (lm_head.chunk_rows) in a float32 workspace (also
     for bf16 logits), so the extra memory is one block whatever N and T are; the logits may be a
     slice such as `.logits[:, :-1]` (no copy). The backward writes the gradient block by block: one
     [N, T, V] tensor, where autograd through log_softmax + gather makes three. Passing the

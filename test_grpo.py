@@ -37,6 +37,7 @@ from infra import (
     data,
     flags,
     kv_cache,
+    lm_head,
     metrics,
     models,
     rollout,
@@ -878,12 +879,12 @@ def test_token_logprobs_matches_log_softmax_and_has_gradients():
     logits = torch.randn(3, 5, 11, requires_grad=True)
     ids = torch.randint(0, 11, (3, 5))
     ref = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
-    old = logprobs.LOGPROB_CHUNK
+    old = lm_head.CHUNK_ELEMENTS["cpu"]
     try:
-        logprobs.LOGPROB_CHUNK = 4  # several chunks
+        lm_head.CHUNK_ELEMENTS["cpu"] = 4  # several chunks
         got = logprobs.token_logprobs(logits, ids)
     finally:
-        logprobs.LOGPROB_CHUNK = old
+        lm_head.CHUNK_ELEMENTS["cpu"] = old
     assert torch.allclose(got, ref, atol=1e-6)
     got.sum().backward()
     g_ref = torch.autograd.grad(ref.sum(), logits)[0]
@@ -922,7 +923,7 @@ def test_token_logprobs_in_blocks_equals_the_naive_form(dtype, monkeypatch):
     # equal log_softmax + gather's.
     torch.manual_seed(0)
     V = 50_000
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
     full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
     logits, ids = full[:, :-1], torch.randint(0, V, (2, 5))
     for t in (1.0, 0.7):
@@ -946,7 +947,7 @@ def test_token_logprobs_allocates_one_block_forward_and_one_gradient_backward(dt
     # itself.
     from torch.utils._python_dispatch import TorchDispatchMode
     V = 1000
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 2 * V)
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 2 * V)
     logits = torch.randn(3, 4, V).to(dtype).requires_grad_(True)
     ids = torch.randint(0, V, (3, 4))
 
@@ -983,7 +984,7 @@ def test_token_entropy_gradient_equals_autograd_of_the_naive_form(monkeypatch):
     # dH/dx_v = -s p_v (log p_v + H) equals autograd through log_softmax, exp, sum.
     torch.manual_seed(0)
     V = 300
-    monkeypatch.setattr(logprobs, "LOGPROB_CHUNK", 3 * V)
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
     for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         full = (torch.randn(2, 6, V) * 3).to(dtype).requires_grad_(True)
         # w: an arbitrary upstream gradient

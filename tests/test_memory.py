@@ -241,3 +241,19 @@ def test_the_memory_models_update_peak_is_its_backward_or_its_optimizer_step():
     small = memory.per_gpu(shape, (0.0, 0.0), 1, False, False, 1, 1, False, 0.0, chunk_bytes=0,
                            adam_temp=10**8)                       # a step larger than the backward
     assert small["update"] == small["step"] == pytest.approx(26 * 10**7 / memory.GIB)
+
+
+def test_the_logits_kernel_takes_the_devices_chunk(monkeypatch):
+    # the plain-head fallback (token_logprobs over [n, T, V] logits) asks infra/lm_head.py for its
+    # rows per block, as the fused head does: 27 rows of V = 151,936 on CPU, 441 on a GPU (it was 27
+    # everywhere: ~3,000 blocks a pass at GPU shapes)
+    import logprobs
+    from infra import lm_head
+    real, seen = lm_head.chunk_rows, []
+    monkeypatch.setattr(lm_head, "chunk_rows",
+                        lambda V, device: seen.append((V, torch.device(device).type))
+                        or real(V, device))
+    logits, ids = torch.randn(2, 3, 50), torch.randint(0, 50, (2, 3))
+    logprobs.token_logprobs(logits, ids)
+    assert seen == [(50, "cpu")]
+    assert (real(151_936, "cpu"), real(151_936, "cuda"), real(151_936, "cuda:3")) == (27, 441, 441)
