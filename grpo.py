@@ -231,10 +231,10 @@ def policy_loss(
     surrogate(logp, old_logp, advantages, mask, weights) -> (loss, metrics): `ppo_loss` (GRPO,
     DAPO) or an objective of infra/variants.py (--loss), its clip range bound by the caller
     (functools.partial). weights [N, T]: `token_weights` (the reduction and its global
-    denominators), shared by both terms; is_weights [N, T] (optional, detached, e.g.
-    variants.tis_weights) multiply the surrogate's, not the KL's. The KL term (`kl_term`, estimator
-    `kl`) is added when ref_logp is given; beta != 0 needs it. Inputs [N, T] except advantages [N]
-    (or [N, T] where the surrogate takes per-token advantages).
+    denominators), shared by both terms; is_weights [N, T] (optional, detached: the rollout
+    correction of infra/correction.py) multiply the surrogate's, not the KL's. The KL term
+    (`kl_term`, estimator `kl`) is added when ref_logp is given; beta != 0 needs it. Inputs
+    [N, T] except advantages [N] (or [N, T] where the surrogate takes per-token advantages).
     """
     pg_weights = weights if is_weights is None else weights * is_weights.detach()  # [N, T]
     loss, metrics = surrogate(logp, old_logp, advantages, mask, pg_weights)

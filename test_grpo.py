@@ -195,6 +195,7 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
                            reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                           off_policy_mask=0.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=0.0, lr=1.0)
     learner = update.Learner(policy, policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0),
                              contextlib.nullcontext)
@@ -850,7 +851,7 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
                            reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0,
-                           tis_cap=0.0,
+                           tis_cap=0.0, off_policy_mask=0.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=grad_clip, lr=2.0)
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
     refs = [copy.deepcopy(tiny_model).requires_grad_(False) if beta else None for _ in range(2)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 import grpo
-from infra import parallel, variants
+from infra import correction, parallel, variants
 from logprobs import rollout_logprobs
 from sampler import Rollout
 
@@ -30,7 +30,8 @@ LOSSES = {"ppo": grpo.ppo_loss, "gspo": variants.gspo_loss, "gspo-token": varian
 KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
 UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac",
                "clip/high_frac", "clip/dual_frac", "ratio/mean", "grad_norm", "updates",
-               "mismatch/abs", "mismatch/kl", "mismatch/tokens")
+               "mismatch/abs", "mismatch/kl", "mismatch/tokens", "is/corrected",
+               "offpolicy/masked")
 
 
 @dataclass
@@ -245,8 +246,8 @@ def empty_pass(policy: torch.nn.Module, ranks: parallel.Dist) -> None:
 def micro_loss(learner: Learner, batch: StepBatch, s: slice, mb: Minibatch, args,
                ranks: parallel.Dist, epoch: int, loss_fns: tuple[Callable, Callable]) -> MicroLoss:
     """Step 4 on the rows `s`: the training forward, then grpo.policy_loss = surrogate (--loss,
-    each token weighted by --reduction with the update's global counts, truncated IS with
-    --tis-cap) + beta * KL (--kl), - entropy_coef * entropy."""
+    each token weighted by --reduction with the update's global counts and by the rollout
+    correction: --tis-cap's, --off-policy-mask) + beta * KL (--kl), - entropy_coef * entropy."""
     bonus = args.entropy_coef != 0
     logp, ent, valid = rollout_logprobs(learner.policy, batch.roll, s, args.temperature,
                                         epoch == 0 or bonus, entropy_grad=bonus,
@@ -257,13 +258,20 @@ def micro_loss(learner: Learner, batch: StepBatch, s: slice, mb: Minibatch, args
     sampler_logp = batch.roll.logprobs[s].to(dev)                   # [n, T], the sampler's
     w = grpo.token_weights(mask_s, args.reduction, mb.num_tokens, args.max_new_tokens,
                            mb.num_seqs)                              # [n, T]
-    tis = None                                                       # --tis-cap: [n, T]
+    adv = batch.advantages[s].to(dev)                                # [n] or [n, T]
+    tis, shares = None, {}                  # the rollout correction's weights [n, T], its shares
     if args.tis_cap:
-        tis = variants.tis_weights(old, sampler_logp, mask_s, args.tis_cap)
+        tis, shares["is/corrected"] = correction.is_weights(
+            old, sampler_logp, mask_s, args.tis_cap, args.is_level, args.is_mode, args.is_low)
+    if args.off_policy_mask:
+        keep, shares["offpolicy/masked"] = correction.off_policy_mask(
+            logp, sampler_logp, adv, mask_s, args.off_policy_mask)
+        tis = keep if tis is None else tis * keep
     ref_s = batch.ref_logp[key] if batch.ref_logp is not None else None  # [n, T]; None: beta 0
     surrogate, kl = loss_fns
-    loss, stats = grpo.policy_loss(logp, old, batch.advantages[s].to(dev), mask_s, w, surrogate,
-                                   ref_s, args.beta, kl, tis)
+    loss, stats = grpo.policy_loss(logp, old, adv, mask_s, w, surrogate, ref_s, args.beta, kl,
+                                   tis)
+    stats.update(shares)
     if bonus:                                                        # - coef * entropy
         loss = loss - args.entropy_coef * variants.entropy_bonus(ent, mask_s, w)[0]
     return MicroLoss(loss, stats, mask_s, old, sampler_logp, ent, valid)
@@ -274,7 +282,8 @@ def add_loss_sums(sums: dict[str, float], micro: MicroLoss) -> None:
     tok = float(micro.mask.sum())
     sums["loss"] += micro.loss.item()
     sums["tokens"] += tok
-    for name in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"):
+    for name in ("kl", "clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac",
+                 "is/corrected", "offpolicy/masked"):
         sums[name] += micro.stats.get(name, 0.0) * tok
 
 

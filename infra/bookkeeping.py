@@ -35,7 +35,8 @@ def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, r
     drawn = [r for r, _ in rounds]
     d = ranks.sum_named({**metrics.drawn_sums(drawn),
                          **s.perf.flops(roll, drawn, stats, args, ranks)})
-    row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c),
+    row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c,
+                                                     (args.tis_cap > 0, args.off_policy_mask > 0)),
            "lr": s.sched.get_last_lr()[0], "samples": samples + int(d["samples"]), **sstats,
            "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
            "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),

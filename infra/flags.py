@@ -298,9 +298,22 @@ class TrainArgs(EvalArgs):
                                           "consecutive ranks shares one engine, sharded across "
                                           "them, and samples the group's prompts together; "
                                           "must divide the number of ranks")
-    tis_cap: float | None = flag(None, "truncated importance sampling: each token's loss times "
-                                 "min(pi_old / pi_sampler, C) (0: off; default: 2 with --rollout "
-                                 "vllm, as TRL and verl, else 0)")
+    tis_cap: float | None = flag(None, "rollout correction: the upper bound C on the ratio "
+                                 "w = pi_old / pi_sampler that weights each token's surrogate "
+                                 "(infra/correction.py; 0: off; default: 2 with --rollout vllm, "
+                                 "verl's token-level truncation, else 0)")
+    is_level: str = flag("token", "rollout correction: the ratio per token, per sequence (the "
+                         "product of its tokens', TRL's sequence modes) or their geometric mean",
+                         ["token", "sequence", "geometric"])
+    is_mode: str = flag("truncate", "rollout correction: truncate w to [--is-low, C] (TIS), mask "
+                        "(w inside, 0 outside: TRL's *_mask, IcePop) or reject (1 inside, 0 "
+                        "outside: verl's rejection sampling)", ["truncate", "mask", "reject"])
+    is_low: float = flag(0.0, "rollout correction: the lower bound on w (IcePop's alpha 0.5; "
+                         "0: none)")
+    off_policy_mask: float = flag(0.0, "DeepSeek-V3.2's off-policy sequence mask: drop from the "
+                                  "surrogate each response with a negative advantage whose mean "
+                                  "log pi_sampler - log pi_theta over its tokens exceeds this "
+                                  "(TRL's off_policy_mask_threshold; 0: off)")
     adv_scale: str = flag("group", "advantage scale: group (GRPO), batch, or none (Dr. GRPO)",
                           ["group", "batch", "none"])
     reduction: str | None = flag(None, "loss reduction: sequence (grpo), token (dapo), constant "
@@ -397,6 +410,11 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
         (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),
         (ns.clip_c == 0 or ns.loss == "ppo", "--clip-c (dual-clip) is for --loss ppo only"),
         (ns.tis_cap >= 0, "--tis-cap must be >= 0 (0: off)"),
+        (0 <= ns.is_low and (ns.tis_cap == 0 or ns.is_low < ns.tis_cap),
+         "--is-low must be >= 0 and below --tis-cap"),
+        (ns.tis_cap > 0 or (ns.is_level, ns.is_mode, ns.is_low) == ("token", "truncate", 0.0),
+         "--is-level, --is-mode and --is-low shape the correction --tis-cap turns on"),
+        (ns.off_policy_mask >= 0, "--off-policy-mask must be >= 0 (0: off)"),
         (ns.peak_tflops is None or ns.peak_tflops > 0, "--peak-tflops must be > 0"),
         (ns.beta >= 0, "--beta must be >= 0 (0: no KL term, no reference model)"),
         (ns.wrong_reward < 1, "--wrong-reward must be < 1 (a right answer scores 1)"),

@@ -59,12 +59,13 @@ def _mean(total: float, count: float) -> float:
     return total / max(count, 1.0)
 
 
-def step_metrics(d: dict[str, float], stats: UpdateStats, mu: int,
-                 clip_c: float) -> dict[str, float]:
+def step_metrics(d: dict[str, float], stats: UpdateStats, mu: int, clip_c: float,
+                 corrections: tuple[bool, bool] = (False, False)) -> dict[str, float]:
     """The step's measured metrics (the README's glossary): drawn_sums `d` and update_policy's
     `stats`, both summed over ranks, turned into means. The clip and ratio metrics are the
     off-policy updates' (all but the first) once there are any, and absent when no token was in
-    the loss."""
+    the loss. corrections: (--tis-cap, --off-policy-mask) on: the shares they acted on, over the
+    loss tokens of every pass."""
     u = {k: stats.first[k] + stats.rest[k] for k in stats.first}  # the step's updates, summed
     off = stats.rest if stats.rest["tokens"] > 0 else stats.first
     row = {}
@@ -87,6 +88,9 @@ def step_metrics(d: dict[str, float], stats: UpdateStats, mu: int,
         row["ratio/mean"] = off["ratio/mean"] / off["tokens"]
         if clip_c:
             row["clip/dual_frac"] = off["clip/dual_frac"] / off["tokens"]
+    for on, name in zip(corrections, ("is/corrected", "offpolicy/masked")):
+        if on:
+            row[name + "_frac"] = _mean(u.get(name, 0.0), u["tokens"])
     row["len/mean"] = d["length"] / d["samples"]
     row["len/truncated_frac"] = d["truncated"] / d["samples"]
     row["tokens/in_loss"] = u["tokens"] / mu  # each pass counts the step's loss tokens once

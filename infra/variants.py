@@ -18,15 +18,12 @@ returning (loss to minimise, metrics). grpo.policy_loss adds beta * KL (grpo.kl_
   coefficient: `token_entropy` (logprobs.token_entropy: differentiable, block by block) and
   `entropy_bonus`.
 - Rollout/train mismatch (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL Systems"):
-  truncated importance sampling weights min(pi_old / pi_sampler, C) (`tis_weights`, which
-  multiply the surrogate's weights: grpo.policy_loss(is_weights=...)) and the mismatch metrics
-  (`mismatch_metrics`).
+  the mismatch metrics (`mismatch_metrics`); the corrections that weight the surrogate for it
+  (truncated importance sampling and its family) are infra/correction.py's.
 
 Shapes: N responses, T response tokens, V vocabulary; masks are 1.0 on valid response tokens.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -161,24 +158,6 @@ def entropy_bonus(
         m = mask.to(entropy.dtype)                                            # [N, T]
         metrics = {"entropy": float((entropy * m).sum() / m.sum().clamp_min(1.0))}
     return bonus, metrics
-
-
-@torch.no_grad()
-def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
-                cap: float) -> torch.Tensor:
-    """Truncated importance sampling weights min(pi_old / pi_sampler, cap), detached, [N, T].
-
-    For the rollout/train mismatch: the tokens were drawn by the sampler (its log-probs are
-    Rollout.logprobs), while the loss treats pi_old (the training forward) as the behaviour policy.
-    Multiplying each token's surrogate weight by this corrects for the difference, truncated at cap
-    (about 2-3) to bound the variance. 1 where the two agree; 0 on padding.
-    """
-    if not cap > 0:
-        raise ValueError(f"the truncation cap must be > 0, got {cap}")
-    valid = mask.bool()                                                       # [N, T]
-    # min(w, C) = exp(min(log w, log C))
-    log_w = (old_logp - sampler_logp).clamp(max=math.log(cap))              # [N, T]
-    return torch.where(valid, torch.exp(log_w), torch.zeros_like(log_w))     # [N, T]
 
 
 @torch.no_grad()

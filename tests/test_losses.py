@@ -14,6 +14,7 @@ import torch
 import grpo
 import update
 from infra import (
+    correction,
     flags,
     variants,
 )
@@ -154,7 +155,7 @@ def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
     with pytest.raises(ValueError):
         variants.gspo_loss(logp, old, adv_tok, mask, wt)
     # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
-    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    w = correction.is_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)[0]
     want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
                                                       mode, w), logp)
     got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt * w,
@@ -203,7 +204,7 @@ def _check_cispo_against_verl(seed, reduction, mode, eps_low, eps_high):
     got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt, eps_low,
                                                              eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    w = variants.tis_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)
+    w = correction.is_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)[0]
     want, g_want = _value_and_grad(lambda: _verl_cispo(old, logp, adv[:, None].expand_as(mask),
                                                        mask, eps_low, eps_high, mode, w), logp)
     got, g_got = _value_and_grad(lambda: variants.cispo_loss(logp, old, adv, mask, wt * w, eps_low,
@@ -266,8 +267,8 @@ def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
      w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
     ("kl-k2", lambda lp, old, adv, mask, w: grpo.kl_term(lp, old, mask, w, grpo.kl_k2)[0]),
     ("tis", lambda lp, old, adv, mask, w: variants.cispo_loss(
-        lp, old, adv, mask, w * variants.tis_weights(old, old + 0.3 * torch.sin(old * 7), mask,
-                                                     1.2))[0]),
+        lp, old, adv, mask,
+        w * correction.is_weights(old, old + 0.3 * torch.sin(old * 7), mask, 1.2)[0])[0]),
 ])
 @pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
 def test_variant_losses_add_up_over_micro_batches(name, fn, reduction):
@@ -306,15 +307,15 @@ def test_entropy_bonus_gradient_equals_autograd_of_the_naive_entropy(reduction):
 def test_tis_weights_are_one_when_sampler_agrees_and_capped():
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert torch.equal(variants.tis_weights(old, old.detach(), mask, 2.0),
+    assert torch.equal(correction.is_weights(old, old.detach(), mask, 2.0)[0],
                        torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
     # pi_old / pi_sampler = 10 -> capped at 2; 1.5 -> kept; 0.25 -> kept (truncation is from above
     # only)
     sampler = old.detach() - torch.tensor([[math.log(10.0), math.log(1.5), math.log(0.25), 5.0]])
-    w = variants.tis_weights(old, sampler, mask, 2.0)
+    w = correction.is_weights(old, sampler, mask, 2.0)[0]
     assert torch.allclose(w, torch.tensor([[2.0, 1.5, 0.25, 0.0]])) and not w.requires_grad
     with pytest.raises(ValueError):
-        variants.tis_weights(old, sampler, mask, 0.0)
+        correction.is_weights(old, sampler, mask, 0.0)[0]
 
 
 def test_mismatch_metrics_by_hand():
@@ -355,3 +356,125 @@ def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
                               beta=0.1, is_weights=w)
     want = reduce_by_hand(per_token + 0.1 * grpo.kl_k3(logp, ref), mask, "token")
     assert torch.allclose(got, want, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# infra/correction.py: the rollout corrections, each against its anchor's formula
+# ---------------------------------------------------------------------------------------------
+
+def _mismatched_batch():
+    """old and sampler log-probs that differ by up to ~1.5 nats a token, with padding, and one
+    response (row 2) far off-policy."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 7, generator=g) * 3
+    sampler = old + 0.6 * torch.randn(4, 7, generator=g)
+    sampler[2] += 1.0
+    mask = torch.ones(4, 7)
+    mask[0, 5:], mask[3, 2:] = 0.0, 0.0
+    return old, sampler, mask
+
+
+def _trl_is(old, sampler, mask, mode, clip_max, clip_min=None):
+    """TRL's vllm_importance_sampling_mode, as its GRPOTrainer computes it: the log-ratio masked,
+    per token or summed per sequence, exponentiated, then clamped (truncate) or set to 0 outside
+    [clip_min, clip_max] (mask)."""
+    diff = (old - sampler) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max).expand_as(old)
+    bad = ratio > clip_max
+    if clip_min is not None:
+        bad = bad | (ratio < clip_min)
+    return ratio.masked_fill(bad, 0.0).expand_as(old)
+
+
+def _verl_geometric(old, sampler, mask, low, high, reject):
+    """verl's geometric-mean ratio exp(mean_t log w_t) per response: its rejection sampling keeps
+    (1) or drops (0) the response by [low, high]; as an IS weight, masked outside."""
+    lw = ((old - sampler) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+    w = torch.exp(lw)
+    keep = ((w >= low) & (w <= high)).float()
+    return (keep if reject else w * keep).expand_as(old)
+
+
+def _icepop(old, sampler, alpha=0.5, beta=5.0):
+    """IcePop (Ring-1T): M(k) = k for k = pi_train / pi_infer in [alpha, beta], 0 outside."""
+    k = torch.exp(old - sampler)
+    return torch.where((k >= alpha) & (k <= beta), k, torch.zeros_like(k))
+
+
+@pytest.mark.parametrize("level,mode,low,cap,anchor", [
+    ("token", "truncate", 0.0, 2.0, lambda o, s, m: _trl_is(o, s, m, "token_truncate", 2.0)),
+    ("token", "truncate", 0.5, 2.0, lambda o, s, m: _trl_is(o, s, m, "token_truncate", 2.0, 0.5)),
+    ("token", "mask", 0.0, 2.0, lambda o, s, m: _trl_is(o, s, m, "token_mask", 2.0)),
+    ("sequence", "truncate", 0.0, 3.0,
+     lambda o, s, m: _trl_is(o, s, m, "sequence_truncate", 3.0)),
+    ("sequence", "mask", 0.0, 3.0, lambda o, s, m: _trl_is(o, s, m, "sequence_mask", 3.0)),
+    ("geometric", "reject", 0.5, 1.5,
+     lambda o, s, m: _verl_geometric(o, s, m, 0.5, 1.5, reject=True)),
+    ("geometric", "mask", 0.5, 1.5,
+     lambda o, s, m: _verl_geometric(o, s, m, 0.5, 1.5, reject=False)),
+    ("token", "mask", 0.5, 5.0, lambda o, s, m: _icepop(o, s)),
+])
+def test_rollout_corrections_equal_their_anchors_formulas(level, mode, low, cap, anchor):
+    old, sampler, mask = _mismatched_batch()
+    w, share = correction.is_weights(old, sampler, mask, cap, level, mode, low)
+    want = anchor(old, sampler, mask) * mask                 # the anchors weight padding by mask
+    assert torch.allclose(w, want, atol=1e-6, rtol=1e-6) and not w.requires_grad
+    # the share acted on: valid tokens whose ratio (their sequence's, at sequence levels) left
+    # [low, cap]
+    ratio = torch.exp(correction.log_ratio(old, sampler, mask, level)).expand_as(old)
+    outside = ((ratio > cap) | (ratio < low)) & mask.bool()
+    assert share == pytest.approx(float(outside.sum() / mask.sum())) and 0 < share < 1
+
+
+def _trl_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, threshold):
+    """TRL's get_off_policy_mask (DeepSeek-V3.2): keep a sequence with advantage >= 0 or a mean
+    KL sampler -> current <= threshold."""
+    kl_div = sampling_per_token_logps - per_token_logps.detach()
+    seq_kl = (kl_div * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((advantages[:, None] >= 0) | (seq_kl <= threshold)).to(mask.dtype)
+
+
+def test_off_policy_sequence_mask_equals_trls_and_drops_only_negative_far_responses():
+    old, sampler, mask = _mismatched_batch()
+    logp = old.clone().requires_grad_(True)
+    adv = torch.tensor([-1.0, 0.5, -0.3, -2.0])
+    keep, share = correction.off_policy_mask(logp, sampler, adv, mask, 0.5)
+    want = _trl_off_policy_mask(adv, logp, sampler, mask, 0.5) * mask
+    assert torch.equal(keep, want) and not keep.requires_grad
+    # row 2 is far off-policy with a negative advantage: dropped; row 1 (A > 0) kept however far
+    kl = ((sampler - old) * mask).sum(-1) / mask.sum(-1)
+    assert kl[2] > 0.5 and keep[2].sum() == 0 and keep[1].sum() == mask[1].sum()
+    assert share == pytest.approx(float(((adv < 0) & (kl > 0.5)).sum()) / 4)
+
+
+def test_the_correction_flags_reach_the_loss(tiny_run_inputs, tmp_path):
+    # through train.py: the shares are logged, and each switch changes the update it is given
+    # (a flag parsed but never applied would leave the weights of the run without it). --mu 2: the
+    # second pass's policy has moved from the sampler's, so the off-policy mask has work
+    from test_grpo import one_step, weights_of
+    base = ["--mu", "2", "--lr", "0.1", "--no-overlong-filter"]
+    runs = {}
+    # bf16 autocast: the sampler's and the trainer's log-probs differ by ~1e-4 nats a response,
+    # which a cap of 1 + 1e-4 on the sequence ratio rejects in part
+    seq = ["--tis-cap", "1.0001", "--is-level", "sequence", "--is-mode", "reject"]
+    for name, extra in [("plain", []), ("opm", ["--off-policy-mask", "1e-4"]),
+                        ("bf16", ["--bf16"]), ("seq", ["--bf16", *seq]),
+                        ("tok", ["--bf16", *seq[:2], "--is-mode", "reject"])]:
+        out = tmp_path / name
+        runs[name] = (one_step(tiny_run_inputs, out, *base, *extra), weights_of(out / "final"))
+    (plain, w0), (opm, w1), (_, w2), (seq, w3) = (runs[k] for k in ("plain", "opm", "bf16", "seq"))
+    assert "offpolicy/masked_frac" not in plain and "is/corrected_frac" not in plain
+    assert 0 < opm["offpolicy/masked_frac"] < 1 and 0 < seq["is/corrected_frac"] < 1
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+    assert any(not torch.equal(w2[k], w3[k]) for k in w2)
+    # the level reaches it too: a sequence's ratio leaves the bounds more often than a token's
+    assert seq["is/corrected_frac"] > runs["tok"][0]["is/corrected_frac"]
+    flags_ = flags.parse_train_args(["--tis-cap", "3", "--is-level", "geometric", "--is-mode",
+                                     "mask", "--is-low", "0.5"], "")
+    assert (flags_.is_level, flags_.is_mode, flags_.is_low) == ("geometric", "mask", 0.5)
+    with pytest.raises(SystemExit):
+        flags.parse_train_args(["--is-mode", "mask"], "")        # shapes a correction that is off

@@ -200,7 +200,8 @@ def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(ti
         args = SimpleNamespace(micro_batch_size=64, micro_batch_tokens=budget, mini_batches=2,
                                mu=1, temperature=1.0, reduction="token", loss="ppo", fsdp=False,
                                gradient_checkpointing=False, max_new_tokens=20, eps_low=0.2,
-                               eps_high=0.28, clip_c=0.0, tis_cap=0.0, entropy_coef=0.0,
+                               eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                               entropy_coef=0.0,
                                beta=0.0, kl="k3", grad_clip=0.0)
         learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.1),
                                  contextlib.nullcontext)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infra import builtin, data, flags
-from launch import ROOT, torchrun
+from launch import ROOT, run_train, torchrun
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from test_grpo import tiny, tiny_flags, weights_of
@@ -318,3 +318,43 @@ def test_engine_takes_the_merged_weights_of_a_lora_policy():
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(pushed[q], model.state_dict()[q.replace(".weight",
                                                                    ".base_layer.weight")])
+
+
+CORRECTIONS = {                                     # name: flags (docs/rollout-correction.md)
+    "token truncate 2 (default)": [],
+    "token mask 2 (TRL token_mask)": ["--is-mode", "mask"],
+    "sequence mask 3 (TRL's default)": ["--tis-cap", "3", "--is-level", "sequence", "--is-mode",
+                                        "mask"],
+    "geometric reject [0.999, 1.001] (verl RS)": ["--tis-cap", "1.001", "--is-low", "0.999",
+                                                  "--is-level", "geometric", "--is-mode",
+                                                  "reject"],
+    "IcePop [0.5, 5]": ["--tis-cap", "5", "--is-low", "0.5", "--is-mode", "mask"],
+    "off-policy mask 1e-3, --mu 2": ["--off-policy-mask", "1e-3", "--mu", "2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_each_rollout_correction_runs_through_the_engine(vllm_env, vllm_model, tiny_run_inputs,
+                                                         tmp_path):
+    """Every correction of infra/correction.py through train.py with --rollout vllm in bf16 (the
+    engine's bf16 kernels against the trainer's bf16 autocast: a mismatch to correct), 2 steps
+    each: each logs its share, within [0, 1], and the tight rejection acts; prints the per-step
+    mismatch and share (docs/rollout-correction.md's table)."""
+    lines = []
+    for name, extra in CORRECTIONS.items():
+        out = tmp_path / str(len(lines))
+        run_train(tiny_run_inputs, out, "--model", str(vllm_model[0]), "--rollout", "vllm",
+                  "--bf16", "--algo", "dapo", "--grad-clip", "0", *extra)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+                if '"loss"' in x]
+        key = "offpolicy/masked_frac" if "--off-policy-mask" in extra else "is/corrected_frac"
+        shares = [r[key] for r in rows]
+        assert len(rows) == 2 and all(0 <= s <= 1 for s in shares), (name, shares)
+        assert all(r["mismatch/logp_abs_mean"] > 0 for r in rows)
+        if "reject" in extra:
+            assert max(shares) > 0, name
+        lines.append(f"| {name} | " + ", ".join(f"{r['mismatch/logp_abs_mean']:.2e}" for r in rows)
+                     + " | " + ", ".join(f"{s:.3f}" for s in shares) + " |")
+    print("\n| correction | mismatch/logp_abs_mean per step | share acted on per step |\n"
+          "| --- | --- | --- |\n" + "\n".join(lines))
