@@ -31,7 +31,7 @@ import zlib
 import torch
 
 import verifier
-from infra import data, flags, models, vllm_rollout
+from infra import data, flags, lm_head, models, vllm_rollout
 from infra.errors import USER_ERRORS
 from infra.rollout import check_context, sample_rollout
 
@@ -210,6 +210,8 @@ def main(argv=None) -> list[tuple[str, dict]]:
         results, lines = [], []  # (model, metrics) in --model order
         for spec in args.model:
             path, tokenizer, model = models.load_model(spec, args.trust_remote_code)
+            if args.fp32_lm_head:
+                lm_head.run_in_fp32(model)
             data.PromptFormatter(tokenizer, args.prompt_template, args.system_prompt,
                                  args.chat_template).check(rows, f"--data {args.data}")
             engine = None

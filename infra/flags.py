@@ -96,6 +96,10 @@ class EvalArgs:
     device: str | None = flag(None, "cpu or cuda (default: cuda if available)")
     bf16: bool | None = flag(None, "bfloat16 autocast for every forward pass, weights and Adam "
                              "kept in float32 (default: on with CUDA)")
+    fp32_lm_head: bool = flag(False, "under --bf16: the LM head's matmul and log-softmax in "
+                              "float32, in the sampler, the trainer and the vLLM engine "
+                              "(head_dtype), as MiniMax-M1 and ScaleRL (TRL's "
+                              "cast_lm_head_to_fp32)")
     compile: bool = flag(False, "decode with static shapes (--max-num-seqs slots x P + T "
                          "positions, masks) through torch.compile, a CUDA graph on CUDA: the same "
                          "rollout, compiled once per shape (20-30 s on CPU, where it gains "

@@ -62,6 +62,27 @@ def fusable(model) -> str | None:
     return None
 
 
+class Fp32Linear(torch.nn.Linear):
+    """--fp32-lm-head: an output layer whose matmul runs in float32 outside autocast, for every
+    caller (the sampler's decode steps, evaluation, the fused head below, the plain fallback), as
+    MiniMax-M1, ScaleRL and TRL's cast_lm_head_to_fp32 do under bf16. Parameters and state dict
+    are the nn.Linear's; only the class changes (`run_in_fp32`), so copies keep it."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def run_in_fp32(model) -> None:
+    """The model's output layer (a plain nn.Linear) computes its logits in float32 from now on."""
+    head = output_layer(model)
+    if type(head) is not torch.nn.Linear and not isinstance(head, Fp32Linear):
+        raise ValueError(f"--fp32-lm-head: the output layer is a {type(head).__name__}, not a "
+                         f"plain nn.Linear")
+    head.__class__ = Fp32Linear
+
+
 def warn_unfused(why: str) -> None:
     """One warning per reason: the full [n, T, V] logits are built instead."""
     if why not in _WARNED:
@@ -82,9 +103,11 @@ class _FusedHead(torch.autograd.Function):
     z = h W^T + b, chunk by chunk; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, s, want_entropy, entropy_grad):
-        dev = hidden.device.type
-        amp = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+    def forward(ctx, hidden, weight, bias, ids, s, want_entropy, entropy_grad, fp32):
+        dev = hidden.device.type                      # fp32: --fp32-lm-head, autocast off
+        amp = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev) and not fp32)
+        ctx.in_dtype = hidden.dtype
+        hidden = hidden.float() if fp32 else hidden
         H, V = hidden.shape[-1], weight.shape[0]
         h, flat_ids = hidden.reshape(-1, H), ids.reshape(-1, 1)              # [N, H], [N, 1]
         out = hidden.new_zeros(h.shape[0], 2, dtype=torch.float32)           # [N, 2]
@@ -126,8 +149,8 @@ class _FusedHead(torch.autograd.Function):
             dW += (dz.t() @ hc.to(cdt)).float()                              # [V, H]
             if db is not None:
                 db += dz.float().sum(0)
-        return (dh.view(hidden.shape), dW.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None)
+        return (dh.view(hidden.shape).to(ctx.in_dtype), dW.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None, None)
 
 
 _FLOOR = torch.finfo(torch.float32).min   # log p of a -inf logit, so that p log p = 0 there
@@ -140,10 +163,11 @@ def fused_head(model, ids: torch.Tensor, temperature: float, want_entropy: bool,
     [n, T] under softmax(logits / temperature), its entropy (zeros unless want_entropy)) in place of
     the logits; the entropy has a gradient only with entropy_grad."""
     head = output_layer(model)
+    fp32 = isinstance(head, Fp32Linear)
 
     def forward(hidden):                                                     # [n, T, H]
         return _FusedHead.apply(hidden, head.weight, head.bias, ids.to(hidden.device),
-                                1.0 / temperature, want_entropy, entropy_grad)
+                                1.0 / temperature, want_entropy, entropy_grad, fp32)
     head.forward = forward                               # an instance attribute, removed after
     try:
         yield

@@ -24,6 +24,7 @@ from infra import (
     checkpoint,
     data,
     flags,
+    lm_head,
     lora,
     metrics,
     models,
@@ -157,6 +158,8 @@ def load_policy(args: flags.TrainArgs, ranks: parallel.Dist):
             builtin.base_model()
         ranks.barrier()
     path, tokenizer, model = models.load_model(args.model, args.trust_remote_code)
+    if args.fp32_lm_head:
+        lm_head.run_in_fp32(model)                    # before the reference copy: it keeps it
     lora_config = None
     if args.lora_r:
         lora_config = lora.add_adapters(model, args.lora_r, args.lora_alpha,

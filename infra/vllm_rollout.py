@@ -113,7 +113,7 @@ def engine_for(path: str, model, args, device: str, resident_bytes: int,
             print(f"vLLM engine: {share:.2f} of the GPU (the trainer keeps "
                   f"{resident_bytes / GIB:.1f} GiB while it samples)", file=sys.stderr)
     return Engine(path, device, args.bf16, args.seed, share, args.max_num_seqs,
-                  context_limit(model)[0], tensor_parallel_size)
+                  context_limit(model)[0], tensor_parallel_size, args.fp32_lm_head)
 
 
 def _group_gather(tp: int):
@@ -136,7 +136,7 @@ class Engine:
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, fp32_head: bool = False):
         # the engine core in this process (weight sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -162,6 +162,8 @@ class Engine:
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
             enforce_eager=not self.cuda,
             **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}),
+            # --fp32-lm-head: the engine's lm_head in float32 too (vLLM's head_dtype override)
+            **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
             # the positions a sequence may take: the model's context, said, never vLLM's guess
             # (rollout.check_context refuses a run that needs more before it samples)
             **({} if max_model_len is None else {"max_model_len": max_model_len}))

@@ -7,6 +7,7 @@ the training forward.
 """
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -38,7 +39,7 @@ def test_fused_head_equals_the_plain_head_values_and_gradients(entropy_grad, mon
     h = torch.randn(2, 5, H, requires_grad=True)
     W, b = (torch.randn(V, H) * 2).requires_grad_(True), torch.randn(V).requires_grad_(True)
     ids, w1, w2 = torch.randint(0, V, (2, 5)), torch.randn(2, 5), torch.randn(2, 5)
-    out = lm_head._FusedHead.apply(h, W, b, ids, 1 / 0.7, True, entropy_grad)  # [2, 5, 2]
+    out = lm_head._FusedHead.apply(h, W, b, ids, 1 / 0.7, True, entropy_grad, False)  # [2, 5, 2]
     want_lp, want_ent = _naive(h, W, b, ids, 0.7)
     assert torch.allclose(out[..., 0], want_lp, atol=1e-5)
     assert torch.allclose(out[..., 1], want_ent, atol=1e-5)
@@ -57,7 +58,7 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
     W = torch.randn(V, H, requires_grad=True)
     ids = torch.randint(0, V, (3, 4))
     with torch.autocast("cpu", torch.bfloat16):
-        out = lm_head._FusedHead.apply(h, W, None, ids, 1.0, False, False)
+        out = lm_head._FusedHead.apply(h, W, None, ids, 1.0, False, False, False)
         logits = torch.nn.functional.linear(h, W)                             # bf16 [3, 4, V]
     want = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
     assert torch.allclose(out[..., 0], want, atol=1e-4)
@@ -258,3 +259,63 @@ def test_the_logits_kernel_takes_the_devices_chunk(monkeypatch):
     logprobs.token_logprobs(logits, ids)
     assert seen == [(50, "cpu")]
     assert (real(151_936, "cpu"), real(151_936, "cuda"), real(151_936, "cuda:3")) == (27, 441, 441)
+
+
+def test_fp32_lm_head_computes_the_heads_logits_in_float32_under_bf16(monkeypatch):
+    # --fp32-lm-head: under bf16 autocast, the trainer's fused head, the plain head (the sampler's
+    # and evaluation's forward) and their gradients are the float32 head's on the trunk's hidden
+    # states, to float32 rounding; without it they are bf16's, ~1e-2 away
+    import logprobs
+    from infra import setup
+    V = 300
+    model = tiny_qwen(V)
+    roll = rollout_of(V, 4, 16)
+    W = lm_head.output_layer(model).weight
+
+    def trainer(model):
+        with torch.autocast("cpu", torch.bfloat16):
+            logp, _, valid = logprobs.rollout_logprobs(model, roll, slice(0, 4), 1.0, False)
+        return logp, valid.bool()
+
+    def by_hand():                                       # the trunk under autocast, head in fp32
+        ids = torch.cat([torch.tensor(roll.prompts[0]).expand(4, -1), roll.response_ids], 1)
+        with torch.autocast("cpu", torch.bfloat16):
+            h = model.model(input_ids=ids).last_hidden_state[:, 6:-1]     # response positions
+        logp = torch.log_softmax(h.float() @ W.float().t(), -1)
+        return logp.gather(-1, roll.response_ids[..., None]).squeeze(-1)
+    bf16, valid = trainer(model)
+    lm_head.run_in_fp32(model)
+    assert type(lm_head.output_layer(model)) is lm_head.Fp32Linear
+    fp32, _ = trainer(model)
+    want = by_hand()
+    assert (fp32 - want)[valid].abs().max() < 1e-5 < (bf16 - want)[valid].abs().max()
+    # the plain head (what the sampler's decode calls) is the float32 one too
+    with torch.autocast("cpu", torch.bfloat16):
+        z = lm_head.output_layer(model)(torch.randn(2, 16))
+    assert z.dtype == torch.float32
+    # and the gradient of W through the fused head is the float32 head's
+    g = torch.autograd.grad(trainer(model)[0][valid].sum(), W)[0]
+    g_want = torch.autograd.grad(by_hand()[valid].sum(), W)[0]
+    assert torch.allclose(g, g_want, atol=1e-5 * g_want.abs().max().item() + 1e-6)
+    # the flag reaches both commands' models and the engine (vLLM's head_dtype override)
+    seen = {}
+    monkeypatch.setattr(lm_head, "run_in_fp32", lambda m: seen.setdefault("model", m))
+    monkeypatch.setattr(setup.models, "load_model", lambda *a: ("p", None, model))
+    from infra import flags
+    setup.load_policy(flags.parse_train_args(["--fp32-lm-head", "--device", "cpu"], ""),
+                      types.SimpleNamespace(world=1, device="cpu", master=True))
+    assert seen["model"] is model
+
+
+def test_the_engine_runs_its_head_in_float32_with_the_flag(monkeypatch):
+    import sys
+
+    from infra import vllm_rollout
+    seen = {}
+    fake = types.SimpleNamespace(LLM=lambda **kw: seen.update(kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    vllm_rollout.Engine("m", "cpu", True, 0, 0.3, fp32_head=True)
+    assert seen["hf_overrides"] == {"head_dtype": "float32"}
+    seen.clear()
+    vllm_rollout.Engine("m", "cpu", True, 0, 0.3)
+    assert seen and "hf_overrides" not in seen

@@ -135,7 +135,8 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     made = []
 
     class Engine:
-        def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len, tp):
+        def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len, tp,
+                     fp32_head):
             made.append({"path": path, "max_model_len": max_model_len, "calls": 0,
                          "closed": False, "max_num_seqs": max_num_seqs, "util": util, "tp": tp})
 
@@ -206,7 +207,7 @@ def test_the_engines_memory_share_defaults_to_what_the_trainer_leaves(monkeypatc
     fake = types.SimpleNamespace(LLM=lambda **kw: seen.update(kw))
     monkeypatch.setitem(sys.modules, "vllm", fake)
     args = types.SimpleNamespace(bf16=True, seed=0, vllm_gpu_memory_utilization=None,
-                                 max_num_seqs=None)
+                                 max_num_seqs=None, fp32_lm_head=False)
     vr.engine_for("some/model", model, args, "cuda:0", int(ddp))
     assert seen["gpu_memory_utilization"] == pytest.approx(0.621, abs=1e-3)
     args.vllm_gpu_memory_utilization = 0.45
