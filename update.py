@@ -26,7 +26,7 @@ from sampler import Rollout
 
 # --loss: grpo.policy_loss's surrogate, (logp, old_logp, advantages, mask, weights) -> (loss, m)
 LOSSES = {"ppo": grpo.ppo_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
-          "cispo": variants.cispo_loss}
+          "cispo": variants.cispo_loss, "dppo": variants.dppo_loss, "sapo": variants.sapo_loss}
 KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
 UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac",
                "clip/high_frac", "clip/dual_frac", "ratio/mean", "grad_norm", "updates",

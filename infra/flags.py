@@ -291,8 +291,8 @@ class TrainArgs(EvalArgs):
     clip_c: float = flag(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: "
                          "off; verl 3, DAPO recipe 10)")
     loss: str = flag("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, "
-                     "gspo-token, cispo (infra/variants.py)",
-                     ["ppo", "gspo", "gspo-token", "cispo"])
+                     "gspo-token, cispo, dppo, sapo (infra/variants.py)",
+                     ["ppo", "gspo", "gspo-token", "cispo", "dppo", "sapo"])
     kl: str = flag("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 "
                    "(DeepSeekMath)", ["k1", "k2", "k3"])
     entropy_coef: float = flag(0.0, "subtract this times the mean token entropy from the loss (0: "
@@ -363,6 +363,7 @@ LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the
     "gspo": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
     "gspo-token": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
     "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
+    "dppo": dict(eps_low=variants.DPPO_DELTA, eps_high=variants.DPPO_DELTA),
 }
 BUILTIN_DEFAULTS = dict(steps=40, prompts_per_step=32, lr=2e-4)  # max_new_tokens...: resolve
 MODEL_DEFAULTS = dict(steps=500, prompts_per_step=512, lr=1e-6)

@@ -14,6 +14,9 @@ returning (loss to minimise, metrics). grpo.policy_loss adds beta * KL (grpo.kl_
   gradient: `gspo_token_loss`.
 - CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(ratio)) * A * logp, so a clipped token keeps
   its gradient (only its weight is bounded): `cispo_loss`.
+- DPPO (arXiv 2602.04879): the trust region on the probability difference pi - pi_old, not on
+  the ratio (`dppo_loss`). SAPO (arXiv 2511.20347): a soft sigmoid gate on the ratio instead of a
+  clip (`sapo_loss`).
 - Entropy bonus: the mean entropy of the policy's next-token distribution, to subtract with a
   coefficient: `token_entropy` (logprobs.token_entropy: differentiable, block by block) and
   `entropy_bonus`.
@@ -33,6 +36,10 @@ from logprobs import token_entropy  # noqa: F401  (the bonus's entropy: differen
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # GSPO paper, Sec. 5.1
 # no lower bound (MiniMax-M1); the ratio capped at 5 (ScaleRL, arXiv 2510.13786)
 CISPO_EPS_LOW, CISPO_EPS_HIGH = 1.0, 4.0
+# DPPO-Binary-TV: the probability band (verl's dppo_tv default clip range) and the ratio's cap
+# (verl's clip_ratio_c)
+DPPO_DELTA, DPPO_RATIO_CAP = 0.2, 20.0
+SAPO_TAU_POS, SAPO_TAU_NEG = 1.0, 1.05  # TRL's defaults: a sharper gate for A < 0, as the paper
 
 
 def _check_adv(advantages: torch.Tensor, mask: torch.Tensor, per_token_ok: bool) -> torch.Tensor:
@@ -138,6 +145,71 @@ def cispo_loss(
     loss = (per_token * weights).sum()
     with torch.no_grad():
         metrics = grpo.clip_metrics(ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high, mask)
+    return loss, metrics
+
+
+def dppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float = DPPO_DELTA,
+    eps_high: float = DPPO_DELTA,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-TV's objective to minimise ("Rethinking the Trust Region in LLM RL", arXiv
+    2602.04879; prime-rl's default, verl's dppo_tv), and its metrics.
+
+    The trust region is on the probability, not the ratio: a token whose probability has moved
+    past pi_old + eps_high (A > 0) or below pi_old - eps_low (A < 0) is masked; the others carry
+    -A * sg(min(ratio, DPPO_RATIO_CAP)) * logp, whose gradient is PPO's unclipped -A * grad(ratio).
+    A rare token's ratio may grow far while its probability stays within the band, which PPO's
+    ratio clip would stop. Inputs [N, T] except advantages [N] or [N, T]; clip/high_frac and
+    clip/low_frac count the masked tokens with A > 0 and A < 0.
+    """
+    adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
+    mask = mask.to(logp.dtype)                                                # [N, T]
+    log_ratio = (logp - old_logp).detach()                                    # [N, T]
+    ratio = torch.exp(log_ratio.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))  # [N, T]
+    diff = torch.exp(logp.detach()) - torch.exp(old_logp)                     # [N, T] p - p_old
+    high = (adv > 0) & (diff > eps_high)                                      # [N, T]
+    low = (adv <= 0) & (diff < -eps_low)
+    keep = (~(high | low)).to(logp.dtype)                                     # [N, T]
+    per_token = -adv * ratio.clamp(max=DPPO_RATIO_CAP) * logp * keep         # [N, T]
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        metrics = grpo.clip_metrics(ratio, low, high, mask)
+    return loss, metrics
+
+
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    eps_low: float = 0.0,
+    eps_high: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO's objective to minimise (Soft Adaptive Policy Optimization, arXiv 2511.20347), and its
+    metrics.
+
+    No clip: each token's ratio passes a soft gate, -A * f(ratio), f(r) = sigmoid(tau (r - 1)) *
+    4 / tau, tau = SAPO_TAU_POS for A > 0 and SAPO_TAU_NEG otherwise. f'(1) = 1, so on-policy the
+    gradient is the policy gradient; as r leaves 1 the gradient fades smoothly instead of
+    stopping at a boundary. eps_low / eps_high are not read (the loss has no clip range).
+    clip/low_frac and clip/high_frac stay 0.
+    """
+    adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
+    mask = mask.to(logp.dtype)                                                # [N, T]
+    log_ratio = (logp - old_logp).clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)                                              # [N, T]
+    tau = torch.where(adv > 0, SAPO_TAU_POS, SAPO_TAU_NEG).to(logp.dtype)     # [N, 1] or [N, T]
+    per_token = -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)       # [N, T]
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        zero = torch.zeros_like(mask, dtype=torch.bool)
+        metrics = grpo.clip_metrics(ratio.detach(), zero, zero, mask)
     return loss, metrics
 
 

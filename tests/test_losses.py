@@ -265,6 +265,9 @@ def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
      w: variants.gspo_token_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
     ("cispo", lambda lp, old, adv, mask,
      w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
+    ("dppo", lambda lp, old, adv, mask, w: variants.dppo_loss(lp, old, adv, mask, w, 0.01,
+                                                              0.01)[0]),
+    ("sapo", lambda lp, old, adv, mask, w: variants.sapo_loss(lp, old, adv, mask, w)[0]),
     ("kl-k2", lambda lp, old, adv, mask, w: grpo.kl_term(lp, old, mask, w, grpo.kl_k2)[0]),
     ("tis", lambda lp, old, adv, mask, w: variants.cispo_loss(
         lp, old, adv, mask,
@@ -336,7 +339,7 @@ def test_mismatch_metrics_by_hand():
 
 
 def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
-    assert (set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo"}
+    assert (set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo", "dppo", "sapo"}
             and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"})
     a = flags.parse_train_args(["--loss", "gspo"])
     assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)
@@ -478,3 +481,65 @@ def test_the_correction_flags_reach_the_loss(tiny_run_inputs, tmp_path):
     assert (flags_.is_level, flags_.is_mode, flags_.is_low) == ("geometric", "mask", 0.5)
     with pytest.raises(SystemExit):
         flags.parse_train_args(["--is-mode", "mask"], "")        # shapes a correction that is off
+
+
+# ---------------------------------------------------------------------------------------------
+# DPPO and SAPO against verl's formulas (verl/trainer/ppo/core_algos.py: dppo_tv, sapo)
+# ---------------------------------------------------------------------------------------------
+
+def _verl_dppo_tv(old_logp, logp, adv_tok, mask, low, high, mode, ratio_cap=20.0):
+    """verl compute_policy_loss_dppo_tv: -A * sg(min(ratio, clip_ratio_c)) * logp on the tokens
+    whose probability difference p - p_old stays <= high (A > 0) or >= -low (otherwise)."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, min=-20.0, max=20.0))
+    truncated = torch.clamp(ratio, max=ratio_cap).detach()
+    diff = torch.exp(logp) - torch.exp(old_logp)
+    valid = torch.where(adv_tok > 0, diff <= high, diff >= -low).detach().to(logp.dtype)
+    return _verl_agg(-adv_tok * truncated * logp * valid, mask, mode)
+
+
+def _verl_sapo(old_logp, logp, adv_tok, mask, tau_pos, tau_neg, mode):
+    """verl compute_policy_loss_sapo: -A * sigmoid(tau (ratio - 1)) * 4 / tau, tau by A's sign."""
+    ratio = torch.exp(torch.clamp(logp - old_logp, min=-20.0, max=20.0))
+    taus = torch.where(adv_tok > 0, torch.tensor(tau_pos, dtype=logp.dtype),
+                       torch.tensor(tau_neg, dtype=logp.dtype))
+    return _verl_agg(-torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * adv_tok, mask, mode)
+
+
+def _check_dppo_and_sapo_against_verl(seed, reduction, mode):
+    logp, old, adv, mask = _random_policy_batch(seed, 0.8)
+    # probabilities near 0.6, where the band can bind
+    old = (old + 1.5).clamp(max=-0.05)
+    logp = (logp.detach() + 1.5).clamp(max=-0.05).requires_grad_(True)
+    adv_tok, wt = adv[:, None].expand_as(mask), grpo.token_weights(mask, reduction)
+    for anchor, ours in (
+            (lambda: _verl_dppo_tv(old, logp, adv_tok, mask, 0.2, 0.2, mode),
+             lambda: variants.dppo_loss(logp, old, adv, mask, wt)[0]),
+            (lambda: _verl_sapo(old, logp, adv_tok, mask, 1.0, 1.05, mode),
+             lambda: variants.sapo_loss(logp, old, adv, mask, wt)[0])):
+        want, g_want = _value_and_grad(anchor, logp)
+        got, g_got = _value_and_grad(ours, logp)
+        assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    m = variants.dppo_loss(logp, old, adv, mask, wt)[1]
+    return m["clip/low_frac"] + m["clip/high_frac"]
+
+
+@pytest.mark.parametrize("reduction,mode",
+                         [("token", "token-mean"), ("sequence", "seq-mean-token-mean")])
+def test_dppo_and_sapo_equal_verls_values_and_gradients(reduction, mode):
+    masked = sum(_check_dppo_and_sapo_against_verl(seed, reduction, mode) for seed in range(4))
+    assert masked > 0                                   # the band masked some tokens
+    # on-policy both are the policy gradient: -A grad(logp), each token by its weight
+    logp, _, adv, mask = _random_policy_batch(9, 0.0)
+    old, wt = logp.detach().clone(), grpo.token_weights(mask, reduction)
+    want = -adv[:, None] * wt
+    for fn in (variants.dppo_loss, variants.sapo_loss):
+        _, g = _value_and_grad(lambda fn=fn: fn(logp, old, adv, mask, wt)[0], logp)
+        assert torch.allclose(g, want, atol=1e-12), fn.__name__
+    assert flags.parse_train_args(["--loss", "dppo"], "").eps_high == variants.DPPO_DELTA
+
+
+@pytest.mark.parametrize("loss", ["dppo", "sapo"])
+def test_dppo_and_sapo_run_through_train(tiny_run_inputs, tmp_path, loss):
+    from test_grpo import one_step
+    row = one_step(tiny_run_inputs, tmp_path / loss, "--loss", loss, "--mu", "2")
+    assert row["loss"] == row["loss"] and row["grad_norm"] > 0     # finite, and it trained
