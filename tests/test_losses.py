@@ -19,6 +19,7 @@ from infra import (
     variants,
 )
 from test_grpo import (
+    read_file,
     reduce_by_hand,
 )
 
@@ -543,3 +544,61 @@ def test_dppo_and_sapo_run_through_train(tiny_run_inputs, tmp_path, loss):
     from test_grpo import one_step
     row = one_step(tiny_run_inputs, tmp_path / loss, "--loss", loss, "--mu", "2")
     assert row["loss"] == row["loss"] and row["grad_norm"] > 0     # finite, and it trained
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/from-trl.md's conformance table: TRL's loss_types and verl's loss_agg_modes on one batch
+# ---------------------------------------------------------------------------------------------
+
+def _conformance_batch():
+    """4 responses of 6, 3, 5 and 2 tokens (T = 6 = --max-new-tokens), off-policy by ~0.3 nats."""
+    g = torch.Generator().manual_seed(11)
+    old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2 - 0.2
+    logp = (old + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    mask = (torch.arange(6)[None] < torch.tensor([6, 3, 5, 2])[:, None]).double()
+    return logp, old, adv, mask
+
+
+def _trl_per_token(logp, old, adv, eps_low=0.2, eps_high=0.28):
+    """TRL's per_token_loss: -min(coef_1 A, clamp(coef_1, 1 - epsilon, 1 + epsilon_high) A)."""
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    return -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+
+
+CONFORMANCE = [  # (anchor setting, its reduction of per_token_loss [N, T] by mask, ours or None)
+    ('TRL `loss_type="grpo"`', lambda x, m: ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(),
+     "sequence"),
+    ('TRL `loss_type="dapo"`', lambda x, m: (x * m).sum() / m.sum(), "token"),
+    ('TRL `loss_type="bnpo"`', lambda x, m: (x * m).sum() / m.sum().clamp(min=1.0), "token"),
+    ('TRL `loss_type="dr_grpo"`', lambda x, m: (x * m).sum() / (x.size(0) * 6), "constant"),
+    ('verl `loss_agg_mode="token-mean"`', lambda x, m: (x * m).sum() / m.sum(), "token"),
+    ('verl `"seq-mean-token-mean"`', lambda x, m: ((x * m).sum(-1) / m.sum(-1)).mean(),
+     "sequence"),
+    ('verl `"seq-mean-token-sum-norm"`', lambda x, m: ((x * m).sum(-1) / m.shape[-1]).mean(),
+     "constant"),
+    ('verl `"seq-mean-token-sum"`', lambda x, m: (x * m).sum(-1).mean(), None),
+]
+
+
+def test_trl_and_verl_reductions_conform_to_the_flags_here():
+    # for one batch (one micro-batch on one rank, as TRL and verl see a whole update), each anchor
+    # reduction of TRL's PPO per-token loss equals grpo.ppo_loss under the --reduction named, in
+    # value and gradient to 1e-6; docs/from-trl.md's table holds these values (read back here)
+    logp, old, adv, mask = _conformance_batch()
+    doc = read_file(os.path.join(HERE, "docs", "from-trl.md"))
+    for anchor, reduce, ours in CONFORMANCE:
+        want, g_want = _value_and_grad(lambda reduce=reduce: reduce(
+            _trl_per_token(logp, old, adv), mask), logp)
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {anchor} |"))
+        assert f"| {want.item():.6f} |" in row, (anchor, want.item(), row)
+        if ours is None:
+            continue
+        w = grpo.token_weights(mask, ours, max_len=6)
+        got, g_got = _value_and_grad(lambda w=w: grpo.ppo_loss(logp, old, adv, mask, w, 0.2,
+                                                                0.28)[0], logp)
+        assert abs(got.item() - want.item()) < 1e-6 and (g_got - g_want).abs().max() < 1e-6, anchor
+        assert f"`--reduction {ours}`" in row, row
+        print(f"| {anchor} | `--reduction {ours}` | {want.item():.6f} | {got.item():.6f} | "
+              f"{(g_got - g_want).abs().max().item():.1e} |")
