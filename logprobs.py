@@ -103,12 +103,16 @@ class _TokenLogprobs(torch.autograd.Function):
     [N, T, V] three times."""
 
     @staticmethod
-    def forward(ctx, logits, ids, s):
+    def forward(ctx, logits, ids, s, kept):
         out, flat_ids = (logits.new_empty(ids.numel(), 1, dtype=torch.float32),
                          ids.reshape(-1, 1))  # [N*T, 1] each
+        flat_kept = None if kept is None else kept.reshape(-1)               # [N*T], 0: all
         for rows, logp in _softmax_blocks(logits, s):
             torch.gather(logp, -1, flat_ids[rows], out=out[rows])
-        ctx.save_for_backward(logits, ids)
+            cut = lm_head.truncated_rows(None if kept is None else flat_kept[rows], logp.shape[-1])
+            if cut is not None:                                 # --top-p: under the nucleus
+                out[rows][cut, 0] -= lm_head.kept_mass(logp[cut], flat_kept[rows][cut])
+        ctx.save_for_backward(logits, ids, flat_kept)
         ctx.s = s
         return out.view(ids.shape)
 
@@ -117,18 +121,24 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, g):
         # d/dx_v log softmax(s x)_id = s (1[v = id] - softmax(s x)_v), written block by block into
         # the one gradient tensor: the only [N, T, V] this pass allocates.
-        logits, ids = ctx.saved_tensors
+        logits, ids, kept = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [N, T, V]
         flat, gs, flat_ids = (grad.view(-1, logits.shape[-1]), (g.float() * ctx.s).reshape(-1, 1),
                               ids.reshape(-1, 1))
-        for rows, p in _softmax_blocks(logits, ctx.s, torch.softmax):
+        fn = torch.softmax if kept is None else torch.log_softmax
+        for rows, p in _softmax_blocks(logits, ctx.s, fn):
+            if kept is not None:                  # --top-p: the nucleus' softmax where it cut
+                cut = lm_head.truncated_rows(kept[rows], p.shape[-1])
+                logp, p = p, p.exp()                                          # [c, V] each
+                if cut is not None:
+                    p[cut] = lm_head.kept_probs(logp[cut], kept[rows][cut])
             torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows],
                                                                  gs[rows].to(flat.dtype))
-        return grad, None, None
+        return grad, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                   kept: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits / temperature)[ids]: [N, T, V], [N, T] -> [N, T] float32,
     without a second [N, T, V].
 
@@ -137,8 +147,10 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
     slice such as `.logits[:, :-1]` (no copy). The backward writes the gradient block by block: one
     [N, T, V] tensor, where autograd through log_softmax + gather makes three. Passing the
     temperature here rather than dividing the logits first saves another vocabulary-sized copy.
+    kept [N, T] (Rollout.kept: --top-p's nucleus sizes, 0 for the full vocabulary): the log-prob
+    under the token's kept most probable tokens renormalised, log p_id - log(their mass).
     """
-    return _TokenLogprobs.apply(logits, ids, 1.0 / temperature)
+    return _TokenLogprobs.apply(logits, ids, 1.0 / temperature, kept)
 
 
 # log p of a masked (-inf) logit, so that p log p = 0 there
@@ -232,17 +244,21 @@ def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
 
 
 def scores(model, resp: torch.Tensor, temperature: float, with_entropy: bool,
-           entropy_grad: bool, keep: int | None = None, **inputs):
+           entropy_grad: bool, keep: int | None = None, kept: torch.Tensor | None = None,
+           **inputs):
     """One forward of `model` on `inputs` -> (log-probs [m, T] of the response tokens resp [m, T],
     their entropies [m, T] or None). keep: logits_to_keep, the positions scored (T + 1 when the
     inputs end with the response; the last one predicts nothing). The LM head is fused with the
     log-softmax (infra/lm_head.py: no [m, T, V] tensor) where it can be; else the full logits and
-    the block kernels above, the entropy without a graph unless entropy_grad."""
+    the block kernels above, the entropy without a graph unless entropy_grad. kept [m, T]:
+    Rollout.kept's nucleus sizes (None: the full distribution)."""
     kw = {"logits_to_keep": keep} if keep else {}
     why = lm_head.fusable(model)
     if why is None:
         ids = torch.nn.functional.pad(resp, (0, 1)) if keep else resp       # [m, T(+1)]
-        with lm_head.fused_head(model, ids, temperature, with_entropy, entropy_grad):
+        if kept is not None and keep:
+            kept = torch.nn.functional.pad(kept, (0, 1))                     # [m, T+1]
+        with lm_head.fused_head(model, ids, temperature, with_entropy, entropy_grad, kept):
             both = model(**inputs, **kw).logits                              # [m, T(+1), 2]
         both = both[:, :-1] if keep else both                                # [m, T, 2]
         return both[..., 0], (both[..., 1] if with_entropy else None)
@@ -253,7 +269,7 @@ def scores(model, resp: torch.Tensor, temperature: float, with_entropy: bool,
     if with_entropy:
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             ent = token_entropy(logits if entropy_grad else logits.detach(), temperature)
-    return token_logprobs(logits, resp, temperature), ent
+    return token_logprobs(logits, resp, temperature, kept), ent
 
 
 def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
@@ -306,8 +322,9 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
         if cache is not None:                                        # 2. one cache row per response
             kw = {name: _cache_rows(cache, group[r].to(dev)), "use_cache": True}
             attn = torch.cat([head_mask[group[r]], attn], 1)         # [m, P-1 + T]
+        kept = None if roll.kept is None else roll.kept[a:b][r, :T].to(dev)  # [m, T]
         lp, ent = scores(model, resp.to(dev), temperature, with_entropy, entropy_grad,  # 3.
-                         input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                         kept=kept, input_ids=ids.to(dev), attention_mask=attn.to(dev),
                          position_ids=pos.to(dev), **kw)             # [m, T] each
         pad = lambda x, T=T: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  -> [m, T_all]
         out.append((pad(lp), pad(ent) if with_entropy else None))
@@ -316,6 +333,19 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     logp = torch.cat([lp for lp, _ in out])[back]                    # [n, T_all]
     ent = torch.cat([e for _, e in out])[back] if with_entropy else None  # [n, T_all]
     return logp, ent, roll.mask[a:b].to(dev)
+
+
+def own_prompt_inputs(roll: Rollout, a: int, b: int, dev):
+    """Rows a:b as per_response_logprobs feeds them: (input_ids, attention_mask, position_ids)
+    [n, P+T] each on dev, and the responses [n, T], T the rows' longest: each response after its
+    own left-padded prompt, right-padded (pads after EOS are masked by the loss)."""
+    T = int(roll.lengths[a:b].max())                                          # the slice's longest
+    resp = roll.response_ids[a:b, :T].cpu()                                   # [n, T]
+    pids, pmask = left_padded([roll.prompts[i // roll.G] for i in range(a, b)], roll.pad_token_id)
+    ids = torch.cat([pids, resp], 1).to(dev)                                  # [n, P+T]
+    attn = torch.cat([pmask, torch.ones(b - a, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
+    return ids, attn, pos, resp.to(dev)
 
 
 def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
@@ -328,17 +358,12 @@ def per_response_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     """
     a, b = _rows(roll, rows)
     entropy_grad = with_entropy if entropy_grad is None else entropy_grad
-    prompts = [roll.prompts[i // roll.G] for i in range(a, b)]
-    T_all, T = roll.response_ids.shape[1], int(roll.lengths[a:b].max())      # rollout's, slice's
-    resp, rmask = roll.response_ids[a:b, :T], roll.mask[a:b]                 # [n, T], [n, T_all]
-    n = resp.shape[0]
-    pids, pmask = left_padded(prompts, roll.pad_token_id)                   # [n, P] each
     dev = next(model.parameters()).device
-    ids = torch.cat([pids, resp.cpu()], 1).to(dev)                           # [n, P+T]
-    # pads after EOS are masked by loss
-    attn = torch.cat([pmask, torch.ones(n, T, dtype=torch.long)], 1).to(dev)  # [n, P+T]
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)                                  # [n, P+T]
-    logp, ent = scores(model, resp.to(dev), temperature, with_entropy, entropy_grad, keep=T + 1,
-                       input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+    ids, attn, pos, resp = own_prompt_inputs(roll, a, b, dev)                # [n, P+T], [n, T]
+    T_all, T = roll.response_ids.shape[1], resp.shape[1]                     # rollout's, slice's
+    kept = None if roll.kept is None else roll.kept[a:b, :T].to(dev)        # [n, T]
+    logp, ent = scores(model, resp, temperature, with_entropy, entropy_grad, keep=T + 1,
+                       kept=kept, input_ids=ids, attention_mask=attn, position_ids=pos,
+                       use_cache=False)
     pad = lambda x: torch.nn.functional.pad(x, (0, T_all - T))  # noqa: E731  [n, T] -> [n, T_all]
-    return pad(logp), (pad(ent) if with_entropy else None), rmask.to(dev)
+    return pad(logp), (pad(ent) if with_entropy else None), roll.mask[a:b].to(dev)

@@ -13,6 +13,10 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 - sampling is inverse-CDF on uniforms drawn up front, walking block masses then one block (no
   vocabulary-sized running sum), where generate draws a vocabulary of exponentials per row
   (torch.multinomial); only top-p sorts.
+With top-p < 1 a token's log-prob is that of the nucleus it was drawn from, renormalised, and the
+nucleus' size is kept (Rollout.kept, one count per token, not a [T, V] mask), so that the trainer's
+old, reference and new log-probs are of the same truncated distribution (logprobs.py;
+DeepSeek-V3.2's "keep sampling mask", as sizes; an engine's rollout: infra/correction.py).
 Prompts of different lengths are left-padded with position ids counted from each prompt's first real
 token. One generator per prompt if a list is given, so a prompt's samples depend only on its own
 seed, never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the
@@ -46,6 +50,9 @@ class Rollout:
     lengths: torch.Tensor               # [N] long, response tokens (EOS included)
     truncated: torch.Tensor             # [N] bool, no EOS within max_new_tokens
     logprobs: torch.Tensor  # [N, T] float, log-prob of each sampled token under the sampling policy
+    # [N, T] long: the nucleus each token was drawn from, as its size (its kept most probable
+    # tokens; --top-p < 1), 0 past the response; None: drawn from the full distribution
+    kept: torch.Tensor | None = None
     # Step 2: the rewards (train.reward)
     # the shaped reward the advantages compare (DAPO: +-1, penalty)
     rewards: torch.Tensor | None = None  # [N] float
@@ -69,14 +76,15 @@ class Rollout:
     @staticmethod
     def from_lengths(prompts: list[list[int]], G: int, pad_token_id: int, response: torch.Tensor,
                      logprobs: torch.Tensor, lengths: torch.Tensor,
-                     truncated: torch.Tensor) -> Rollout:
+                     truncated: torch.Tensor, kept: torch.Tensor | None = None) -> Rollout:
         """The sampled rollout from its [N, T_max] buffers, trimmed to the longest response, the
         mask built from lengths (never from token values); the one builder every sampler uses."""
         T = int(lengths.max()) if lengths.numel() else 0
         mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).float()  # N, T
         return Rollout(prompts=[list(p) for p in prompts], G=G, pad_token_id=pad_token_id,
                        response_ids=response[:, :T], mask=mask, lengths=lengths,
-                       truncated=truncated, logprobs=logprobs[:, :T] * mask)
+                       truncated=truncated, logprobs=logprobs[:, :T] * mask,
+                       kept=None if kept is None else kept[:, :T] * mask.long())
 
     def response_text(self, i: int, tokenizer) -> str:
         """Row i's response as text: its tokens up to its length, special tokens (EOS) dropped."""
@@ -93,7 +101,7 @@ class Rollout:
         return replace(
             self, prompts=[p for p, k in zip(self.prompts, keep.tolist()) if k],
             response_ids=self.response_ids[rows], mask=self.mask[rows], lengths=self.lengths[rows],
-            truncated=self.truncated[rows], logprobs=self.logprobs[rows],
+            truncated=self.truncated[rows], logprobs=self.logprobs[rows], kept=take(self.kept),
             rewards=take(self.rewards),
             correct=take(self.correct), index=take(self.index),
             reward_parts={k: v[rows] for k, v in self.reward_parts.items()})
@@ -117,6 +125,9 @@ class Rollout:
             mask=torch.cat([pad(r.mask, 0.0) for r in rollouts]),
             lengths=join("lengths"), truncated=join("truncated"),
             logprobs=torch.cat([pad(r.logprobs, 0.0) for r in rollouts]),
+            kept=None if all(r.kept is None for r in rollouts) else torch.cat(
+                [pad(torch.zeros_like(r.response_ids) if r.kept is None else r.kept, 0)
+                 for r in rollouts]),
             rewards=join("rewards"), correct=join("correct"), index=join("index"),
             reward_parts={k: torch.cat([r.reward_parts[k] for r in rollouts])
                           for k in first.reward_parts})
@@ -144,11 +155,13 @@ def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
 def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
                  top_p: float, work=None):
     """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs
-    [n]).
+    [n], kept [n] or None).
 
     Inverse CDF: the first token whose running mass exceeds u * (the kept mass). The log-prob is
-    that of the tempered distribution softmax(logits / temperature) (before top-p), the distribution
-    train.py recomputes; temperature 0 is greedy and reports the plain log-softmax. Without top-p
+    that of the distribution the token was drawn from: softmax(logits / temperature), and with
+    top_p < 1 its nucleus renormalised, whose size `kept` is returned (None without top-p) so that
+    train.py recomputes the same distribution (Rollout.kept); temperature 0 is greedy and reports
+    the plain log-softmax. Without top-p
     the walk has two levels, so no vocabulary-sized running sum is built: the mass of each block of
     SAMPLE_BLOCK tokens, a running sum over blocks to find the block where u lands, then a running
     sum inside that block only. `work` (sample_workspace(>= n, V)), zero beyond V, holds the
@@ -159,7 +172,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     if temperature == 0:
         z = logits.float()                                                    # [n, V]
         tok = z.argmax(-1)                                                    # [n]
-        return tok, z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+        return tok, z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, -1), None
     if work is None:
         work = sample_workspace(n, V, logits.device)
     w = work[:n]                                                              # [n, nb * BLOCK]
@@ -177,8 +190,9 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
         # total
         last = torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(V - 1)  # [n, 1]
         idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
-        return (order.gather(-1, idx).squeeze(-1),
-                p.gather(-1, idx).squeeze(-1).log() - cdf[:, -1].log())
+        return (order.gather(-1, idx).squeeze(-1),          # under the nucleus: over its mass
+                p.gather(-1, idx).squeeze(-1).log() - cdf.gather(-1, last).squeeze(-1).log(),
+                last.squeeze(-1) + 1)
     blocks = w.view(n, nb, SAMPLE_BLOCK)                                      # [n, nb, BLOCK]
     bcdf = blocks.sum(-1).cumsum(-1)                      # [n, nb] running mass at each block's end
     total = bcdf[:, -1:].contiguous()                                         # [n, 1]
@@ -194,7 +208,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
     i = torch.minimum(torch.searchsorted(icdf, u * total - before, side="right"),
                       torch.searchsorted(icdf, icdf[:, -1:].contiguous()))    # [n, 1]
     return ((b * SAMPLE_BLOCK + i).squeeze(-1),
-            inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log())
+            inner.gather(-1, i).squeeze(-1).log() - total.squeeze(-1).log(), None)
 
 
 def check_sampling(prompts: list[list[int]], G: int, max_new_tokens: int,
@@ -237,11 +251,14 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     u = _uniforms(B, G, T, generator).to(device)                              # [N, T]
     response = torch.full((N, T), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(N, T, device=device)
+    # the nucleus sizes, only where top-p cuts
+    kept = (torch.zeros(N, T, dtype=torch.long, device=device) if top_p < 1 and temperature != 0
+            else None)
     lengths = torch.full((N,), T, dtype=torch.long, device=device)
     truncated = torch.ones(N, dtype=torch.bool, device=device)
     if B == 0:
         return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths,
-                                   truncated)
+                                   truncated, kept)
 
     was_training = model.training
     model.eval()
@@ -270,14 +287,17 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
         if rows.numel() == 0:
             break
         work = sample_workspace(S, logits.shape[-1], device) if work is None else work  # reused
-        tok, lp = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n], [n]
+        tok, lp, k = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n] each
         response[rows, t], logprobs[rows, t] = tok, lp
+        if kept is not None:
+            kept[rows, t] = k
         hit = torch.isin(tok, eos)                                            # [n]
         lengths[rows] = torch.where(hit, t + 1, lengths[rows])
         truncated[rows] &= ~hit
         steps.advance(tok, (~hit & (t + 1 < T)).tolist())          # the step's one host sync
     model.train(was_training)
-    return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths, truncated)
+    return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths, truncated,
+                                kept)
 
 
 class EagerSteps:

@@ -195,7 +195,7 @@ def test_update_policy_loss_is_surrogate_plus_beta_kl_by_hand(reduction, monkeyp
                            reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=3, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
-                           off_policy_mask=0.0,
+                           off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=0.0, lr=1.0)
     learner = update.Learner(policy, policy, ref, torch.optim.SGD(policy.parameters(), lr=1.0),
                              contextlib.nullcontext)
@@ -851,7 +851,7 @@ def test_update_policy_equals_a_hand_rolled_full_batch_update(tiny_model, reduct
                            reduction=reduction, loss="ppo",
                            fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=max_new_tokens, eps_low=0.2, eps_high=0.28, clip_c=0.0,
-                           tis_cap=0.0, off_policy_mask=0.0,
+                           tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=beta, kl="k3", grad_clip=grad_clip, lr=2.0)
     mine, hand = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
     refs = [copy.deepcopy(tiny_model).requires_grad_(False) if beta else None for _ in range(2)]
@@ -1130,19 +1130,24 @@ def test_sample_token_inverse_cdf_by_hand():
     # probabilities [0.5, 0.3, 0.2, 0]: running mass [0.5, 0.8, 1, 1]; u picks the first token whose
     # running mass exceeds u * (kept mass). The token without mass is never drawn, even at u -> 1.
     # top_p 0.6 keeps {0, 1} (mass 0.8: token 2 has 0.8 >= 0.6 ahead of it); top_p -> 0 keeps the
-    # top token only.
+    # top token only. The log-prob is the one under the nucleus drawn from: p / (kept mass), and
+    # the nucleus' size comes back (None without top-p).
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    cases = [(0.0, 1.0, 0), (0.49, 1.0, 0), (0.51, 1.0, 1), (0.81, 1.0, 2), (1 - 2 ** -24, 1.0, 2),
-             (0.4, 0.6, 0), (0.7, 0.6, 1), (0.99, 0.6, 1), (0.99, 1e-9, 0)]
+    cases = [(0.0, 1.0, 0, None), (0.49, 1.0, 0, None), (0.51, 1.0, 1, None),
+             (0.81, 1.0, 2, None), (1 - 2 ** -24, 1.0, 2, None), (0.4, 0.6, 0, 2),
+             (0.7, 0.6, 1, 2), (0.99, 0.6, 1, 2), (0.99, 1e-9, 0, 1), (0.99, 0.9, 2, 3)]
     for dtype in (torch.float32, torch.bfloat16):
-        for u, top_p, want in cases:
-            tok, lp = sample_token(p.log().to(dtype)[None].clone(), torch.tensor([u]), 1.0, top_p)
+        for u, top_p, want, kept in cases:
+            tok, lp, k = sample_token(p.log().to(dtype)[None].clone(), torch.tensor([u]), 1.0,
+                                      top_p)
             assert tok.item() == want, (dtype, u, top_p)
-            assert abs(lp.exp().item() - p[want].item()) < (1e-6 if dtype == torch.float32
-                                                            else 1e-2)
+            mass = 1.0 if kept is None else p[:kept].sum().item()
+            assert abs(lp.exp().item() - p[want].item() / mass) < (
+                1e-6 if dtype == torch.float32 else 1e-2)
+            assert (k is None) if kept is None else k.tolist() == [kept]
     # temperature 0.5 squares the probabilities: [0.25, 0.09, 0.04] / 0.38, and the log-prob is the
     # tempered one
-    tok, lp = sample_token(p.log()[None].clone(), torch.tensor([0.7]), 0.5, 1.0)
+    tok, lp, _ = sample_token(p.log()[None].clone(), torch.tensor([0.7]), 0.5, 1.0)
     assert tok.item() == 1 and abs(lp.exp().item() - 0.09 / 0.38) < 1e-6
 
 
@@ -1166,13 +1171,13 @@ def test_sample_token_two_level_walk_equals_one_running_sum(block, monkeypatch):
     want = want.clamp_max(V - 4)
     work = sampler.sample_workspace(n, V)
     assert work.shape == (n, -(-V // block) * block)
-    tok, lp = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
+    tok, lp, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0, work)
     assert torch.equal(tok, want)
     assert torch.allclose(lp.double(), p.gather(-1, tok[:, None]).squeeze(-1).log(), atol=1e-5)
     # the padding stays zero for the next step
     assert work[:, V:].abs().sum() == 0
     # without a work buffer: the same draws
-    tok2, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)
+    tok2, _, _ = sampler.sample_token(logits.clone(), u, 0.7, 1.0)
     assert torch.equal(tok2, tok)
 
 
@@ -1238,17 +1243,117 @@ def test_sampler_stops_on_any_of_several_end_ids_like_generate():
         tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [5])
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-def test_sampler_top_p_logprobs_match_a_full_forward(dtype, atol):
-    model, G = tiny("qwen2", dtype), 4
-    roll = sample_groups(model, PROMPTS, G, 16, 1, 0, temperature=0.8, top_p=0.9,
+def _nucleus_by_hand(model, prompt, response, temperature, kept):
+    """The nucleus objective written out from a full forward: log-softmax(logits / t), sorted, the
+    token's log-prob less the log-mass of the kept[t] most probable tokens; also the full log-probs
+    [L, V] and the smallest count whose mass reaches each top-p (for the caller to check `kept`)."""
+    ids = torch.tensor([prompt + response])
+    z = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature        # [L, V]
+    logp = torch.log_softmax(z, -1)                                             # [L, V]
+    top = logp.sort(dim=-1, descending=True, stable=True).values                    # [L, V]
+    inside = torch.arange(logp.shape[-1])[None] < kept[:, None]                 # [L, V] sorted
+    mass = top.masked_fill(~inside, -math.inf).logsumexp(-1)                    # [L]
+    tok = torch.tensor(response)
+    return logp.gather(-1, tok[:, None]).squeeze(-1) - mass, logp
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_sampler_top_p_logprobs_are_the_nucleus_and_the_trainer_recomputes_them(dtype, atol,
+                                                                                 monkeypatch):
+    # --top-p 0.8: each token is drawn from the smallest set of most probable tokens whose mass
+    # reaches 0.8 of the tempered distribution, renormalised. The sampler reports the token's
+    # log-prob under that nucleus and its size (Rollout.kept); the trainer's forwards
+    # (shared-prefix, per-response; fused and plain head) given the sizes return the same log-probs
+    # to 1e-5, where the full distribution's are below them by the log of the kept mass.
+    model, G, t, top_p = tiny("qwen2", dtype), 4, 0.8, 0.8
+    roll = sample_groups(model, PROMPTS, G, 16, 1, 0, temperature=t, top_p=top_p,
                          generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
-    for i in range(len(PROMPTS) * G):
-        L = int(roll.lengths[i])
+    N, V = roll.response_ids.shape[0], model.config.vocab_size
+    assert roll.kept is not None and roll.kept.shape == roll.response_ids.shape
+    assert (roll.kept * (1 - roll.mask).long()).abs().sum() == 0               # 0 past the ends
+    gap = 0.0
+    for i in range(N):
+        L, resp = int(roll.lengths[i]), roll.response_ids[i, :int(roll.lengths[i])].tolist()
+        kept = roll.kept[i, :L]
         with torch.no_grad():
-            want = _full_forward_logprobs(model, PROMPTS[i // G], roll.response_ids[i, :L].tolist(),
-                                          0.8)
+            want, logp = _nucleus_by_hand(model, PROMPTS[i // G], resp, t, kept)
         assert torch.allclose(roll.logprobs[i, :L], want, atol=atol)
+        gap = max(gap, (want - logp.gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)).max())
+        if dtype == torch.float32:    # kept is the nucleus: the smallest count reaching top_p
+            cum = logp.exp().sort(-1, descending=True).values.cumsum(-1)       # [L, V]
+            reach = (cum < top_p - 1e-6).sum(-1) + 1                           # [L]
+            assert (kept - reach).abs().max() <= 1, (kept, reach)
+            rank = (logp > logp.gather(-1, torch.tensor(resp)[:, None])).sum(-1)  # [L]
+            assert (rank < kept).all()                             # the token is inside it
+    assert 1 < roll.kept[roll.mask.bool()].float().mean() < V and gap > 0.05
+    if dtype != torch.float32:
+        return
+    every = slice(0, N)
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(logprobs.lm_head, "fusable", lambda m: "a test's plain head")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for f in (rollout_logprobs, logprobs.per_response_logprobs):
+                lp = f(model, roll, every, t)[0] * roll.mask                   # [N, T]
+                assert torch.allclose(lp, roll.logprobs, atol=1e-5), (fused, f.__name__)
+            # without the sizes: the full distribution's, off by the log of the kept mass
+            full = rollout_logprobs(model, dataclasses.replace(roll, kept=None), every, t)[0]
+            assert ((roll.logprobs - full) * roll.mask).max() > 0.05
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_update_at_top_p_is_the_gradient_of_the_nucleus_objective_by_hand(fused, monkeypatch):
+    # One update (ratio 1, beta 0, token reduction, SGD at lr 1) on a rollout drawn at top-p 0.7
+    # from a model with a 48-token vocabulary: the parameters move by minus the gradient of
+    # -sum_t w A exp(lp_nuc - sg(lp_nuc)), lp_nuc the nucleus log-prob written out with a sort
+    # (_nucleus_by_hand). The full distribution's gradient is another one (the check can fail).
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    from infra import parallel
+    if not fused:
+        monkeypatch.setattr(logprobs.lm_head, "fusable", lambda m: "a test's plain head")
+    model, G, t = tiny("qwen2", torch.float32), 4, 0.9
+    roll = sample_groups(model, PROMPTS, G, 12, 1, 0, temperature=t, top_p=0.7,
+                         generator=[torch.Generator().manual_seed(s) for s in (4, 5, 6)])
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // G).repeat_interleave(G)
+    A = torch.randn(N, generator=torch.Generator().manual_seed(2))             # [N]
+    args = SimpleNamespace(micro_batch_size=5, micro_batch_tokens=10**6, mini_batches=1, mu=1,
+                           temperature=t, reduction="token", loss="ppo", fsdp=False,
+                           gradient_checkpointing=False, max_new_tokens=12, eps_low=0.2,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=0.7,
+                           entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=0.0, lr=1.0)
+    mine = copy.deepcopy(model).train()
+    learner = update.Learner(mine, mine, None, torch.optim.SGD(mine.parameters(), lr=1.0),
+                             contextlib.nullcontext)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        update.update_policy(learner, roll, A, roll.mask, args, parallel.Dist("cpu"))
+
+    def hand_gradient(nucleus):
+        hand = copy.deepcopy(model).train()
+        loss, n_tok = 0.0, roll.mask.sum()
+        for i in range(N):
+            L = int(roll.lengths[i])
+            resp = roll.response_ids[i, :L].tolist()
+            kept = roll.kept[i, :L] if nucleus else torch.full((L,), 48)
+            lp = _nucleus_by_hand(hand, PROMPTS[i // G], resp, t, kept)[0]    # [L]
+            loss = loss - (A[i] * torch.exp(lp - lp.detach())).sum() / n_tok
+        loss.backward()
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in hand.parameters()]
+
+    moved = [q - p for p, q in zip(model.parameters(), mine.parameters())]
+    for nucleus in (True, False):
+        want = [-g for g in hand_gradient(nucleus)]
+        err = max((m - w).abs().max().item() for m, w in zip(moved, want))
+        scale = max(w.abs().max().item() for w in want)
+        if nucleus:
+            assert scale > 1e-3 and err <= 1e-5 * max(1.0, scale), (err, scale)
+        else:
+            assert err > 1e-3, err
 
 
 def test_sampler_greedy_equals_generate(tiny_model):

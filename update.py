@@ -11,6 +11,7 @@ equal to one update on the whole mini-batch, on any number of ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -99,6 +100,7 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     minibatches = plan_minibatches(roll, mask, args, ranks)
     several = args.mu * len(minibatches) > 1       # more than one update: old != current policy
     t0 = time.time()
+    roll = keep_sampling_mask(learner, roll, minibatches, args)
     old_logp, ref_logp = fixed_logprobs(learner, roll, minibatches, args, ranks, several)
     batch = StepBatch(roll, advantages, mask, old_logp, ref_logp)
     t_logprob, t0 = time.time() - t0, time.time()
@@ -227,6 +229,20 @@ def fixed_logprobs(learner: Learner, roll: Rollout, minibatches: list[Minibatch]
         with learner.as_reference():
             ref_logp = logp_of(learner.ref) if learner.ref is not None else None
     return old_logp, ref_logp
+
+
+def keep_sampling_mask(learner: Learner, roll: Rollout, minibatches: list[Minibatch],
+                       args) -> Rollout:
+    """The rollout with Rollout.kept, the nucleus each token was drawn from at --top-p < 1, so that
+    the old, reference and new log-probs are all under it: sampler.py records it; an engine's
+    rollout (--rollout vllm) has none, and the policy that sampled finds it
+    (correction.nucleus_sizes)."""
+    if roll.kept is not None or args.top_p >= 1 or args.temperature == 0:
+        return roll
+    passes = [s for mb in minibatches for s in mb.micro if s.start < s.stop]
+    with learner.amp(), parallel.unsharded(learner.model):
+        kept = correction.nucleus_sizes(learner.model, roll, passes, args.temperature, args.top_p)
+    return dataclasses.replace(roll, kept=kept)
 
 
 def objective(args) -> tuple[Callable, Callable]:

@@ -100,7 +100,7 @@ def update_child(T: int, fused: bool) -> None:
     args = SimpleNamespace(micro_batch_size=8, micro_batch_tokens=10**6, mini_batches=1, mu=1,
                            temperature=1.0, reduction="token", loss="ppo", fsdp=False,
                            gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=0.0,
                            kl="k3", grad_clip=1.0)
     learner = update.Learner(model, model, None, torch.optim.AdamW(model.parameters()),
@@ -122,7 +122,7 @@ def _update_args(T: int, budget: int):
     return SimpleNamespace(micro_batch_size=64, micro_batch_tokens=budget, mini_batches=1, mu=1,
                            temperature=1.0, reduction="token", loss="ppo", fsdp=False,
                            gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=0.0,
                            kl="k3", grad_clip=1.0)
 

@@ -24,10 +24,22 @@ w = pi_old / pi_sampler. These weights multiply each token's surrogate weight
 
 Each returns its [N, T] weights (0 on padding) and the share it acted on: of the valid tokens for
 `is_weights` (is/corrected_frac), of the responses for `off_policy_mask` (offpolicy/masked_frac).
+
+- `nucleus_sizes` (--top-p < 1 with --rollout vllm): DeepSeek-V3.2's Keep Sampling Mask, as
+  sizes. sampler.py records the nucleus each token was drawn from (Rollout.kept) and the trainer's
+  log-probs are under it; vLLM returns the token's log-prob under its nucleus
+  ("processed_logprobs") but not the nucleus. So the policy that sampled (the trainer's copy of
+  pi_old) finds it once per step before the update: the smallest set of most probable tokens whose
+  mass reaches top-p, widened to hold the token drawn. Where the two engines' kernels put the edge
+  of the nucleus differently, the set is ours, not vLLM's; the ratio to the engine's log-prob
+  (mismatch/*, --tis-cap) carries that.
 """
 from __future__ import annotations
 
 import torch
+
+import logprobs
+from infra import lm_head
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask", "reject")
@@ -87,3 +99,29 @@ def off_policy_mask(logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: 
     drop = (adv < 0) & (kl > delta) & (n > 0)                                 # [N]
     keep = m * (~drop).to(m.dtype)[:, None]                                   # [N, T]
     return keep, float(drop.sum()) / max(int((n > 0).sum()), 1)
+
+
+@torch.no_grad()
+def nucleus_sizes(model, roll, slices: list[slice], temperature: float,
+                  top_p: float) -> torch.Tensor:
+    """Rollout.kept for an engine's rollout: [N, T] long, each token's nucleus at top_p under
+    `model` (0 past the responses), from one no-grad forward per slice (each response after its own
+    prompt); the output layer yields sizes, not logits (lm_head.sizes_head), where it is fusable."""
+    dev = next(model.parameters()).device
+    kept = torch.zeros(roll.response_ids.shape, dtype=torch.long, device=dev)  # [N, T_all]
+    fused = lm_head.fusable(model) is None
+    for s in slices:
+        ids, attn, pos, resp = logprobs.own_prompt_inputs(roll, s.start, s.stop, dev)  # [n, T]
+        T = resp.shape[1]
+        run = dict(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                   logits_to_keep=T + 1)
+        if fused:
+            with lm_head.sizes_head(model, torch.nn.functional.pad(resp, (0, 1)), temperature,
+                                    top_p):
+                k = model(**run).logits[:, :-1, 0]                            # [n, T]
+        else:
+            z = model(**run).logits[:, :-1]                                   # [n, T, V]
+            k = torch.stack([lm_head.nucleus_size(torch.log_softmax(z[i].float() / temperature, -1),
+                                                  resp[i], top_p) for i in range(len(resp))])
+        kept[s, :T] = k.long() * roll.mask[s, :T].to(dev).long()
+    return kept

@@ -246,7 +246,8 @@ class TrainArgs(EvalArgs):
     group_size: int = flag(8, "G, responses sampled per prompt")
     temperature: float = flag(1.0, "sampling temperature of rollouts (evaluation: --eval-samples, "
                               "--eval-temperature)")
-    top_p: float = flag(1.0, "nucleus sampling of rollouts")
+    top_p: float = flag(1.0, "nucleus sampling of rollouts; below 1 the trainer's log-probs are "
+                             "under each token's nucleus (docs/rollout-correction.md)")
     eval_every: int = flag(20, "evaluate every this many steps (and before the first and after the "
                            "last)")
     max_samples: int = flag(0, "also stop once this many responses were sampled (0: no limit); "

@@ -91,6 +91,70 @@ def warn_unfused(why: str) -> None:
                       f"forward builds the full [n, T, V] logits", stacklevel=3)
 
 
+def kept_mass(logp: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """log of the mass of each row's kept[i] most probable tokens: logp [c, V] log-softmax rows,
+    kept [c] long counts in [1, V] -> [c] (<= 0). Subtracted from a token's log-prob, it gives the
+    log-prob under the nucleus it was drawn from (--top-p: the sampler records the count). Only the
+    largest count's top entries are ordered (topk, not a sort of V)."""
+    top = logp.topk(int(kept.max()), -1, sorted=True).values                 # [c, k]
+    return top.logcumsumexp(-1).gather(-1, kept[:, None] - 1).squeeze(-1)
+
+
+def kept_probs(logp: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The distribution restricted to each row's kept[i] most probable tokens and renormalised:
+    [c, V] (zeros outside the nucleus), the softmax whose gradient kept_mass' log-prob has."""
+    top, order = logp.topk(int(kept.max()), -1, sorted=True)                 # [c, k] each
+    lse = top.logcumsumexp(-1).gather(-1, kept[:, None] - 1)                 # [c, 1]
+    inside = torch.arange(top.shape[-1], device=logp.device) < kept[:, None]  # [c, k] sorted
+    p = (top - lse).exp_().mul_(inside)
+    return torch.zeros_like(logp).scatter_(-1, order, p)
+
+
+def truncated_rows(kept: torch.Tensor | None, V: int) -> torch.Tensor | None:
+    """The rows [r] of kept [N] (0: the full vocabulary) whose nucleus leaves tokens out, or None
+    when none does (then nothing sorts)."""
+    if kept is None:
+        return None
+    rows = ((kept > 0) & (kept < V)).nonzero().squeeze(-1)
+    return rows if rows.numel() else None
+
+
+def nucleus_size(logp: torch.Tensor, ids: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus top_p keeps, as a count: logp [c, V] log-softmax rows, ids [c] the tokens drawn
+    -> [c] long, the smallest number of most probable tokens whose mass reaches top_p (the
+    sampler's rule), raised where needed to hold the token drawn (an engine's nucleus can differ
+    from ours at its edge by the kernels' rounding)."""
+    cdf = logp.sort(dim=-1, descending=True).values.exp_().cumsum_(-1)    # [c, V]
+    k = torch.searchsorted(cdf, top_p * cdf[:, -1:]).squeeze(-1).clamp_max(logp.shape[-1] - 1) + 1
+    rank = (logp > logp.gather(-1, ids[:, None])).sum(-1)                 # [c] tokens ahead of it
+    return torch.maximum(k, rank + 1)
+
+
+@contextlib.contextmanager
+def sizes_head(model, ids: torch.Tensor, temperature: float, top_p: float):
+    """For the calls in the block (no gradient), the model's output layer returns [n, T, 1]: the
+    size of the nucleus at top_p of softmax(logits / temperature) that holds each of ids [n, T]
+    (nucleus_size), chunk by chunk as the fused head, so no [n, T, V] tensor exists."""
+    head = output_layer(model)
+    fp32 = isinstance(head, Fp32Linear)
+
+    def forward(hidden):                                                     # [n, T, H]
+        dev = hidden.device.type
+        amp = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev) and not fp32)
+        h = (hidden.float() if fp32 else hidden).reshape(-1, hidden.shape[-1])  # [N, H]
+        flat_ids, out = ids.to(hidden.device).reshape(-1), []                  # [N]
+        rows = chunk_rows(head.weight.shape[0], hidden.device)
+        for a in range(0, h.shape[0], rows):
+            z = _chunk_logits(h[a:a + rows], head.weight, head.bias, 1.0 / temperature, amp)
+            out.append(nucleus_size(torch.log_softmax(z, -1), flat_ids[a:a + rows], top_p))
+        return torch.cat(out).view(*ids.shape, 1)
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def _chunk_logits(h, weight, bias, s: float, amp) -> torch.Tensor:
     """float32 logits * s of rows h [c, H], under the autocast state `amp` (device, dtype, on)."""
     with torch.autocast(amp[0], amp[1], enabled=amp[2]):
@@ -103,21 +167,25 @@ class _FusedHead(torch.autograd.Function):
     z = h W^T + b, chunk by chunk; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, s, want_entropy, entropy_grad, fp32):
+    def forward(ctx, hidden, weight, bias, ids, kept, s, want_entropy, entropy_grad, fp32):
         dev = hidden.device.type                      # fp32: --fp32-lm-head, autocast off
         amp = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev) and not fp32)
         ctx.in_dtype = hidden.dtype
         hidden = hidden.float() if fp32 else hidden
         H, V = hidden.shape[-1], weight.shape[0]
         h, flat_ids = hidden.reshape(-1, H), ids.reshape(-1, 1)              # [N, H], [N, 1]
+        kept = None if kept is None else kept.reshape(-1)                    # [N], 0: all of V
         out = hidden.new_zeros(h.shape[0], 2, dtype=torch.float32)           # [N, 2]
         rows = chunk_rows(V, hidden.device)
         for a in range(0, h.shape[0], rows):
             logp = torch.log_softmax(_chunk_logits(h[a:a + rows], weight, bias, s, amp), -1)
             out[a:a + rows, 0] = logp.gather(-1, flat_ids[a:a + rows]).squeeze(-1)
+            cut = truncated_rows(None if kept is None else kept[a:a + rows], V)  # [r] top-p rows
+            if cut is not None:                                # under the nucleus drawn from
+                out[a + cut, 0] -= kept_mass(logp[cut], kept[a + cut])
             if want_entropy:                                                 # -sum p log p
                 out[a:a + rows, 1] = -(logp.exp() * logp.clamp_min(_FLOOR)).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, ids, out)
+        ctx.save_for_backward(hidden, weight, bias, ids, kept, out)
         ctx.s, ctx.amp, ctx.entropy_grad, ctx.has_bias = s, amp, entropy_grad, bias is not None
         return out.view(*ids.shape, 2)
 
@@ -127,7 +195,7 @@ class _FusedHead(torch.autograd.Function):
         # per row, with p = softmax(s z): d logp_id / dz_v = s (1[v = id] - p_v) and
         # dH / dz_v = -s p_v (log p_v + H); chunk by chunk, the logits' gradient dz [c, V] is
         # multiplied out into dh = dz W and dW = dz^T h, db = sum dz
-        hidden, weight, bias, ids, out = ctx.saved_tensors
+        hidden, weight, bias, ids, kept, out = ctx.saved_tensors
         H, V = hidden.shape[-1], weight.shape[0]
         h, flat_ids, g = hidden.reshape(-1, H), ids.reshape(-1, 1), g.reshape(-1, 2).float()
         dh = torch.empty_like(h)                                             # [N, H]
@@ -140,6 +208,9 @@ class _FusedHead(torch.autograd.Function):
             logp = torch.log_softmax(_chunk_logits(hc, weight, bias, ctx.s, ctx.amp), -1)
             p = logp.exp()                                                   # [c, V]
             dz = p.mul(-gl)                                                  # logp's term
+            cut = truncated_rows(None if kept is None else kept[a:a + rows], V)
+            if cut is not None:                     # its softmax over the nucleus (--top-p)
+                dz[cut] = kept_probs(logp[cut], kept[a + cut]).mul_(-gl[cut])
             dz.scatter_add_(-1, flat_ids[a:a + rows], gl)
             if ctx.entropy_grad:                                             # the entropy's term
                 ge, Hc = g[a:a + rows, 1:], out[a:a + rows, 1:]              # [c, 1] each
@@ -150,7 +221,7 @@ class _FusedHead(torch.autograd.Function):
             if db is not None:
                 db += dz.float().sum(0)
         return (dh.view(hidden.shape).to(ctx.in_dtype), dW.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None, None)
+                None if db is None else db.to(bias.dtype), None, None, None, None, None, None)
 
 
 _FLOOR = torch.finfo(torch.float32).min   # log p of a -inf logit, so that p log p = 0 there
@@ -158,15 +229,18 @@ _FLOOR = torch.finfo(torch.float32).min   # log p of a -inf logit, so that p log
 
 @contextlib.contextmanager
 def fused_head(model, ids: torch.Tensor, temperature: float, want_entropy: bool,
-               entropy_grad: bool):
+               entropy_grad: bool, kept: torch.Tensor | None = None):
     """For the calls in the block, the model's output layer returns [n, T, 2] (log-prob of ids
     [n, T] under softmax(logits / temperature), its entropy (zeros unless want_entropy)) in place of
-    the logits; the entropy has a gradient only with entropy_grad."""
+    the logits; the entropy has a gradient only with entropy_grad. kept [n, T] (the sampler's
+    nucleus sizes, 0: the full vocabulary): each log-prob under its token's kept most probable
+    tokens renormalised; the entropy stays the full distribution's."""
     head = output_layer(model)
     fp32 = isinstance(head, Fp32Linear)
 
     def forward(hidden):                                                     # [n, T, H]
         return _FusedHead.apply(hidden, head.weight, head.bias, ids.to(hidden.device),
+                                None if kept is None else kept.to(hidden.device),
                                 1.0 / temperature, want_entropy, entropy_grad, fp32)
     head.forward = forward                               # an instance attribute, removed after
     try:

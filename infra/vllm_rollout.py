@@ -22,8 +22,8 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
   prompt index) alone, never on the batch, so 1 and N ranks draw the same responses.
 - `Rollout.logprobs` are vLLM's log-probs of the sampled tokens after temperature and top-p
   ("processed_logprobs"): with top-p 1 the tempered distribution the trainer recomputes, as
-  sampler.py reports; with top-p < 1 the nucleus renormalised, log(kept mass) above what the trainer
-  computes (mismatch/* shows it).
+  sampler.py reports; with top-p < 1 the nucleus renormalised. vLLM does not return the nucleus
+  (Rollout.kept stays None): update.keep_sampling_mask finds it with the policy before the update.
 - `Engine.push(model)` copies the policy's weights into the engine in place (vLLM's
   `reload_weights`, layer by layer). Under FSDP2 each sharded tensor is all-gathered as the engine
   reads it, so at most one full tensor is in flight, never a second copy of the model.

@@ -124,7 +124,7 @@ def test_gpu_bf16_update_at_7b_widths_fits_the_memory_model():
     args = SimpleNamespace(micro_batch_size=4, micro_batch_tokens=10**6, mini_batches=1, mu=1,
                            temperature=1.0, reduction="token", loss="ppo", fsdp=False,
                            gradient_checkpointing=False, max_new_tokens=2048, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=0.0,
                            kl="k3", grad_clip=1.0)
     amp = lambda: torch.autocast("cuda", torch.bfloat16)  # noqa: E731

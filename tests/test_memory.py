@@ -39,7 +39,8 @@ def test_fused_head_equals_the_plain_head_values_and_gradients(entropy_grad, mon
     h = torch.randn(2, 5, H, requires_grad=True)
     W, b = (torch.randn(V, H) * 2).requires_grad_(True), torch.randn(V).requires_grad_(True)
     ids, w1, w2 = torch.randint(0, V, (2, 5)), torch.randn(2, 5), torch.randn(2, 5)
-    out = lm_head._FusedHead.apply(h, W, b, ids, 1 / 0.7, True, entropy_grad, False)  # [2, 5, 2]
+    out = lm_head._FusedHead.apply(h, W, b, ids, None, 1 / 0.7, True, entropy_grad,
+                                   False)  # [2, 5, 2]
     want_lp, want_ent = _naive(h, W, b, ids, 0.7)
     assert torch.allclose(out[..., 0], want_lp, atol=1e-5)
     assert torch.allclose(out[..., 1], want_ent, atol=1e-5)
@@ -58,7 +59,7 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
     W = torch.randn(V, H, requires_grad=True)
     ids = torch.randint(0, V, (3, 4))
     with torch.autocast("cpu", torch.bfloat16):
-        out = lm_head._FusedHead.apply(h, W, None, ids, 1.0, False, False, False)
+        out = lm_head._FusedHead.apply(h, W, None, ids, None, 1.0, False, False, False)
         logits = torch.nn.functional.linear(h, W)                             # bf16 [3, 4, V]
     want = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
     assert torch.allclose(out[..., 0], want, atol=1e-4)
@@ -202,6 +203,7 @@ def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(ti
                                mu=1, temperature=1.0, reduction="token", loss="ppo", fsdp=False,
                                gradient_checkpointing=False, max_new_tokens=20, eps_low=0.2,
                                eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                               top_p=1.0,
                                entropy_coef=0.0,
                                beta=0.0, kl="k3", grad_clip=0.0)
         learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.1),

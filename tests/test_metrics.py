@@ -385,7 +385,7 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
                            micro_batch_tokens=10**6, mini_batches=2, mu=1, temperature=1.0,
                            reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
                            max_new_tokens=8, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
-                           off_policy_mask=0.0,
+                           off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=0.04, kl="k3", grad_clip=1.0)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)

@@ -325,7 +325,7 @@ def test_update_policy_recomputes_checkpointed_layers_in_an_eval_mode_model(tiny
                                loss="ppo", fsdp=False, gradient_checkpointing=checkpointing,
                                max_new_tokens=20,
                                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
-                               off_policy_mask=0.0,
+                               off_policy_mask=0.0, top_p=1.0,
                                entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         learner = update.Learner(model, model, None, opt, contextlib.nullcontext)
@@ -796,7 +796,7 @@ def test_update_policy_tells_the_training_forward_its_mode(tiny_model, monkeypat
                            reduction="token", loss="ppo",
                            fsdp=fsdp, gradient_checkpointing=checkpointing, max_new_tokens=20,
                            eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
                            entropy_coef=0.0, beta=0.0,
                            kl="k3", grad_clip=1.0)
     model = copy.deepcopy(tiny_model)
@@ -814,7 +814,7 @@ def _update_args(**kw):
     base = dict(micro_batch_size=3,
                 micro_batch_tokens=10**6, mini_batches=2, mu=1, temperature=1.0, reduction="token",
                 loss="ppo", fsdp=False, gradient_checkpointing=False, max_new_tokens=20,
-                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
+                eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
                 entropy_coef=0.0, beta=0.0,
                 kl="k3", grad_clip=0.0)
     return SimpleNamespace(**{**base, **kw})

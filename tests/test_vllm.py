@@ -229,6 +229,77 @@ def test_vllm_samples_follow_each_prompts_seed_with_the_trainers_logprobs(vllm_e
 
 
 @pytest.mark.vllm
+def test_vllm_top_p_logprobs_are_the_trainers_under_the_nucleus_it_finds(vllm_engine, vllm_model):
+    # at top-p 0.8 vLLM reports each token's log-prob under its nucleus ("processed_logprobs") and
+    # not the nucleus; the policy finds it (correction.nucleus_sizes) and the trainer's log-probs
+    # under it equal the engine's (float32 both sides), where the full distribution's are lower
+    import dataclasses
+
+    from infra import correction
+    model, G, T, temp = vllm_model[1], 3, 16, 0.7
+    gens = [data.prompt_generator(0, j) for j in range(3)]
+    roll = vllm_engine.sample_groups(model, VLLM_LONG_PROMPTS, G, T, [1], 0, temp, top_p=0.8,
+                                     generator=gens)
+    every = slice(0, roll.response_ids.shape[0])
+    assert roll.kept is None
+    kept = correction.nucleus_sizes(model, roll, [every], temp, 0.8)                # [N, T]
+    assert 1 < kept[roll.mask.bool()].float().mean() < model.config.vocab_size
+    trainer, _, valid = rollout_logprobs(model, dataclasses.replace(roll, kept=kept), every, temp)
+    torch.testing.assert_close(roll.logprobs, trainer * valid, atol=1e-4, rtol=0)
+    full = rollout_logprobs(model, roll, every, temp)[0]
+    assert ((roll.logprobs - full) * valid).max() > 0.05
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_engine_rollout_at_top_p_gets_its_nucleus_from_the_policy(fused, monkeypatch):
+    # an engine's rollout carries no Rollout.kept; update_policy finds the sizes with the policy
+    # that sampled (here the sampler's own model, so they are the sampler's) and updates as on the
+    # sampler's rollout; at --top-p 1 (the flag not applied) the update is another one
+    import contextlib
+    import copy
+    import dataclasses
+    import warnings
+    from types import SimpleNamespace
+
+    import update
+    from infra import correction, lm_head, parallel
+    if not fused:
+        monkeypatch.setattr(lm_head, "fusable", lambda m: "a test's plain head")
+    model, G, t = tiny("qwen2", torch.float32), 4, 0.9
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]]
+    roll = sample_groups(model, prompts, G, 12, 1, 0, temperature=t, top_p=0.8,
+                         generator=[torch.Generator().manual_seed(s) for s in (4, 5, 6)])
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // G).repeat_interleave(G)
+    engine_like = dataclasses.replace(roll, kept=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = correction.nucleus_sizes(model, engine_like, [slice(0, 5), slice(5, N)], t, 0.8)
+    assert torch.equal(kept, roll.kept)
+    A = torch.randn(N, generator=torch.Generator().manual_seed(2))
+
+    def updated(r, top_p):
+        args = SimpleNamespace(micro_batch_size=5, micro_batch_tokens=10**6, mini_batches=1, mu=1,
+                               temperature=t, top_p=top_p, reduction="token", loss="ppo",
+                               fsdp=False, gradient_checkpointing=False, max_new_tokens=12,
+                               eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+                               off_policy_mask=0.0, entropy_coef=0.0, beta=0.0, kl="k3",
+                               grad_clip=0.0, lr=1.0)
+        mine = copy.deepcopy(model).train()
+        learner = update.Learner(mine, mine, None, torch.optim.SGD(mine.parameters(), lr=1.0),
+                                 contextlib.nullcontext)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            update.update_policy(learner, r, A, r.mask, args, parallel.Dist("cpu"))
+        return {k: v.detach().clone() for k, v in mine.state_dict().items()}
+
+    want = updated(roll, 0.8)
+    got, full = updated(engine_like, 0.8), updated(engine_like, 1.0)
+    gap = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    assert gap(got, want) <= 1e-6 and gap(full, want) > 1e-4, (gap(got, want), gap(full, want))
+
+
+@pytest.mark.vllm
 def test_vllm_push_after_updates_gives_hf_greedy_on_the_trained_weights(vllm_engine, vllm_model):
     import copy
     # prompts sharing 3 full KV blocks: the stale call below leaves them in vLLM's prefix cache,
