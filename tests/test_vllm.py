@@ -391,6 +391,27 @@ def test_engine_takes_the_merged_weights_of_a_lora_policy():
                                                                    ".base_layer.weight")])
 
 
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_top_p_trains_under_the_nucleus_on_either_rollout(engine, tiny_run_inputs, tmp_path,
+                                                          request):
+    """--top-p 0.8 through train.py (float32, 2 steps): the trainer's log-probs of the sampled
+    tokens are the sampler's, under the nucleus (mismatch/* ~ 0 with --rollout hf, and with vLLM,
+    whose nucleus the policy finds); under the full distribution they were lower by the log of the
+    kept mass (0.1-0.3 nats a token on these models)."""
+    extra = []
+    if engine == "vllm":
+        request.getfixturevalue("vllm_env")
+        extra = ["--model", str(request.getfixturevalue("vllm_model")[0]), "--rollout", "vllm"]
+    out = tmp_path / engine
+    run_train(tiny_run_inputs, out, "--algo", "dapo", "--top-p", "0.8", "--grad-clip", "0", *extra)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in x]
+    assert len(rows) == 2
+    print(f"\n{engine} --top-p 0.8 mismatch/logp_abs_mean per step: "
+          + ", ".join(f"{r['mismatch/logp_abs_mean']:.2e}" for r in rows))
+    assert all(r["mismatch/logp_abs_mean"] < 1e-4 for r in rows), rows
+
+
 CORRECTIONS = {                                     # name: flags (docs/rollout-correction.md)
     "token truncate 2 (default)": [],
     "token mask 2 (TRL token_mask)": ["--is-mode", "mask"],
