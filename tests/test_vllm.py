@@ -412,6 +412,22 @@ def test_top_p_trains_under_the_nucleus_on_either_rollout(engine, tiny_run_input
     assert all(r["mismatch/logp_abs_mean"] < 1e-4 for r in rows), rows
 
 
+@pytest.mark.vllm
+def test_evaluate_with_the_engine_scores_as_the_builtin_sampler(vllm_env, vllm_model,
+                                                                  tiny_run_inputs):
+    # evaluate.py --rollout vllm on vLLM's CPU backend (the stand-in test: tests/test_scale.py):
+    # greedy and 4 samples at top-p 0.7, float32; greedy tokens are the built-in sampler's, so the
+    # scores are the same
+    import evaluate
+    argv = ["--model", str(vllm_model[0]), "--data", str(tiny_run_inputs / "eval.jsonl"),
+            "--eval-size", "8", "--max-new-tokens", "16"]
+    hf, vllm = evaluate.main(argv), evaluate.main([*argv, "--rollout", "vllm"])
+    assert vllm == hf and len(hf) == 1
+    sampled = evaluate.main([*argv, "--rollout", "vllm", "--eval-samples", "4",
+                             "--eval-top-p", "0.7"])
+    assert len(sampled) == 1 and sampled[0][1] != hf[0][1]
+
+
 CORRECTIONS = {                                     # name: flags (docs/rollout-correction.md)
     "token truncate 2 (default)": [],
     "token mask 2 (TRL token_mask)": ["--is-mode", "mask"],
