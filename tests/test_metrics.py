@@ -200,6 +200,42 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     assert all(f"`{k}`" in glossary for k in row if k.startswith("perf/"))
 
 
+def x_if_even(response: str, answer: str) -> float:
+    """has_x where the answer is even, else 0: groups of odd answers all wrong (dynamic sampling
+    drops them and draws again), the others mixed."""
+    return float("x" in response) if int(answer) % 2 == 0 else 0.0
+
+
+def test_mfu_counts_every_round_drawn_and_the_reference_without_adapters(tiny_run_inputs,
+                                                                          tmp_path, monkeypatch):
+    # Step 1's FLOPs are those of every rollout dynamic sampling drew, kept or dropped (odd answers'
+    # groups are all wrong under x_if_even: dropped, and more drawn); with LoRA and beta > 0 the
+    # reference pass runs with the adapters off, and perf:logprob counts it so. Each count differs
+    # from the other one (the kept rows alone; the adapters in), so the check can fail.
+    from infra import perf, setup
+    draws = spy_on(monkeypatch, setup.Task, "draw")
+    counted = spy_on(monkeypatch, perf.Meter, "flops")
+    import train
+    run = tiny_flags(tiny_run_inputs, tmp_path / "ds")
+    run[run.index("test_grpo:has_x")] = "test_metrics:x_if_even"    # --reward takes several
+    train.main([*run, "--steps", "1", "--eval-every", "5", "--algo", "dapo", "--max-rounds", "6"])
+    (meter, roll, *_), got = counted.pop()
+    drawn = [r for _, r in draws]
+    rows = sum(r.response_ids.shape[0] for r in drawn)
+    assert len(drawn) > 1 and rows > roll.response_ids.shape[0], (len(drawn), rows)
+    every = sum(perf.forward_flops(meter.shape, perf.rollout_work(r)) for r in drawn)
+    assert got["perf:rollout"] == pytest.approx(every, rel=1e-9)
+    assert got["perf:rollout"] > 1.01 * perf.forward_flops(meter.shape, perf.rollout_work(roll))
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    one_step(tiny_run_inputs, tmp_path / "lora", "--lora-r", "2", "--beta", "0.04")
+    (meter, roll, _, stats, *_), got = counted.pop()
+    assert meter.shape.adapters > 0
+    nograd = perf.forward_work(roll, stats.micro, True)                 # one update: no old pass
+    assert got["perf:logprob"] == pytest.approx(
+        perf.forward_flops(meter.shape, nograd, adapters=False), rel=1e-9)
+    assert got["perf:logprob"] < perf.forward_flops(meter.shape, nograd, adapters=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # infra/metrics.py, infra/lora.py and the optional integrations: the no-signal warning, --report-to,
 # LoRA
