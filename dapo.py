@@ -5,10 +5,11 @@ Article section: "DAPO：四项修正". Each fix is switched on or off alone by 
 
 1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new
    code: it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value.
-2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G rewards are all equal (their advantages
-   are zero, so they carry no policy gradient) and keep sampling fresh prompts until the step has
-   enough; the filter reads correctness, as Eq. 11 counts correct answers:
-   `keep_groups`, `dynamic_sampling`.
+2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G answers are all right or all wrong
+   (Eq. 11 keeps 0 < #correct < G) and keep sampling fresh prompts until the step has enough:
+   `keep_groups`, `dynamic_sampling`. Such a group's correctness scores are all equal, so without
+   shaping its advantages are zero and it carries no policy gradient; the filter reads correctness,
+   not the reward, so a group that differs only by the soft overlong penalty is dropped as well.
 3. Token-Level Policy Gradient Loss (Sec. 3.3, Eq. 12): divide the summed token losses by the number
    of tokens of the whole batch, not per response:
    `grpo.token_weights(mask, "token", num_tokens=...)`.

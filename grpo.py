@@ -8,8 +8,10 @@ update.py runs; every term is (per_token * weights).sum() with the weights of `t
 (`article_example`, at the bottom).
 
 Two places where this file follows the papers rather than the article's snippets:
-- KL: the article writes `beta * (exp(new - ref) - 1)`, which is not a KL estimate (it is negative
-  whenever the policy gives a token less mass than the reference). DeepSeekMath (Eq. 4) uses
+- KL: the article writes `beta * (exp(new - ref) - 1)`, which is not a KL estimate: per token it is
+  pi_theta / pi_ref - 1 (negative wherever the policy gives a token less mass than the reference),
+  its mean over tokens from pi_theta is chi^2(pi_theta || pi_ref) and its expected gradient half
+  that of chi^2 (test_article_kl_snippet_is_half_the_gradient_of_chi2). DeepSeekMath (Eq. 4) uses
   Schulman's unbiased, always non-negative "k3" estimator exp(ref - logp) - (ref - logp) - 1:
   `kl_k3`.
 - Token mean: the article's `.sum() / (B * G * T_resp)` divides by padding too. Here every
@@ -34,7 +36,9 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
                      batch_std: float | None = None) -> torch.Tensor:
     """Advantages from rewards [B, G] -> [B, G] (the article's Step 3).
 
-    scale="group": (r - mean_g) / (std_g + eps), std Bessel-corrected as torch.std (DeepSeekMath);
+    scale="group": (r - mean_g) / (std_g + eps), std Bessel-corrected, which gives the article's
+    numbers (torch.std's default, as TRL and verl compute it; DeepSeekMath's paper writes std(r) and
+    released no RL code);
     scale="batch": the same with the std of the whole batch, or batch_std if given (the batch spread
     over ranks: train.py passes the std of all ranks' rewards); scale="none": r - mean_g (Dr. GRPO).
     A group whose rewards are all equal gets exactly zero advantages (never NaN, never a float
@@ -249,87 +253,174 @@ def policy_loss(
 
 # ---- The article's worked example, printed (`python grpo.py`) ----
 
-def article_example() -> list[str]:
-    """The article's G = 4 group ("GRPO 训练过程拆解", "单 Prompt 数值示例"), one line per quantity.
+S1, S2, S3, S4 = ("Step 1: Rollout 采样", "Step 2: Reward 计算", "Step 3: Advantage 估计",
+                  "Step 4: PPO Loss 计算")
+NEXT, NUMERIC = "Step 4, the next update", "单 Prompt 数值示例"
+CH, DS, TL, OL = ("Clip-Higher", "Dynamic Sampling", "Token-Level Loss",
+                  "Overlong Reward Shaping")  # DAPO's fixes, in the article's order
+EXAMPLE_HEADER = ("article step | quantity | o_1 o_2 o_3 o_4, one column per response (a single "
+                  "value is the group's) | what the article's snippet or text says, where it "
+                  "differs")
+NEXT_LR = 4.0             # the next update's example: one SGD step on each token's log pi
+OVERLONG = (7, 4)         # (L_max, L_cache) of the example's Eq. 13: free up to 3 tokens
 
-    Each line is "article step | quantity | values [| where the article differs]", every value
-    computed by the functions train.py and update.py run (verifier.verify, group_advantages,
-    constant_groups, token_weights, clipped_surrogate, ppo_loss, kl_k3, kl_term, policy_loss). The
-    article gives no token lengths, ratios or reference probabilities for its four answers, so those
-    are chosen here: one ratio and one pi_ref / pi_theta per response, on each of its tokens.
-    """
+
+def _vals(t) -> str:
+    """Numbers, 4 decimals, space-separated."""
+    return " ".join(f"{float(x):.4f}" for x in torch.as_tensor(t).detach().flatten())
+
+
+def _yes_no(t) -> str:
+    """Booleans as yes / no, space-separated."""
+    return " ".join("yes" if bool(x) else "no" for x in torch.as_tensor(t).flatten())
+
+
+def _example_group():
+    """The G = 4 group as tensors. The article gives no token lengths, ratios or reference
+    probabilities for its four answers, so those are chosen here: one ratio pi_theta / pi_old and
+    one pi_ref / pi_theta per response, on each of its tokens (float64)."""
+    import types
+
     import verifier  # here, not at the top: grpo.py itself needs only torch
 
     f64 = torch.float64
-    vals = lambda t: " ".join(  # noqa: E731
-        f"{float(x):.4f}" for x in torch.as_tensor(t).detach().flatten())
-    s1, s2, s3, s4 = ("Step 1: Rollout 采样", "Step 2: Reward 计算", "Step 3: Advantage 估计",
-                      "Step 4: PPO Loss 计算")
-    ch, tl, ds = "Clip-Higher", "Token-Level Loss", "Dynamic Sampling"
     responses = ["2x = 13 - 5 = 8, so x = 8 / 2 = \\boxed{4}", "x = 4",
                  "Subtract 5: 2x = 8. Divide by 2: x = 4. The answer is 4.",
                  "2x = 13 + 5 = 18, x = \\boxed{9}"]
     lengths = torch.tensor([3, 2, 4, 6])                                    # [G] |o_i|, chosen
-    G, T = len(responses), int(lengths.max())
+    T = int(lengths.max())
     mask = (torch.arange(T)[None] < lengths[:, None]).to(f64)               # [G, T]
     rewards = torch.tensor([[verifier.verify(o, "4") for o in responses]])  # [1, G]
-    pm1 = -1.0 + 2.0 * rewards       # train.py's rewards at --wrong-reward -1: [1, G]
-    adv = group_advantages(rewards)[0].to(f64)                              # [G]
     rho = torch.tensor([1.10, 1.04, 1.25, 0.90], dtype=f64)                 # [G], chosen
     r_ref = torch.tensor([1.0, 0.5, 2.0, 1.0], dtype=f64)                   # [G] pi_ref / pi_theta
-    logp = (rho.log()[:, None] * mask).requires_grad_()                     # [G, T], old = 0
-    old, ref = torch.zeros_like(mask), (logp + r_ref.log()[:, None] * mask).detach()  # [G, T]
-    w = {k: token_weights(mask, k, max_len=T) for k in REDUCTIONS}          # [G, T] each
+    logp = (rho.log()[:, None] * mask).requires_grad_()       # [G, T], old = 0; padding: ratio 1
+    return types.SimpleNamespace(
+        responses=responses, lengths=lengths, mask=mask, rewards=rewards, rho=rho, r_ref=r_ref,
+        G=len(responses), T=T, pm1=-1.0 + 2.0 * rewards,  # the --wrong-reward -1 rewards [1, G]
+        adv=group_advantages(rewards)[0].to(f64), logp=logp, old=torch.zeros_like(mask),  # [G]
+        ref=(logp + r_ref.log()[:, None] * mask).detach(),                  # [G, T]
+        w={k: token_weights(mask, k, max_len=T) for k in REDUCTIONS})       # [G, T] each
+
+
+def _steps_1_to_3(ex) -> list[tuple[str, ...]]:
+    """Steps 1-3: the prompt, the four answers, their rewards and advantages."""
+    r = ex.rewards
+    return [
+        (S1, "prompt", "求解方程：2x + 5 = 13 (answer 4), G = 4 responses"),
+        *((S1, f"o_{i + 1}", o) for i, o in enumerate(ex.responses)),
+        (S1, "|o_i|, tokens (chosen: the article gives none)",
+         " ".join(map(str, ex.lengths.tolist()))),
+        (S2, 'r_i = verifier.verify(o_i, "4")', _vals(r)),
+        (S2, "r_i with DAPO's -1 for a wrong answer (--wrong-reward -1)", _vals(ex.pm1)),
+        (S3, "mean(r)", _vals(r.mean())),
+        (S3, "std(r), Bessel (/ (G - 1)), torch.std's default", _vals(r.std()),
+         f"article's hand formula divides by G: {float(r.std(correction=0)):.4f}; "
+         "its advantages use 0.5"),
+        (S3, "A_i = grpo.group_advantages(r)", _vals(ex.adv)),
+        (S3, "A_i of the -1 rewards (a z-score: the same)", _vals(group_advantages(ex.pm1))),
+    ]
+
+
+def _step_4(ex) -> list[tuple[str, ...]]:
+    """Step 4 at the chosen ratios: clipping, the reductions, KL, the loss and its gradient."""
+    logp, old, adv, mask, w, beta = ex.logp, ex.old, ex.adv, ex.mask, ex.w, 0.04
     surr = lambda k, eps_high=0.2: ppo_loss(  # noqa: E731
         logp, old, adv, mask, w[k], 0.2, eps_high)[0]
-    per_resp, _, high = clipped_surrogate(rho, adv, 0.2, 0.2)               # [G] each
+    per_resp, _, high = clipped_surrogate(ex.rho, adv, 0.2, 0.2)            # [G] each
     surr("sequence").backward()                                             # logp.grad [G, T]
-    kl = kl_k3(logp, ref)[:, 0]                                             # [G]
-    kl_mean = kl_term(logp, ref, mask, w["sequence"])[0]
-    total = policy_loss(logp, old, adv, mask, w["sequence"], ref_logp=ref, beta=0.04)[0]
-    rows = [
-        (s1, "prompt", "求解方程：2x + 5 = 13 (answer 4), G = 4 responses"),
-        *((s1, f"o_{i + 1}", o) for i, o in enumerate(responses)),
-        (s1, "|o_i|, tokens (chosen: the article gives none)",
-         " ".join(map(str, lengths.tolist()))),
-        (s2, 'r_i = verifier.verify(o_i, "4")', vals(rewards)),
-        (s2, "r_i with DAPO's -1 for a wrong answer (--wrong-reward -1)", vals(pm1)),
-        (s3, "mean(r)", vals(rewards.mean())),
-        (s3, "std(r), Bessel (/ (G - 1)), as torch.std", vals(rewards.std()),
-         f"article's hand formula divides by G: {float(rewards.std(correction=0)):.4f}; "
-         "its advantages use 0.5"),
-        (s3, "A_i = grpo.group_advantages(r)", vals(adv)),
-        (s3, "A_i of the -1 rewards (a z-score: the same)", vals(group_advantages(pm1))),
-        (s4, "rho_i = pi_theta / pi_old, one per response (chosen)", vals(rho)),
-        (s4, "clip(rho_i, 1 - eps, 1 + eps), eps 0.2", vals(rho.clamp(0.8, 1.2)),
+    article_kl = (logp - ex.ref).exp() - 1.0                                # [G, T] its snippet
+    with torch.no_grad():  # the article's Step 4: (ppo_loss + kl_penalty).mean(), padding and all
+        article = (clipped_surrogate((logp - old).exp(), adv[:, None], 0.2, 0.2)[0]
+                   + beta * (logp - ex.ref).exp()).mean()
+    total = policy_loss(logp, old, adv, mask, w["sequence"], ref_logp=ex.ref, beta=beta)[0]
+    return [
+        (S4, "rho_i = pi_theta / pi_old, one per response (chosen)", _vals(ex.rho)),
+        (S4, "clip(rho_i, 1 - eps, 1 + eps), eps 0.2", _vals(ex.rho.clamp(0.8, 1.2)),
          'article (单 Prompt 数值示例): o_3 "被 clip 到 1.15"; eps 0.2 clips it to 1.2'),
-        (s4, "clipped above 1 + eps, no gradient (grpo.clipped_surrogate)", vals(high)),
-        (s4, "-min(rho_i A_i, clip(rho_i) A_i), eps 0.2", vals(per_resp)),
-        (s4, "each token's weight, GRPO: 1 / (G |o_i|) (grpo.token_weights)",
-         vals(w["sequence"][:, 0])),
-        (s4, "surrogate, GRPO (--reduction sequence)", vals(surr("sequence"))),
-        (s4, "surrogate, the article's .sum() / (B * G * T_resp) (--reduction constant)",
-         vals(surr("constant")), 'article: "Token-level loss (DAPO: 全局平均)"; it is Dr. '
-         "GRPO's constant normaliser, and Step 4's .mean() counts padding too"),
-        (s4, "pi_ref / pi_theta, one per response (chosen)", vals(r_ref)),
-        (s4, "KL k3 = pi_ref / pi - log(pi_ref / pi) - 1 (grpo.kl_k3)", vals(kl)),
-        (s4, "the article's KL, exp(new - ref) - 1", vals(1.0 / r_ref - 1.0),
-         "negative for o_3: not a KL estimate (Step 4's snippet drops the - 1)"),
-        (s4, "KL, GRPO's mean (grpo.kl_term)", vals(kl_mean)),
-        (s4, "loss = surrogate + 0.04 * KL (grpo.policy_loss)", vals(total)),
-        (s4, "训练效果: d surrogate / d log pi(o_i), summed over o_i's tokens",
-         vals(logp.grad.sum(-1)), "descent raises o_1, o_2, lowers o_4; clipped o_3: no push"),
-        (ch, "-min(rho_i A_i, clip(rho_i) A_i), eps_low 0.2, eps_high 0.28",
-         vals(clipped_surrogate(rho, adv, 0.2, 0.28)[0])),
-        (tl, "each token's weight, DAPO: 1 / sum |o_i|", vals(w["token"][:, 0])),
-        (tl, "surrogate, eps 0.2 (--reduction token)", vals(surr("token"))),
-        (tl, "surrogate, eps_high 0.28 (DAPO's loss)", vals(surr("token", 0.28))),
-        (ds, "all right or all wrong? (grpo.constant_groups = ~dapo.keep_groups)",
-         vals(constant_groups(rewards))),
-        (ds, "A_i of an all-right group", vals(group_advantages(torch.ones(1, G))),
-         "no gradient: dropped, and more prompts drawn to refill the batch"),
+        (S4, "clipped above 1 + eps? (then no gradient: grpo.clipped_surrogate)", _yes_no(high)),
+        (S4, "-min(rho_i A_i, clip(rho_i) A_i), eps 0.2", _vals(per_resp)),
+        (S4, "each token's weight, GRPO: 1 / (G |o_i|) (grpo.token_weights)",
+         _vals(w["sequence"][:, 0])),
+        (S4, "surrogate, GRPO (--reduction sequence)", _vals(surr("sequence"))),
+        (S4, "surrogate, valid tokens' sum / (G * T) (--reduction constant)",
+         _vals(surr("constant")), "article's .sum() / (B * G * T_resp), labelled \"Token-level "
+         "loss (DAPO: 全局平均)\": Dr. GRPO's constant normaliser, not DAPO's"),
+        (S4, "pi_ref / pi_theta, one per response (chosen)", _vals(ex.r_ref)),
+        (S4, "KL k3 = pi_ref / pi - log(pi_ref / pi) - 1 (grpo.kl_k3)",
+         _vals(kl_k3(logp, ex.ref)[:, 0]), f"article's exp(new - ref) - 1: "
+         f"{_vals(article_kl[:, 0])}, negative for o_3; its mean over pi_theta is "
+         "chi^2(pi_theta || pi_ref), not KL"),
+        (S4, "KL, GRPO's mean (grpo.kl_term)",
+         _vals(kl_term(logp, ex.ref, mask, w["sequence"])[0])),
+        (S4, f"loss = surrogate + {beta} * KL (grpo.policy_loss)", _vals(total),
+         f"article's Step 4, (ppo_loss + beta * exp(new - ref)).mean() over the padded [G, T] "
+         f"(padding at ratio 1): {float(article):.4f}"),
+        (S4, "训练效果: d surrogate / d log pi(o_i), summed over o_i's tokens",
+         _vals(logp.grad.sum(-1))),
+        (NUMERIC, "the article's claim",
+         "o_1、o_2、o_3 的 advantage > 0，loss 为负（梯度提升概率）; o_3 的 ratio 被 clip 到 1.15"),
+        (NUMERIC, "its verdict", "wrong for o_3: clipped (1.25 > 1.2), its gradient is 0 (训练效果 "
+         "above), so this update does not raise it; o_1, o_2 rise, o_4 falls"),
     ]
-    return [" | ".join(row) for row in rows]
+
+
+def _next_update(ex) -> list[tuple[str, ...]]:
+    """How the ratio leaves 1: an on-policy first update, one SGD step, the clip at the next."""
+    logp = torch.zeros_like(ex.mask, requires_grad=True)        # [G, T] each token's log pi - old
+    rho1 = (logp - ex.old).exp()[:, 0]                                      # [G] all 1
+    first = ppo_loss(logp, ex.old, ex.adv, ex.mask, ex.w["sequence"])[0]
+    g1 = torch.autograd.grad(first, logp)[0]                                # [G, T]
+    logp = (logp - NEXT_LR * g1).detach().requires_grad_()                  # [G, T] one SGD step
+    rho = logp.exp()[:, 0]                                                  # [G]
+    _, low, high = clipped_surrogate(rho, ex.adv, 0.2, 0.2)                 # [G] each
+    second = ppo_loss(logp, ex.old, ex.adv, ex.mask, ex.w["sequence"])[0]
+    g2 = torch.autograd.grad(second, logp)[0]                               # [G, T]
+    return [
+        (NEXT, "1st update, on-policy (pi_old = pi_theta): rho_i", _vals(rho1)),
+        (NEXT, "its d surrogate / d log pi, each token of o_i: -A_i / (G |o_i|)", _vals(g1[:, 0])),
+        (NEXT, f"rho_i after one SGD step, lr {NEXT_LR:g} on each token's log pi", _vals(rho)),
+        (NEXT, "clipped? (above 1.2 with A > 0, below 0.8 with A < 0)", _yes_no(low | high)),
+        (NEXT, "2nd update: d surrogate / d log pi, each token of o_i", _vals(g2[:, 0])),
+    ]
+
+
+def _dapo(ex) -> list[tuple[str, ...]]:
+    """DAPO's four fixes on the same group, in the article's order."""
+    G, lengths, (max_len, cache) = ex.G, ex.lengths.to(torch.float64), OVERLONG
+    surr = lambda k, eps_high: ppo_loss(  # noqa: E731
+        ex.logp, ex.old, ex.adv, ex.mask, ex.w[k], 0.2, eps_high)[0]
+    per_resp, _, high = clipped_surrogate(ex.rho, ex.adv, 0.2, 0.28)        # [G] each
+    # Eq. 13 as dapo.overlong_penalty computes it (dapo imports grpo, so grpo cannot import dapo;
+    # test_article_example_prints_the_articles_numbers checks the two agree)
+    penalty = ((max_len - cache - lengths) / cache).clamp(-1.0, 0.0)        # [G]
+    return [
+        (CH, "-min(rho_i A_i, clip(rho_i) A_i), eps_low 0.2, eps_high 0.28", _vals(per_resp)),
+        (CH, "clipped above 1 + eps_high? (1.25 < 1.28)", _yes_no(high)),
+        (DS, "all right or all wrong, so dropped? (grpo.constant_groups = ~dapo.keep_groups)",
+         _yes_no(constant_groups(ex.rewards))),
+        (DS, "A_i of an all-right group", _vals(group_advantages(torch.ones(1, G))),
+         "no gradient: dropped, and more prompts drawn to refill the batch"),
+        (TL, "each token's weight, DAPO: 1 / sum |o_i|", _vals(ex.w["token"][:, 0])),
+        (TL, "surrogate, eps 0.2 (--reduction token)", _vals(surr("token", 0.2))),
+        (TL, "surrogate, eps_high 0.28 (DAPO's loss)", _vals(surr("token", 0.28))),
+        (OL, f"soft penalty of |o_i| (Eq. 13, dapo.overlong_penalty), L_max {max_len}, L_cache "
+         f"{cache} (the paper: 20480, 4096)", _vals(penalty)),
+        (OL, "r_i = +-1 + penalty (train.reward, --algo dapo)", _vals(ex.pm1[0] + penalty)),
+    ]
+
+
+def article_example() -> list[str]:
+    """The article's G = 4 group ("GRPO 训练过程拆解", "单 Prompt 数值示例"), one line per quantity.
+
+    A header, then lines "article step | quantity | values [| where the article differs]": Steps
+    1-4 at chosen ratios, the next update (where the ratio leaves 1 and the clip takes a gradient
+    away), then DAPO's four fixes. Every value is computed by the functions train.py and update.py
+    run (verifier.verify, group_advantages, constant_groups, token_weights, clipped_surrogate,
+    ppo_loss, kl_k3, kl_term, policy_loss); booleans print as yes / no.
+    """
+    ex = _example_group()
+    rows = [*_steps_1_to_3(ex), *_step_4(ex), *_next_update(ex), *_dapo(ex)]
+    return [EXAMPLE_HEADER, *(" | ".join(row) for row in rows)]
 
 
 if __name__ == "__main__":

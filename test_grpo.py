@@ -135,6 +135,40 @@ def test_kl_k3_hand_value_zero_at_equality_and_nonnegative():
     assert (grpo.kl_k3(x, torch.randn(1000) * 3) >= 0).all()
 
 
+def test_article_kl_snippet_is_half_the_gradient_of_chi2():
+    # The article's KL term beta * (exp(new_logp - ref_logp) - 1) (Step 4's drops the - 1: the same
+    # gradient), on tokens x sampled from pi and differentiated through log pi only. Its expected
+    # gradient, exactly, over a 5-token vocabulary (pi's weights detached, as sampling does):
+    # sum_x pi_x (pi_x / ref_x) grad log pi_x = sum_x (pi_x / ref_x) grad pi_x
+    # = 1/2 grad sum_x pi_x^2 / ref_x = 1/2 grad chi^2(pi || ref), chi^2 = sum_x pi_x^2 / ref_x - 1.
+    # A pull toward the reference (chi^2 >= 0, 0 only at pi = ref), not the gradient of the KL; and
+    # its value's mean, sum_x pi_x (pi_x / ref_x - 1), is chi^2, not the KL.
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(torch.randn(5, generator=gen, dtype=torch.float64), 0)
+
+    def grad(theta, f):
+        theta = theta.detach().requires_grad_()
+        logp = torch.log_softmax(theta, 0)
+        return torch.autograd.grad(f(logp), theta)[0]
+
+    snippet = lambda logp: (logp.exp().detach() * ((logp - ref).exp() - 1)).sum()  # noqa: E731
+    step4 = lambda logp: (logp.exp().detach() * (logp - ref).exp()).sum()           # noqa: E731
+    chi2 = lambda logp: (logp.exp() ** 2 / ref.exp()).sum() - 1                     # noqa: E731
+    kl = lambda logp: (logp.exp() * (logp - ref)).sum()                             # noqa: E731
+    theta = torch.randn(5, generator=gen, dtype=torch.float64)
+    assert torch.allclose(grad(theta, snippet), 0.5 * grad(theta, chi2), atol=1e-6)
+    assert torch.allclose(grad(theta, step4), grad(theta, snippet), atol=1e-12)
+    assert not torch.allclose(grad(theta, snippet), grad(theta, kl), atol=1e-3)
+    pi = torch.softmax(theta, 0)
+    assert float(snippet(pi.log())) == pytest.approx(float(chi2(pi.log())), abs=1e-12)
+    # at pi = ref: the expected gradient is zero (the fixed point), and so is chi^2
+    assert torch.allclose(grad(ref, snippet), torch.zeros(5, dtype=torch.float64), atol=1e-12)
+    assert abs(float(chi2(ref))) < 1e-12
+    # a small descent step along it brings pi closer to ref in chi^2
+    assert float(chi2(torch.log_softmax(theta - 0.1 * grad(theta, snippet), 0))) < \
+        float(chi2(torch.log_softmax(theta, 0)))
+
+
 class _GivenLogprobs(torch.nn.Module):
     """A stand-in policy whose log-probs of the rollout's tokens [N, T] are its parameter (see the
     fake
@@ -276,21 +310,39 @@ def test_overlong_filter_masks_truncated_rows():
     assert out.sum(-1).tolist() == [4.0, 0.0, 4.0]
 
 
-# -- The whole example, printed by python grpo.py: Steps 1-4, then three of DAPO's fixes --
+# -- The whole example, printed by python grpo.py: Steps 1-4, the next update, DAPO's four fixes --
 S1, S2 = "Step 1: Rollout 采样", "Step 2: Reward 计算"
 
 
 S3, S4 = "Step 3: Advantage 估计", "Step 4: PPO Loss 计算"
 
 
+NEXT, NUM = "Step 4, the next update", "单 Prompt 数值示例"
+
+
 LN2 = math.log(2)
 
 
+# The article's Step 4 loss, (ppo_loss + beta * exp(new - ref)).mean() over all G * T = 24
+# positions, padding at ratio 1 (log-probs 0 there). Surrogate: the valid tokens sum to 3.01
+# (below), the 9 padding positions (3 of o_1, 4 of o_2, 2 of o_3) add -A = -0.5 each:
+# 3.01 - 4.5 = -1.49. KL: exp(new - ref) = pi / pi_ref is 1 on o_1's 3 and o_4's 6 tokens, 2 on
+# o_2's 2, 1/2 on o_3's 4, and 1 on the 9 padding positions: 3 + 4 + 2 + 6 + 9 = 24, a mean of 1.
+ARTICLE_STEP4 = -1.49 / 24 + 0.04 * 24 / 24                                   # -0.0221
+# The next update: on-policy each token's gradient is -A_i / (G |o_i|) (ratio 1, nothing clipped);
+# one SGD step of lr 4 moves each token's log pi by 4 A_i / (G |o_i|) = 1/6, 1/4, 1/8, -1/4, so the
+# ratios are e^(1/6) = 1.18, e^(1/4) = 1.28 > 1.2 with A > 0 (clipped), e^(1/8) = 1.13 and
+# e^(-1/4) = 0.78 < 0.8 with A < 0 (clipped). The second update's gradient is -A_i rho_i / (G |o_i|)
+# where not clipped, 0 where clipped.
+NEXT_STEP = [1 / 6, 1 / 4, 1 / 8, -1 / 4]
+
+
 # (article step, part of the quantity's name, its values, part of the note where the article
-# differs or None). By hand: A = [0.5, 0.5, 0.5, -1.5] (Step 3); ratios [1.1, 1.04, 1.25, 0.9]
-# give rho A = [0.55, 0.52, 0.625, -1.35]; eps 0.2 clips o_3's 1.25 to 1.2 (0.6 < 0.625, so min
-# takes it); lengths [3, 2, 4, 6]: 15 tokens, T = 6; k3 of r = pi_ref / pi in {1, 1/2, 2} is 0,
-# log 2 - 1/2, 1 - log 2.
+# differs or None); values: a str (exact), bools (printed yes / no) or numbers (4 decimals). By
+# hand: A = [0.5, 0.5, 0.5, -1.5] (Step 3); ratios [1.1, 1.04, 1.25, 0.9] give
+# rho A = [0.55, 0.52, 0.625, -1.35]; eps 0.2 clips o_3's 1.25 to 1.2 (0.6 < 0.625, so min takes
+# it); lengths [3, 2, 4, 6]: 15 tokens, T = 6; k3 of r = pi_ref / pi in {1, 1/2, 2} is 0,
+# log 2 - 1/2, 1 - log 2, and the article's exp(new - ref) - 1 = 1 / r - 1 is 0, 1, -1/2.
 ARTICLE_EXAMPLE = [
     (S1, "prompt", "求解方程：2x + 5 = 13 (answer 4), G = 4 responses", None),
     (S1, "o_1", "2x = 13 - 5 = 8, so x = 8 / 2 = \\boxed{4}", None),
@@ -307,25 +359,39 @@ ARTICLE_EXAMPLE = [
     (S3, "-1 rewards", [0.5, 0.5, 0.5, -1.5], None),  # mean 0.5, std 1: the same z-scores
     (S4, "rho_i", [1.1, 1.04, 1.25, 0.9], None),
     (S4, "clip(rho_i", [1.1, 1.04, 1.2, 0.9], 'o_3 "被 clip 到 1.15"; eps 0.2 clips it to 1.2'),
-    (S4, "clipped above", [0, 0, 1, 0], None),
+    (S4, "clipped above", [False, False, True, False], None),                 # 1.25 > 1.2, A > 0
     (S4, "-min(rho_i A_i", [-0.55, -0.52, -0.6, 1.35], None),
     (S4, "1 / (G |o_i|)", [1 / 12, 1 / 8, 1 / 16, 1 / 24], None),
     (S4, "--reduction sequence", [(-0.55 - 0.52 - 0.6 + 1.35) / 4], None),        # -0.08
     # the sum over tokens, 3 * -0.55 + 2 * -0.52 + 4 * -0.6 + 6 * 1.35 = 3.01, over G * T = 24
-    (S4, "--reduction constant", [3.01 / 24], "Dr. GRPO"),
+    (S4, "--reduction constant", [3.01 / 24], "Dr. GRPO's constant normaliser"),
     (S4, "pi_ref / pi_theta", [1, 0.5, 2, 1], None),
-    (S4, "grpo.kl_k3", [0, LN2 - 0.5, 1 - LN2, 0], None),
-    (S4, "exp(new - ref) - 1", [0, 1, -0.5, 0], "not a KL estimate"),         # pi / pi_ref - 1
+    (S4, "grpo.kl_k3", [0, LN2 - 0.5, 1 - LN2, 0],
+     "exp(new - ref) - 1: " + " ".join(f"{1 / r - 1:.4f}" for r in (1, 0.5, 2, 1))),
     (S4, "grpo.kl_term", [(LN2 - 0.5 + 1 - LN2) / 4], None),                  # 0.125
-    (S4, "grpo.policy_loss", [-0.08 + 0.04 * 0.125], None),
+    (S4, "grpo.policy_loss", [-0.08 + 0.04 * 0.125], f"(padding at ratio 1): {ARTICLE_STEP4:.4f}"),
     # -A rho / G on each response's tokens, summed; 0 where clipped
-    (S4, "训练效果", [-0.55 / 4, -0.52 / 4, 0, 1.35 / 4], "clipped o_3: no push"),
+    (S4, "训练效果", [-0.55 / 4, -0.52 / 4, 0, 1.35 / 4], None),
+    (NUM, "the article's claim",
+     "o_1、o_2、o_3 的 advantage > 0，loss 为负（梯度提升概率）; o_3 的 ratio 被 clip 到 1.15",
+     None),
+    (NUM, "its verdict", "wrong for o_3: clipped (1.25 > 1.2), its gradient is 0 (训练效果 above), "
+     "so this update does not raise it; o_1, o_2 rise, o_4 falls", None),
+    (NEXT, "1st update, on-policy", [1, 1, 1, 1], None),
+    (NEXT, "-A_i / (G |o_i|)", [-0.5 / 12, -0.5 / 8, -0.5 / 16, 1.5 / 24], None),
+    (NEXT, "after one SGD step, lr 4", [math.exp(d) for d in NEXT_STEP], None),
+    (NEXT, "clipped?", [False, True, False, True], None),
+    (NEXT, "2nd update", [-0.5 * math.exp(1 / 6) / 12, 0, -0.5 * math.exp(1 / 8) / 16, 0], None),
     ("Clip-Higher", "eps_high 0.28", [-0.55, -0.52, -0.625, 1.35], None),     # 1.25 < 1.28
+    ("Clip-Higher", "clipped above 1 + eps_high", [False] * 4, None),
+    ("Dynamic Sampling", "grpo.constant_groups", [False], None),              # 3 of 4 right
+    ("Dynamic Sampling", "all-right group", [0, 0, 0, 0], "refill the batch"),
     ("Token-Level Loss", "1 / sum |o_i|", [1 / 15] * 4, None),
     ("Token-Level Loss", "--reduction token", [3.01 / 15], None),
     ("Token-Level Loss", "DAPO's loss", [(3.01 - 4 * 0.025) / 15], None),   # o_3 at -0.625
-    ("Dynamic Sampling", "grpo.constant_groups", [0], None),                  # 3 of 4 right
-    ("Dynamic Sampling", "all-right group", [0, 0, 0, 0], "refill the batch"),
+    # Eq. 13 at L_max 7, L_cache 4: 0 up to 3 tokens, then (3 - L) / 4: o_3 (4) -1/4, o_4 (6) -3/4
+    ("Overlong Reward Shaping", "L_max 7, L_cache 4", [0, 0, -0.25, -0.75], None),
+    ("Overlong Reward Shaping", "+-1 + penalty", [1, 1, 0.75, -1.75], None),
 ]
 
 
@@ -335,19 +401,52 @@ def test_article_example_prints_the_articles_numbers(capsys):
     import re
     import runpy
     lines = grpo.article_example()
-    assert len(lines) == len(ARTICLE_EXAMPLE)
-    for line, (step, quantity, want, note) in zip(lines, ARTICLE_EXAMPLE):
+    header = lines[0].split(" | ")
+    assert len(header) == 4 and header[2].startswith("o_1 o_2 o_3 o_4"), lines[0]
+    assert len(lines) == 1 + len(ARTICLE_EXAMPLE)
+    for line, (step, quantity, want, note) in zip(lines[1:], ARTICLE_EXAMPLE):
         got_step, got_quantity, values, *got_note = line.split(" | ")
         assert (got_step, quantity in got_quantity) == (step, True), line
         assert len(got_note) == (note is not None) and (note is None or note in got_note[0]), line
         if isinstance(want, str):
             assert values == want, line
-            continue
-        numbers = values.split()
-        assert all(re.fullmatch(r"-?\d+\.\d{4}|\d+", x) for x in numbers), line
-        assert [float(x) for x in numbers] == pytest.approx(want, abs=5.001e-5), line
+        elif isinstance(want[0], bool):
+            assert values.split() == ["yes" if b else "no" for b in want], line
+        else:
+            numbers = values.split()
+            assert all(re.fullmatch(r"-?\d+\.\d{4}|\d+", x) for x in numbers), line
+            assert [float(x) for x in numbers] == pytest.approx(want, abs=5.001e-5), line
+    # the DAPO order of the article's sections, and Eq. 13's line is dapo.overlong_penalty's
+    steps = [line.split(" | ")[0] for line in lines]
+    dapo_steps = ["Clip-Higher", "Dynamic Sampling", "Token-Level Loss", "Overlong Reward Shaping"]
+    assert [s for i, s in enumerate(steps) if s in dapo_steps and s != steps[i - 1]] == dapo_steps
+    assert dapo.overlong_penalty(torch.tensor([3, 2, 4, 6]), *grpo.OVERLONG).tolist() == \
+        [0.0, 0.0, -0.25, -0.75]
     runpy.run_path(os.path.join(HERE, "grpo.py"), run_name="__main__")
     assert capsys.readouterr().out == "\n".join(lines) + "\n"
+
+
+def test_article_example_next_update_the_clip_takes_the_gradient_away():
+    # The next update of `python grpo.py`, by hand (NEXT_STEP above): at ratio 1 every token of
+    # o_i gets -A_i / (G |o_i|); after one SGD step of lr 4 the ratios are e^NEXT_STEP, o_2 (1.28 >
+    # 1.2, A > 0) and o_4 (0.78 < 0.8, A < 0) are clipped and their gradient is exactly 0, o_1 and
+    # o_3 get -A_i rho_i / (G |o_i|).
+    lengths = torch.tensor([3, 2, 4, 6])
+    mask = (torch.arange(6)[None] < lengths[:, None]).double()                # [4, 6]
+    A, w = torch.tensor([0.5, 0.5, 0.5, -1.5]).double(), grpo.token_weights(mask)
+    logp = torch.zeros(4, 6, dtype=torch.float64, requires_grad=True)       # old = 0: ratio 1
+    g1 = torch.autograd.grad(grpo.ppo_loss(logp, torch.zeros_like(mask), A, mask, w)[0], logp)[0]
+    assert torch.allclose(g1, -(A / 4 / lengths)[:, None] * mask, atol=1e-15)
+    step = torch.tensor(NEXT_STEP, dtype=torch.float64)                        # [4] 4 A / (G |o_i|)
+    assert torch.allclose(-grpo.NEXT_LR * g1, step[:, None] * mask, atol=1e-15)
+    logp = (step[:, None] * mask).requires_grad_()                             # [4, 6]
+    loss, m = grpo.ppo_loss(logp, torch.zeros_like(mask), A, mask, w)
+    g2 = torch.autograd.grad(loss, logp)[0]
+    assert g2[1].abs().sum() == 0 and g2[3].abs().sum() == 0                 # clipped: no gradient
+    want = [-0.5 * math.exp(1 / 6) / 12, -0.5 * math.exp(1 / 8) / 16]
+    assert g2[[0, 2], 0].tolist() == pytest.approx(want, abs=1e-12)
+    # o_2's 2 tokens and o_4's 6, of the 15
+    assert (m["clip/high_frac"], m["clip/low_frac"]) == pytest.approx((2 / 15, 6 / 15))
 
 
 # ---------------------------------------------------------------------------------------------
