@@ -40,7 +40,7 @@ import shlex
 import train
 from ablate import experiments, rows
 from ablate.measures import Run, load_run
-from infra.curves import plot_panels, plot_runs
+from infra.curves import plot_panels
 
 
 def run_arms(name: str, arms: list[tuple[str, list[str]]], seeds: list[int],
@@ -75,7 +75,7 @@ def rows_main(a) -> None:
     extra = f" --train-flags {shlex.quote(a.train_flags)}" if a.train_flags else ""
     title = (f"python -m ablate --rows{extra}: each row adds one fix to the row above, "
              f"{a.budget} responses per run")
-    if plot_runs(runs, os.path.join(a.out, "ablation.png"), title):
+    if plot_panels(rows.figure_panels(runs), os.path.join(a.out, "ablation.png"), title):
         print(f"plots: {os.path.join(a.out, 'ablation.png')}")
 
 

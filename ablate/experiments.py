@@ -127,6 +127,9 @@ class Experiment:
     # accuracy panel is added to every figure (figure_panels)
     panels: tuple[tuple, ...]
     habit: habits.Habit | None = None  # the base model: this habit model (None: the shipped one)
+    # the held-out greedy accuracy panel (False where --reward is not the verifier: evaluation
+    # scores with the run's reward, so a coin's "accuracy" is noise)
+    held_out: bool = True
 
     def model_flags(self) -> tuple[str, ...]:
         """--model and the built-in task's defaults a model folder does not get
@@ -219,8 +222,8 @@ EXPERIMENTS = (
          *HELD_OUT),
         (("truncated responses", "step", logged("len/truncated_frac"),
           "share of sampled responses"),
-         ("truncated on the way to right (of all)", "step", by_step(share(on_the_way)),
-          "share of sampled responses"),
+         ("truncated on the way to a right answer", "step",
+          by_step(share(on_the_way, lambda c: c["truncated"])), "share of the truncated"),
          *SAMPLED)),
     Experiment(
         "token-level-loss",
@@ -249,7 +252,7 @@ EXPERIMENTS = (
         "The control: a fair coin for reward leaves nothing to learn, and symmetric clipping alone "
         "is published to lower entropy (arXiv 2509.26114); clip-higher should lower it less.",
         NAIVE + SMALL + CLIP_REGIME + ("--reward", "ablate.experiments:random_reward"), CLIP_ARMS,
-        ENTROPY, ENTROPY_PANELS),
+        ENTROPY, ENTROPY_PANELS, held_out=False),
     Experiment(
         "clip-higher-paths",
         "问题 as clip-higher's, on a policy with entropy to lose: a habit model that writes each "
@@ -272,8 +275,12 @@ DEFAULTS = Experiment(
     "default-dapo-vs-grpo",
     "The built-in default runs of each algorithm, `train.py --algo grpo` and `--algo dapo` "
     "(40 steps of 32 prompts x 8 on the shipped base model; DAPO's dynamic sampling draws more "
-    "responses per step), nothing else changed.",
-    (), (("grpo", ("--algo", "grpo")), ("dapo", ("--algo", "dapo"))),
+    "responses per step), nothing else changed; and `--algo dapo` with 4 optimizer updates per "
+    "rollout step (`--mini-batches 4`), where clip-higher can act.",
+    (), (("grpo", ("--algo", "grpo")), ("dapo", ("--algo", "dapo")),
+         # DAPO's several updates per rollout step: from the second on the ratio leaves 1 and
+         # clip-higher can act (with one update it cannot, by construction)
+         ("dapo, 4 mini-batches", ("--algo", "dapo", "--mini-batches", "4"))),
     (("held-out greedy accuracy before", lambda r: logged("eval/accuracy")(r)[0][1]),
      ("held-out greedy accuracy at step 20", lambda r: dict(logged("eval/accuracy")(r)).get(20)),
      ("held-out greedy accuracy at the end", final("eval/accuracy")),
@@ -281,7 +288,10 @@ DEFAULTS = Experiment(
      ("entropy (nats/token), last 5 steps", end(logged("entropy")), 4),
      ("length of the sampled responses (tokens), last 5 steps", end(logged("len/mean"))),
      ("truncated responses, last 5 steps", end(logged("len/truncated_frac"))),
-     ("responses sampled", final("samples"))),
+     ("responses sampled", final("samples")),
+     ("tokens clipped at the upper bound", over_run(logged("clip/high_frac")), 4),
+     ("training time (s, the steps' time/step_s summed)",
+      lambda r: sum(v for _, v in logged("time/step_s")(r)), 0)),
     (("accuracy of the sampled responses", "responses sampled",
       lambda r: curve(r.metrics, "reward/correct"), ACCURACY),
      *((title, "responses sampled", lambda r, k=key: curve(r.metrics, k), ylabel)
@@ -289,7 +299,8 @@ DEFAULTS = Experiment(
 
 
 def figure_panels(exp: Experiment, runs: dict[str, list[Run]]) -> list[tuple]:
-    """An experiment's figure: its panels, each {arm: one curve per seed}, then the held-out greedy
-    accuracy at each evaluation (the experiments' runs evaluate before and after: two points)."""
+    """An experiment's figure: its panels, each {arm: one curve per seed}, then (exp.held_out) the
+    held-out greedy accuracy at each evaluation (the experiments' runs evaluate before and after:
+    two points)."""
     return [(title, x, {label: [points(r) for r in rs] for label, rs in runs.items()}, *ylabel)
-            for title, x, points, *ylabel in (*exp.panels, HELD_OUT_PANEL)]
+            for title, x, points, *ylabel in (*exp.panels, *[HELD_OUT_PANEL] * exp.held_out)]

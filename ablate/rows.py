@@ -12,7 +12,7 @@ import statistics
 
 import dapo
 from ablate.measures import at_samples, fmt, fmt_difference
-from infra.curves import curve
+from infra.curves import curve, runs_panels
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
     ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),
@@ -39,18 +39,13 @@ def extra_row(spec: str) -> tuple[str, list[str], None]:
     return name.strip(), shlex.split(flags), None
 
 
-def samples_to_reach(rows: list[dict], target: float) -> float | None:
-    hits = [s for s, v in curve(rows, "eval/accuracy") if v >= target]
-    return hits[0] if hits else None
-
-
 def row_measures(seeds: list[list[dict]], budget: int) -> dict[str, list[float | None]]:
     """A row's measures, one value per seed (from its metrics.jsonl rows): the columns of table."""
     def tail(key):
         return [statistics.mean(v for _, v in curve(r, key)[-5:]) for r in seeds]
 
-    def percent(key):
-        return [100 * statistics.mean(v for _, v in curve(r, key)) for r in seeds]
+    def over_run(key):
+        return [statistics.mean(v for _, v in curve(r, key)) for r in seeds]
 
     return {AT_END: [curve(r, "eval/accuracy")[-1][1] for r in seeds],
             # the last evaluation within a quarter of the budget (the best one, before)
@@ -58,14 +53,15 @@ def row_measures(seeds: list[list[dict]], budget: int) -> dict[str, list[float |
                                               lambda r: budget / 4)(r) for r in seeds],
             "entropy (last 5 steps)": tail("entropy"), "length (last 5)": tail("len/mean"),
             "truncated (last 5)": tail("len/truncated_frac"),
-            "tokens clipped low (%)": percent("clip/low_frac"),
-            "tokens clipped high (%)": percent("clip/high_frac"),
+            "tokens clipped low": over_run("clip/low_frac"),
+            "tokens clipped high": over_run("clip/high_frac"),
             "steps": [max(x["step"] for x in r if "loss" in x) for r in seeds]}
 
 
 AT_END = "held-out acc. at end"
-DIGITS = {"entropy (last 5 steps)": 4, "length (last 5)": 1, "tokens clipped low (%)": 2,
-          "tokens clipped high (%)": 2, "steps": 0}
+# clipped tokens are a share of the tokens (as in the experiments' tables), not a percent
+DIGITS = {"entropy (last 5 steps)": 4, "length (last 5)": 1, "tokens clipped low": 4,
+          "tokens clipped high": 4, "steps": 0}
 
 
 def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = ROWS) -> str:
@@ -73,16 +69,11 @@ def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = RO
     from the row above (an --add-row row's from DAPO) and DAPO's from naive GRPO, with 2 SE."""
     values = [row_measures(seeds, budget) for seeds in runs.values()]
     names = list(values[0])
-    lines = ["| row | " + " | ".join([names[0], names[1], "samples to 90%", *names[2:]])
-             + " | paper AIME24 |", "|" + " --- |" * (len(names) + 3)]
-    for (name, _, paper), v, seeds in zip(rows, values, runs.values()):
-        reach = [samples_to_reach(r, 0.9) for r in seeds]
-        hit = [x for x in reach if x is not None]
-        reached = (f"{statistics.mean(hit):.0f} ({len(hit)}/{len(reach)} seeds)" if hit
-                   else f"never (0/{len(reach)})")
+    lines = ["| row | " + " | ".join(names) + " | paper AIME24 |",
+             "|" + " --- |" * (len(names) + 2)]
+    for (name, _, paper), v in zip(rows, values):
         cells = [fmt(v[k], DIGITS.get(k, 3)) for k in names]
-        lines.append(f"| {name} | " + " | ".join([*cells[:2], reached, *cells[2:]])
-                     + f" | {'-' if paper is None else paper} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'-' if paper is None else paper} |")
     dapo_row = len(ROWS) - 1
     pairs = [(f"{rows[i][0]} (− the row above)", i, i - 1)
              for i in range(1, min(len(ROWS), len(values)))]
@@ -98,3 +89,13 @@ def table(runs: dict[str, list[list[dict]]], budget: int, rows: list[tuple] = RO
                      + " | ".join(fmt_difference(values[j][k], values[i][k]) for k in names) + " |")
     seeds = sorted({len(s) for s in runs.values()})
     return "\n".join(lines) + f"\n\nmean ± sd over {'/'.join(map(str, seeds))} seeds per row."
+
+
+def figure_panels(runs: dict[str, list[list[dict]]]) -> list[tuple]:
+    """The --rows figure: curves.runs_panels' four curves against the responses sampled, then the
+    held-out accuracy at the end as one point per row with bars from the lowest to the highest
+    seed (the rows' curves crowd into a few hundredths at the end)."""
+    end = {name: [[(i, curve(r, "eval/accuracy")[-1][1])] for r in seeds]
+           for i, (name, seeds) in enumerate(runs.items())}
+    return [*runs_panels(runs), ("held-out greedy accuracy at the end", "row (the table's order)",
+                                 end, "accuracy (share right, greedy)")]

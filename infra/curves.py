@@ -22,7 +22,7 @@ CURVES = [("eval/accuracy", "held-out greedy accuracy", "accuracy (share right, 
           ("entropy", "policy entropy", "entropy (nats/token)"),
           ("len/mean", "mean response length", "length (tokens)"),
           ("len/truncated_frac", "truncated responses", "share of responses truncated")]
-BAND = "band: lowest to highest seed at each point"
+BAND = "band (dashed with 3+ lines): lowest to highest seed at each point"
 FEW = 3  # a line of at most this many points is drawn as its points, with bars for the band
 
 
@@ -55,23 +55,30 @@ def _pyplot():
     return plt
 
 
-def _draw(ax, label: str, seeds: list[list[tuple[float, float]]], color, shift: float) -> None:
+def _draw(ax, label: str, seeds: list[list[tuple[float, float]]], color, shift: float,
+          fill: bool = True) -> None:
     """One line: the mean over seeds (points lined up by index) and its band from the lowest to the
     highest seed; a line of at most FEW points (an evaluation before and after) as its points with
-    bars, shifted by `shift` along x so that lines at the same x stay apart."""
+    bars and no line between them (two evaluations are not a curve), shifted by `shift` along x
+    so that lines at the same x stay apart. fill False: the band as two thin dashed lines of the
+    line's colour (overlapping filled bands of three or more lines blend into one colour)."""
     n = min(len(c) for c in seeds)
     xs = [statistics.mean(c[i][0] for c in seeds) for i in range(n)]
     ys = [[c[i][1] for c in seeds] for i in range(n)]                       # [points][seeds]
     mean = [statistics.mean(y) for y in ys]
     if n <= FEW:
         ax.errorbar([x + shift for x in xs], mean, color=color, label=label, marker="o",
-                    markersize=5, linestyle=":", capsize=3,
+                    markersize=5, linestyle="none", capsize=3,
                     yerr=[[m - min(y) for m, y in zip(mean, ys)],
                           [max(y) - m for m, y in zip(mean, ys)]])
         return
     ax.plot(xs, mean, color=color, label=label, marker="o", markersize=2)
-    if len(seeds) > 1:
+    if len(seeds) > 1 and fill:
         ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.2)
+    elif len(seeds) > 1:
+        for edge in (min, max):
+            ax.plot(xs, [edge(y) for y in ys], color=color, linestyle="--", linewidth=0.7,
+                    alpha=0.7)
 
 
 def panels_figure(panels: list[tuple], title: str):
@@ -91,7 +98,8 @@ def panels_figure(panels: list[tuple], title: str):
         step = 0.012 * max(spans, default=0.0)
         for i, (label, seeds) in enumerate(lines.items()):
             if seeds and min(len(c) for c in seeds):
-                _draw(ax, label, seeds, colors[label], (i - (len(lines) - 1) / 2) * step)
+                _draw(ax, label, seeds, colors[label], (i - (len(lines) - 1) / 2) * step,
+                      fill=len(lines) <= 2)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel[0] if ylabel else name, fontsize=8)

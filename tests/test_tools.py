@@ -124,14 +124,18 @@ def test_ablation_table_and_curves_from_metrics():
             "len/truncated_frac": 0.0, "clip/low_frac": 0.03, "clip/high_frac": 0.001},
            {"step": 2, "eval/accuracy": 0.95}]
     assert curves.curve(run, "eval/accuracy") == [(0, 0.5), (100, 0.7), (100, 0.6), (200, 0.95)]
-    assert (ablate.rows.samples_to_reach(run, 0.9) == 200
-            and ablate.rows.samples_to_reach(run, 0.99) is None)
     # a quarter of 400: the last evaluation within 100 responses
     md = ablate.rows.table({name: [run, run] for name, _, _ in ablate.rows.ROWS}, budget=400)
     first = md.splitlines()[2]
-    assert first.startswith("| naive GRPO | 0.950 ± 0.000 | 0.600 ± 0.000 | 200 (2/2 seeds) | "
-                            "0.1500 ± 0.0000 | 9.0 ± 0.0 |"
-                            " 0.250 ± 0.000 | 2.00 ± 0.00 | 0.05 ± 0.00 | 2 ± 0 | 30 |")
+    # clipped tokens as a share of the tokens (0.02 and 0.0005 over the run), as the experiments'
+    # tables give them
+    assert first == ("| naive GRPO | 0.950 ± 0.000 | 0.600 ± 0.000 | 0.1500 ± 0.0000 | 9.0 ± 0.0 |"
+                     " 0.250 ± 0.000 | 0.0200 ± 0.0000 | 0.0005 ± 0.0000 | 2 ± 0 | 30 |")
+    # the figure: the four curves, then the held-out accuracy at the end, one point per row
+    panels = ablate.rows.figure_panels({"a": [run, run], "b": [run]})
+    assert [p[0] for p in panels] == [c[1] for c in curves.CURVES] + [
+        "held-out greedy accuracy at the end"]
+    assert panels[-1][2] == {"a": [[(0, 0.95)], [(0, 0.95)]], "b": [[(1, 0.95)]]}
     # the differences: DAPO's seeds end at 0.97 and 0.99 (2 SE 0.02), the others' at 0.95 twice
     low, high = ([*r[:-1], {**r[-1], "eval/accuracy": a}] for r, a in ((run, 0.97), (run, 0.99)))
     runs = {name: [run, run] for name, _, _ in ablate.rows.ROWS[:-1]}
@@ -171,14 +175,21 @@ def test_figures_read_alone(tmp_path):
         ("step", "share of responses"), ("step", "held-out")]                # default: the title
     assert ([t.get_text() for t in fig.legends[0].get_texts()] == ["off", "on"]
             and len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes))
-    assert fig.get_suptitle() == ("name\nline: mean over 2-3 seeds; band: lowest to highest seed "
-                                  "at each point")
+    assert fig.get_suptitle() == ("name\nline: mean over 2-3 seeds; band (dashed with 3+ lines): "
+                                  "lowest to highest seed at each point")
     band = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]                # off's band
     assert (band.min(), band.max()) == pytest.approx((0.0, 0.9))
     bars = fig.axes[1].containers[0]                                  # off: points with bars
     assert list(bars.lines[0].get_ydata()) == pytest.approx([0.5, 0.8])
+    assert bars.lines[0].get_linestyle() == "None"                    # two points: no line between
     assert [y for s in bars.lines[2][0].get_segments() for y in s[:, 1]] == pytest.approx(
         [0.5, 0.5, 0.7, 0.9])                                           # min to max of the seeds
+    # three lines or more: each band as its two dashed edges, no filled band to blend
+    fig = curves.panels_figure([("t", "step", {"a": seeds, "b": seeds, "c": seeds})], "name")
+    ax = fig.axes[0]
+    assert not ax.collections and len(ax.lines) == 9
+    assert sorted(tuple(ln.get_ydata()[:1]) for ln in ax.lines if ln.get_linestyle() == "--") == \
+        pytest.approx([(0.0,)] * 3 + [(0.4,)] * 3)
     # train.py --plot's figure: one run, the four CURVES with their units
     run = [{"step": 0, "eval/accuracy": 0.5},
            *({"step": s, "loss": 0, "samples": 64 * s, "entropy": 0.1, "len/mean": 30.0,
@@ -195,6 +206,10 @@ def test_figures_read_alone(tmp_path):
     drawn = experiments.figure_panels(exp, {"hard": [r, r]})
     assert [p[0] for p in drawn] == [p[0] for p in exp.panels] + [experiments.HELD_OUT_PANEL[0]]
     assert drawn[-1][2] == {"hard": [[(0, 0.5), (5, 0.9)]] * 2}
+    # the random-reward control evaluates with its coin: no held-out panel
+    coin = next(e for e in experiments.EXPERIMENTS if e.name == "clip-higher-random-reward")
+    assert [p[0] for p in experiments.figure_panels(coin, {"x": [r]})] == [
+        p[0] for p in coin.panels]
 
 
 def test_experiment_arms_change_only_their_fix():
