@@ -67,7 +67,7 @@ def rows_main(a) -> None:
     arms = [(name, [*rows.row_flags(i, table_rows), *shlex.split(a.train_flags), *budget])
             for i, (name, _, _) in enumerate(table_rows)]
     runs = {name: [r.metrics for r in rs]
-            for name, rs in run_arms("rows", arms, a.seeds, a.out).items()}
+            for name, rs in run_arms("rows", arms, a.seeds or [0, 1, 2], a.out).items()}
     md = rows.table(runs, a.budget, table_rows)
     with open(os.path.join(a.out, "ablation.md"), "w") as fh:
         fh.write(md + "\n")
@@ -82,10 +82,10 @@ def rows_main(a) -> None:
 def experiments_main(a) -> None:
     """The experiments (EXPERIMENTS, or --only some; --defaults: DEFAULTS): runs, then
     results/NAME.md and results/NAME.png each."""
-    seeds = [0] if a.quick else a.seeds
     chosen = ([experiments.DEFAULTS] if a.defaults else
               [e for e in experiments.EXPERIMENTS if not a.only or e.name in a.only])
     for exp in chosen:
+        seeds = [0] if a.quick else a.seeds or list(range(exp.seeds))
         arms = [(label, [*exp.model_flags(), *exp.flags, *f]) for label, f in exp.arms]
         runs = run_arms(exp.name, arms, seeds, a.out)
         model = ("" if exp.habit is None else
@@ -109,8 +109,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m ablate", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=[e.name for e in experiments.EXPERIMENTS],
                    help="run these experiments (default: all)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                   help="seeds per arm (or per row)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="seeds per arm (or per row); default: the experiment's own (3, 12 for "
+                        "clip-higher-paths), 0 1 2 for --rows")
     p.add_argument("--quick", action="store_true",
                    help="one seed (seed 0): a look at each experiment, no spread")
     p.add_argument("--results", default="results",

@@ -340,40 +340,35 @@ def _clipped_high_tries(t):  # the one-seed clip-higher tries that kept the poli
 # list of cells (row, column[, n]) or a function of the table). A figure must equal the value read,
 # rounded to the figure's decimals; the one-seed tries are the table of results/README.md itself.
 DOC_FIGURES = [
-    (P1, "[0.61] of the sampled groups are at the end", _DS, [("all wrong, last 5", "off")]),
-    (P1, "with it [15.9] vs [9.6] of 16 groups", _DS,
-     [("with a gradient", ON), ("with a gradient", "off")]),
-    (P1, "at [2.4]x the responses", _DS, _responses_ratio),
-    (P1, "(sampled accuracy [0.850] vs [0.839], within noise)", _DS,
-     [("last 5 updates", ON), ("last 5 updates", "off")]),
+    # README.md's table of the article's claims
+    (P1, "[0.61] of the sampled groups at the end; with the fix [15.9] vs [9.6] of 16 groups", _DS,
+     [("all wrong, last 5", "off"), ("with a gradient", ON), ("with a gradient", "off")]),
+    (P1, "per update no gain (sampled accuracy [0.850] vs [0.839], within noise) at [2.4]x the "
+     "responses, and behind at equal responses ([0.721] vs [0.885], beyond noise)", _DS,
+     lambda t: t.read(("last 5 updates", ON)) + t.read(("last 5 updates", "off"))
+     + _responses_ratio(t) + t.read(("1,024 responses", ON)) + t.read(("1,024 responses", "off"))),
+    (P1, "the rows' only fix that lifts the end accuracy at an equal budget ([+0.039] ± [0.009])",
+     _AB, [(_above(DAPO_ROW), AT_END, 2)]),
     (P1, "[0.90] of the truncated responses are the start of a right solution", _OS,
      [("on the way", HARD)]),
-    (P1, "held-out accuracy ends equal ([0.948] / [0.951] / [0.951] hard / filter / filter + "
-     "soft penalty, [0.953] with the soft penalty alone); the filter keeps more responses "
-     "truncated ([0.094] vs [0.050]), the soft penalty alone does not ([0.047])", _OS,
-     [("held-out", c) for c in (HARD, "filter", SOFT, ALONE)]
-     + [("truncated responses", c) for c in ("filter", HARD, ALONE)]),
-    (P1, "wrong responses end [44.2] tokens long under `sequence` vs [35.9] under `token`, "
-     "[0.54] vs [0.30] of them repeating a line", _TL,
+    (P1, "held-out accuracy ends equal ([0.948] hard, [0.951] filter, [0.951] filter + penalty, "
+     "[0.953] penalty alone)", _OS, [("held-out", c) for c in (HARD, "filter", SOFT, ALONE)]),
+    (P1, "the filter keeps more responses truncated ([0.010] vs [0.001] in the rows, beyond noise)",
+     _AB, [(FIXES[0], TRUNC), (NAIVE, TRUNC)]),
+    (P1, "wrong responses end [44.2] vs [35.9] tokens, [0.54] vs [0.30] repeating a line", _TL,
      [("length of wrong", "sequence"), ("length of wrong", "token"), ("repeat a line", "sequence"),
       ("repeat a line", "token")]),
-    (P1, "(entropy [0.056] vs [0.055];", _CH, [("entropy", E2), ("entropy", E28)]),
-    (P1, "random-reward control [0.105] vs [0.114];", _CHR, [("entropy", E2), ("entropy", E28)]),
-    (P1, "several valid paths per answer ([0.323] nats/token at the start), entropy over the last "
-     "5 steps is [0.263] under eps_high 0.2 vs [0.324] under 0.28, the paper's direction but "
-     "within noise ([+0.062] ± [0.12], 3 seeds)", _CHP,
+    (P1, "the token-level row lowers the end accuracy by [-0.014] ± [0.012] (beyond noise", _AB,
+     [(_above(FIXES[3]), AT_END, 2)]),
+    (P1, "entropy [0.056] vs [0.055] (clip-higher.md)", _CH, [("entropy", E2), ("entropy", E28)]),
+    (P1, "random reward [0.105] vs [0.114]", _CHR, [("entropy", E2), ("entropy", E28)]),
+    (P1, "rows [+0.0005] ± [0.0009]", _AB, [(_above(FIXES[1]), ENT, 2)]),
+    (P1, "several valid paths per answer ([0.331] nats/token at the start), 12 seeds: [0.266] vs "
+     "[0.280] over the last 5 steps ([+0.015] ± [0.049], within noise", _CHP,
      [("entropy at step 1", E2), ("entropy, last 5", E2), ("entropy, last 5", E28),
       ("entropy, last 5", D28, 2)]),
-    (P1, "clipped at the upper bound is [0.000] to three decimals in the experiment", _CH,
+    (P1, "clipped at the upper bound is at most [0.001] in any of them", _CHR,
      lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
-    (P1, "at most [0.30]% in the one-seed tries, except [1.4]-[4]% in a random-reward try", _RR,
-     lambda t: _clipped_high_tries(t) + t.read(("eps_high 0.2 only", TRY, 4))[2:]),
-    (P1, "DAPO ends at [0.961] held-out accuracy vs [0.947] for naive GRPO ([+0.014] ± [0.016], "
-     "within noise; ahead at a quarter of the budget, [+0.018] ± [0.011]) and keeps twice the "
-     "entropy ([0.0157] vs [0.0074] nats/token, beyond noise); of the single rows only dynamic "
-     "sampling lifts the end accuracy beyond noise ([+0.039] ± [0.009])", _AB,
-     [(DAPO_ROW, AT_END), (NAIVE, AT_END), (DVN, AT_END, 2), (DVN, QUARTER, 2),
-      (DAPO_ROW, ENT), (NAIVE, ENT), (_above(DAPO_ROW), AT_END, 2)]),
     # results/README.md: dynamic sampling
     (P2, "to [0.61] ± [0.02] over the last 5 steps, as sampled accuracy goes from 0.55 "
      "to [0.84]", _DS, [("all wrong, last 5", "off", 2), ("last 5 updates", "off")]),
@@ -440,22 +435,22 @@ DOC_FIGURES = [
                     for r in ("shipped, 16", HABIT))]),
     (P2, "reached by at most [0.3]% of tokens", _RR, _clipped_high_tries),
     # clip-higher on the paths habit model
-    (P2, "It starts at [0.323] ± [0.023] nats/token", _CHP, [("at step 1", E2, 2)]),
-    (P2, "entropy over the last 5 steps is [0.263] ± [0.084] under eps_high 0.2 vs [0.324] ± "
-     "[0.064] under 0.28 ([+0.062] ± [0.12], within noise)", _CHP,
+    (P2, "It starts at [0.331] ± [0.013] nats/token", _CHP, [("at step 1", E2, 2)]),
+    (P2, "entropy over the last 5 steps is [0.266] ± [0.055] under eps_high 0.2 vs [0.280] ± "
+     "[0.065] under 0.28 ([+0.015] ± [0.049], within noise)", _CHP,
      [("entropy, last 5", c, 2) for c in (E2, E28, D28)]),
-    (P2, "Distinct paths per group of 8 (spaces dropped) [5.7] vs [7.0] and distinct answers "
-     "[3.7] vs [4.4], both within", _CHP,
+    (P2, "Distinct paths per group of 8 (spaces dropped) [5.4] vs [5.6] and distinct answers [3.7] "
+     "vs [3.9], both within noise", _CHP,
      [("distinct paths", E2), ("distinct paths", E28), ("distinct answers", E2),
       ("distinct answers", E28)]),
-    (P2, "clipped at the upper bound is [0.004] vs [0.003] and at the lower bound [0.018] under "
-     "both", _CHP, [("upper bound", E2), ("upper bound", E28), ("lower bound", E2)]),
-    (P2, "sampled accuracy over the last 5 steps [0.139] vs [0.149] and held-out greedy accuracy "
-     "[0.167] vs [0.164]", _CHP,
-     [("accuracy of the sampled", E2), ("accuracy of the sampled", E28), ("held-out", E2),
-      ("held-out", E28)]),
-    (P2, "| entropy, last 5 (from [0.323]) | [0.263] ± [0.084] | [0.324] ± [0.064] | no "
-     "([+0.062] ± [0.12]); clipped high [0.004] vs [0.003] |", _CHP,
+    (P2, "clipped at the upper bound is [0.004] vs [0.003] (lower under 0.28, beyond noise", _CHP,
+     [("upper bound", E2), ("upper bound", E28)]),
+    (P2, "at the lower bound [0.018] vs [0.019]; sampled accuracy over the last 5 steps [0.128] vs "
+     "[0.146] and held-out greedy accuracy [0.158] vs [0.151]", _CHP,
+     [("lower bound", E2), ("lower bound", E28), ("accuracy of the sampled", E2),
+      ("accuracy of the sampled", E28), ("held-out", E2), ("held-out", E28)]),
+    (P2, "| entropy, last 5 (from [0.331]) | [0.266] ± [0.055] | [0.280] ± [0.065] | no "
+     "([+0.015] ± [0.049]); clipped high [0.004] vs [0.003] |", _CHP,
      [("at step 1", E2)] + [("entropy, last 5", c, 2) for c in (E2, E28, D28)]
      + [("upper bound", E2), ("upper bound", E28)]),
     (P2, "under both bounds (accuracy [0], [86]-[93]% truncated)", _RR,
@@ -539,12 +534,13 @@ def test_docs_quote_the_figures_of_the_results_tables():
     results = {name: read_file(os.path.join(ROOT, "results", name)) for name in names}
     assert _figure_problems(pages, results) == []
     # an edited page, an edited table: each is caught
-    edited = {**pages, P1: pages[P1].replace("with it 15.9 vs", "with it 15.8 vs")}
+    edited = {**pages, P1: pages[P1].replace("with the fix 15.9 vs", "with the fix 15.8 vs")}
     assert _figure_problems(edited, results) == [
-        "README.md no longer says 'with it 15.9 vs 9.6 of 16 groups'"]
+        "README.md no longer says '0.61 of the sampled groups at the end; with the fix 15.9 vs 9.6 "
+        "of 16 groups'"]
     table = results[_DS].replace("| 9.646 ± 0.157 |", "| 9.746 ± 0.157 |")
     assert _figure_problems(pages, {**results, _DS: table}) == [
-        "README.md: 'with it 15.9 vs 9.6 of 16 groups': 9.6 but results/dynamic-sampling.md "
-        "gives 9.746",
+        "README.md: '0.61 of the sampled groups at the end; with the fix 15.9 vs 9.6 of 16 "
+        "groups': 9.6 but results/dynamic-sampling.md gives 9.746",
         "results/README.md: 'trains on 9.6 ± 0.2 groups': 9.6 but results/dynamic-sampling.md "
         "gives 9.746"]

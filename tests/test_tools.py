@@ -319,7 +319,8 @@ def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs,
         (("off", ()), ("on: dynamic sampling", ("--dynamic-sampling",))),
         (("groups with a gradient", measures.over_run(experiments.informative_groups)),
          ("responses", lambda r: len(r.completions))),
-         (("length", "step", measures.by_step(experiments.mean_length(lambda c: True))),))
+         (("length", "step", measures.by_step(experiments.mean_length(lambda c: True))),),
+        seeds=2)
     monkeypatch.setattr(experiments, "EXPERIMENTS", (exp,))  # read when main runs
     # new folder
     ablate_main.main(["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results",
@@ -337,6 +338,10 @@ def test_experiments_run_train_and_write_a_table_per_experiment(tiny_run_inputs,
         str(tmp_path / "runs" / "tiny" / "off-seed1")).metrics)
     assert (("tiny.png" in os.listdir(tmp_path / "res"))
             == ("figure:" in capsys.readouterr().out))
+    # without --seeds, the experiment's own count (seeds=2): the finished runs are read, none added
+    ablate_main.main(["--out", str(tmp_path / "runs"), "--results", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "tiny.md").read_text() == md and len(os.listdir(
+        tmp_path / "runs" / "tiny")) == 4
     with pytest.raises(SystemExit):
         # a --rows flag without --rows
         ablate_main.main(["--train-flags", "--mu 2"])
