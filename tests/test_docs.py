@@ -544,3 +544,76 @@ def test_docs_quote_the_figures_of_the_results_tables():
         "groups': 9.6 but results/dynamic-sampling.md gives 9.746",
         "results/README.md: 'trains on 9.6 ± 0.2 groups': 9.6 but results/dynamic-sampling.md "
         "gives 9.746"]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/evaluation.md's table against results/eval-builtin.md, docs/builtin.md's figures against the
+# default runs' metrics in results/
+# ---------------------------------------------------------------------------------------------
+
+EVAL_DECODING = {"greedy": "greedy", "16 samples, T = 1.0": "top-p 1.0",
+                 "16 samples, T = 1.0, top-p 0.7": "top-p 0.7"}
+
+
+def _eval_problems(page: str, printed: str) -> list[str]:
+    """Each row of evaluation.md's before/after table whose figures are not the printed table's (the
+    section of eval-builtin.md for its decoding, the row of its model)."""
+    import re
+    sections = re.split(r"\n(?=256 problems of builtin)", printed)
+    problems = []
+    for line in page.splitlines():
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+        if len(cells) != 10 or cells[1] not in EVAL_DECODING:
+            continue
+        model = "builtin" if cells[0].startswith("base") else "runs/dapo/final"
+        section = next(s for s in sections if EVAL_DECODING[cells[1]] in s.splitlines()[0]
+                       or (cells[1] == "greedy" and "greedy" in s.splitlines()[0]))
+        row = next(x for x in section.splitlines() if x.startswith(f"| {model} |"))
+        got = [c.strip() for c in row.strip().strip("|").split("|")][1:]
+        said = [x for c in cells[2:] for x in re.findall(r"[0-9]+\.[0-9]+", c)]
+        # greedy: accuracy, truncated, length; sampled: mean@16 and its std, pass@2.., maj@16, ...
+        want = got if cells[1] == "greedy" else got[:2] + got[3:]
+        if said != want:
+            problems.append(f"{cells[0]}, {cells[1]}: {said} but the printed row is {want}")
+    return problems
+
+
+def test_evaluation_page_quotes_the_printed_tables():
+    page = read_file(os.path.join(ROOT, "docs", "evaluation.md"))
+    printed = read_file(os.path.join(ROOT, "results", "eval-builtin.md"))
+    assert _eval_problems(page, printed) == []
+    assert page.count("| DAPO, 40 steps |") == 3
+    # a figure edited on the page is caught
+    assert _eval_problems(page.replace("| 0.676 |", "| 0.677 |"), printed) == [
+        "base (`builtin`), 16 samples, T = 1.0: ['0.478', '0.254', '0.677', '0.842', '0.949', "
+        "'0.988', '0.547', '0.140', '27.4'] but the printed row is ['0.478', '0.254', '0.676', "
+        "'0.842', '0.949', '0.988', '0.547', '0.140', '27.4']"]
+
+
+def test_builtin_page_quotes_the_default_runs_metrics():
+    import json
+    runs = {}
+    for algo in ("dapo", "grpo"):
+        rows = [json.loads(x) for x in read_file(
+            os.path.join(ROOT, "results", f"default-{algo}-metrics.jsonl")).splitlines()]
+        runs[algo] = ({r["step"]: r for r in rows if "loss" in r},
+                      {r["step"]: r for r in rows if "eval/accuracy" in r})
+    (dapo, dapo_eval), (grpo, grpo_eval) = runs["dapo"], runs["grpo"]
+    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+    groups = lambda r: r["groups/all_correct"] + r["groups/all_wrong"]  # noqa: E731
+    said = (f"DAPO ends at {dapo_eval[40]['eval/accuracy']:.3f} with {dapo[40]['samples']:,} "
+            f"samples and GRPO at\n{grpo_eval[40]['eval/accuracy']:.3f}",
+            f"within 20 steps ({dapo_eval[20]['eval/accuracy']:.3f} and "
+            f"{grpo_eval[20]['eval/accuracy']:.3f} at step 20)",
+            f"grow from {dapo_eval[0]['eval/len_mean']:.0f} to "
+            f"{dapo_eval[40]['eval/len_mean']:.0f} tokens",
+            f"falls from {pct(dapo[1]['len/truncated_frac'])} (DAPO; GRPO "
+            f"{pct(grpo[1]['len/truncated_frac'])}) at step 1 to "
+            f"{100 * dapo[40]['len/truncated_frac']:.1f}% at step 40",
+            f"DAPO samples {dapo[40]['samples'] / grpo[40]['samples']:.1f}\ntimes",
+            " / ".join(pct(groups(dapo[s])) for s in (1, 20, 40)) + " of the groups",
+            f"At step 1, {pct(groups(dapo[1]))} of the groups are all right or\nall wrong but only "
+            f"{pct(dapo[1]['reward/frac_zero_std'])} have equal rewards")
+    page = " ".join(read_file(os.path.join(ROOT, "docs", "builtin.md")).split())
+    assert [s for s in said if " ".join(s.split()) not in page] == []
+    assert abs(grpo[40]["len/truncated_frac"] - dapo[40]["len/truncated_frac"]) < 5e-4  # "(both)"
