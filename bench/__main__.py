@@ -11,6 +11,8 @@ The sections (each prints both sides of its comparison from one run):
   step's prompts spread every W-th (train.py) and in blocks (before);
 - bench/memory.py, GPU memory at the recipes' shapes: one update's peak with the fused and the
   plain LM head, activations per token per layer at real widths, the per-GPU model of each recipe;
+- bench/bf16.py, --bf16 autocast against float32 on the CPU for a rollout and an update of a real
+  model, where the CPU has bf16 units or not;
 - bench/warm_start.py, the warm start: one supervised step of demonstrations packed into rows vs
   padded to the longest;
 - bench/vs_trl.py, its own command (`python -m bench.vs_trl`): a GRPO step of train.py vs TRL's
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from bench import compiled, memory, ranks, rollouts, training, warm_start
+from bench import bf16, compiled, memory, ranks, rollouts, training, warm_start
 from bench.common import header
 
 SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
@@ -41,7 +43,7 @@ SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
             "step": training.bench_step, "checkpointing": training.bench_checkpointing,
             "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines,
             "ranks": ranks.bench_ranks, "compile": compiled.bench_compile,
-            "memory": memory.bench_memory}
+            "memory": memory.bench_memory, "bf16": bf16.bench_bf16}
 
 
 def main(argv=None) -> None:

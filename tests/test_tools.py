@@ -30,6 +30,24 @@ def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     assert "the same response ids at N = 4" in out and "continuous / static tokens/s" in out
 
 
+def test_bench_bf16_section_times_both_dtypes_and_skips_without_the_model(tiny_run_inputs, capsys,
+                                                                          monkeypatch):
+    """python -m bench --only bf16, shrunk, on a tiny model folder given as REAL_MODEL: the CPU's
+    bf16 flags, the probe, the rollout and the update in both dtypes; without the model, a line."""
+    from bench import bf16
+    monkeypatch.setattr(bf16, "B", 2)
+    monkeypatch.setattr(bf16, "T", 4)
+    monkeypatch.setenv("REAL_MODEL", str(tiny_run_inputs / "model"))
+    bf16.bench_bf16("cpu", 1)
+    out = capsys.readouterr().out
+    assert "CPU: avx512_bf16" in out and "| matmul probe" in out
+    assert "| rollout (Step 1), s |" in out and "| update (Step 4), s |" in out
+    assert "of the rows are float32's tokens" in out and "before the first that differs" in out
+    monkeypatch.setenv("REAL_MODEL", str(tiny_run_inputs / "no-such-model"))
+    bf16.bench_bf16("cpu", 1)
+    assert "skipped: needs the CPU and the real model" in capsys.readouterr().out
+
+
 def test_bench_generate_tokens_counts_each_response_up_to_its_first_end_id():
     """bench.rollouts.generate_tokens (the `generate` line of the rollouts and compile sections):
     generate gets the prompts left-padded with their mask, and each response counts up to and with
