@@ -63,7 +63,21 @@ def table(steps: list[dict], evals: dict[int, float]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, tuple[list[dict], dict[int, float]]], out: str) -> None:
+def ylabel(column: str) -> str:
+    """A panel's y label with its unit: a reward component (0 or 1 a response) is a share."""
+    return {"len/truncated_frac": "share of responses truncated", "len/mean": "length (tokens)",
+            "entropy": "entropy (nats/token)",
+            "eval/accuracy": "accuracy (share right, greedy)"}.get(
+                column, "share of sampled responses")
+
+
+CAPTION = ("one line per run (one seed each); per step the sampled responses' mean (T = 1), "
+           "held-out: greedy, at the evaluated steps")
+
+
+def figure(runs: dict[str, tuple[list[dict], dict[int, float]]]):
+    """The matplotlib figure of `plot`: a panel per column, each with its x and y labels, one
+    legend, the caption under the title."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -71,9 +85,10 @@ def plot(runs: dict[str, tuple[list[dict], dict[int, float]]], out: str) -> None
     cols.append("eval/accuracy")
     ncols = min(4, len(cols))
     nrows = -(-len(cols) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.9 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.9 * nrows + 0.6),
+                             squeeze=False, layout="constrained")
     for ax in axes.flat[len(cols):]:
-        ax.axis("off")
+        ax.remove()
     for ax, c in zip(axes.flat, cols):
         for label, (steps, evals) in runs.items():
             if c == "eval/accuracy":
@@ -83,10 +98,16 @@ def plot(runs: dict[str, tuple[list[dict], dict[int, float]]], out: str) -> None
                 ax.plot([r["step"] for r in steps], [r[c] for r in steps], label=label)
         ax.set_title(c, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(ylabel(c), fontsize=8)
         ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=8)
+    fig.suptitle(f"{', '.join(runs)}\n{CAPTION}", fontsize=9)
+    return fig
+
+
+def plot(runs: dict[str, tuple[list[dict], dict[int, float]]], out: str) -> None:
+    figure(runs).savefig(out, dpi=110)
 
 
 def tally(path: str) -> str:

@@ -541,3 +541,23 @@ def test_path_solutions_are_many_and_all_right():
     assert 40 < len(short) < 120 and len(demos) == 200
     assert all(r.split("\n")[0].replace(" ", "") + "\n" + r.split("\n")[1]
                == builtin.shortcut_steps(p.strip()) for p, r in short)
+
+
+def test_real_model_figures_have_labels_units_and_a_caption():
+    """real_model.table's figure (results/real-model-*.png) read alone: every panel's x and y label
+    with its unit, one legend for the runs, the caption under the title; drawn from the committed
+    metrics of the two seeds of one arm."""
+    pytest.importorskip("matplotlib")
+    from launch import ROOT
+    from real_model import table
+    runs = {f"seed {s}": table.read(os.path.join(ROOT, "results", name)) for s, name in
+            ((0, "real-model-format-format-metrics.jsonl"),
+             (1, "real-model-format-format-seed1-metrics.jsonl"))}
+    fig = table.figure(runs)
+    axes = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in axes][-1] == "eval/accuracy"
+    assert all(ax.get_xlabel() == "step" and ax.get_ylabel() for ax in axes)
+    assert {ax.get_ylabel() for ax in axes} >= {"length (tokens)", "entropy (nats/token)",
+                                                 "accuracy (share right, greedy)"}
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["seed 0", "seed 1"]
+    assert fig.get_suptitle() == f"seed 0, seed 1\n{table.CAPTION}"
