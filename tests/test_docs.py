@@ -632,3 +632,23 @@ def test_builtin_page_quotes_the_default_runs_metrics():
     page = " ".join(read_file(os.path.join(ROOT, "docs", "builtin.md")).split())
     assert [s for s in said if " ".join(s.split()) not in page] == []
     assert abs(grpo[40]["len/truncated_frac"] - dapo[40]["len/truncated_frac"]) < 5e-4  # "(both)"
+
+
+def test_walkthrough_quotes_what_python_grpo_py_prints():
+    """docs/walkthrough.md's printout lines are lines of grpo.article_example() as they are, or
+    their start where the page cuts a remark with '...'; every section's printout is quoted."""
+    import grpo
+    printed = grpo.article_example()
+    page = read_file(os.path.join(ROOT, "docs", "walkthrough.md"))
+    labels = {line.split(" | ")[0] for line in printed[1:]}
+    quoted = [line for line in page.splitlines() if line.split(" | ")[0] in labels
+              and line.count(" | ") >= 2]
+
+    def stale(lines):
+        return [x for x in lines if not any(
+            p == x or (x.endswith(" | ...") and p.startswith(x[:-len("...")])) for p in printed)]
+
+    assert len(quoted) >= 30 and stale(quoted) == []
+    assert {x.split(" | ")[0] for x in quoted} == labels
+    # an edited figure is caught
+    assert stale([quoted[0].replace("0.", "9.", 1)]) == [quoted[0].replace("0.", "9.", 1)]
