@@ -129,9 +129,10 @@ class _TokenLogprobs(torch.autograd.Function):
         for rows, p in _softmax_blocks(logits, ctx.s, fn):
             if kept is not None:                  # --top-p: the nucleus' softmax where it cut
                 cut = lm_head.truncated_rows(kept[rows], p.shape[-1])
-                logp, p = p, p.exp()                                          # [c, V] each
+                inside = None if cut is None else lm_head.kept_probs(p[cut], kept[rows][cut])
+                p = p.exp_()                                  # in the block's workspace: [c, V]
                 if cut is not None:
-                    p[cut] = lm_head.kept_probs(logp[cut], kept[rows][cut])
+                    p[cut] = inside
             torch.mul(p, -gs[rows], out=flat[rows]).scatter_add_(-1, flat_ids[rows],
                                                                  gs[rows].to(flat.dtype))
         return grad, None, None, None

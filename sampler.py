@@ -152,6 +152,13 @@ def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
     return torch.zeros(n, -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)
 
 
+def nucleus_last(cdf: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus' last index in descending order: cdf [n, V] the running mass of the sorted
+    probabilities -> [n, 1], the first index whose mass reaches top_p of the total (the smallest set
+    holding top_p); the one top-p rule, which the trainer's lm_head.nucleus_size applies too."""
+    return torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(cdf.shape[-1] - 1)
+
+
 def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
                  top_p: float, work=None):
     """One token per row from logits [n, V] given uniforms u [n]; returns (tokens [n], logprobs
@@ -188,7 +195,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
         cdf = p.cumsum(-1)                                                    # [n, V] running mass
         # the nucleus ends at the first sorted token where the running mass reaches top_p of the
         # total
-        last = torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(V - 1)  # [n, 1]
+        last = nucleus_last(cdf, top_p)                                       # [n, 1]
         idx = torch.minimum(torch.searchsorted(cdf, u * cdf.gather(-1, last), side="right"), last)
         return (order.gather(-1, idx).squeeze(-1),          # under the nucleus: over its mass
                 p.gather(-1, idx).squeeze(-1).log() - cdf.gather(-1, last).squeeze(-1).log(),

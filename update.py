@@ -213,12 +213,17 @@ def forward_options(args, ranks: parallel.Dist, grad: bool) -> dict:
     return dict(shared_prefix=not own_prompt, buckets=ranks.world == 1)
 
 
+def forward_passes(minibatches: list[Minibatch]) -> list[slice]:
+    """This rank's micro-batches of the step that hold rows, in order (the no-grad passes)."""
+    return [s for mb in minibatches for s in mb.micro if s.start < s.stop]
+
+
 def fixed_logprobs(learner: Learner, roll: Rollout, minibatches: list[Minibatch], args,
                    ranks: parallel.Dist, several: bool):
     """The no-grad passes before the first update, (start, stop) -> [n, T] each: the old policy's
     log-probs only when it differs from the current one (`several` updates), the reference's only
     when beta > 0 (else None)."""
-    passes = [s for mb in minibatches for s in mb.micro if s.start < s.stop]
+    passes = forward_passes(minibatches)
     nograd = forward_options(args, ranks, grad=False)
     with (torch.no_grad(), learner.amp(), parallel.unsharded(learner.model if several else None),
           parallel.unsharded(learner.ref)):
@@ -239,9 +244,9 @@ def keep_sampling_mask(learner: Learner, roll: Rollout, minibatches: list[Miniba
     (correction.nucleus_sizes)."""
     if roll.kept is not None or args.top_p >= 1 or args.temperature == 0:
         return roll
-    passes = [s for mb in minibatches for s in mb.micro if s.start < s.stop]
     with learner.amp(), parallel.unsharded(learner.model):
-        kept = correction.nucleus_sizes(learner.model, roll, passes, args.temperature, args.top_p)
+        kept = correction.nucleus_sizes(learner.model, roll, forward_passes(minibatches),
+                                        args.temperature, args.top_p)
     return dataclasses.replace(roll, kept=kept)
 
 

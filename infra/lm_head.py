@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+import sampler
+
 # elements (rows x V) of one chunk's float32 logits: 16 MB on CPU (cache-sized), 256 MB on an
 # accelerator (441 rows at V = 151,936: a few hundred launches per pass, not thousands)
 CHUNK_ELEMENTS = {"cpu": 1 << 22}
@@ -125,7 +127,7 @@ def nucleus_size(logp: torch.Tensor, ids: torch.Tensor, top_p: float) -> torch.T
     sampler's rule), raised where needed to hold the token drawn (an engine's nucleus can differ
     from ours at its edge by the kernels' rounding)."""
     cdf = logp.sort(dim=-1, descending=True).values.exp_().cumsum_(-1)    # [c, V]
-    k = torch.searchsorted(cdf, top_p * cdf[:, -1:]).squeeze(-1).clamp_max(logp.shape[-1] - 1) + 1
+    k = sampler.nucleus_last(cdf, top_p).squeeze(-1) + 1                   # [c]
     rank = (logp > logp.gather(-1, ids[:, None])).sum(-1)                 # [c] tokens ahead of it
     return torch.maximum(k, rank + 1)
 
