@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infra import kv_cache
+from infra.packed import packed_linears
 
 
 @dataclass
@@ -235,7 +236,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True,
-                  static=None) -> Rollout:
+                  static=None, packed: bool = True) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache ->
     Rollout.
 
@@ -249,7 +250,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     max_num_seqs and either mode: each row's uniforms are drawn up front. static (--compile:
     the module infra.static_decode): this loop over its StaticSteps, the step with static shapes
     through torch.compile (the same rollout up to float rounding), or a one-line warning and
-    EagerSteps where it cannot run.
+    EagerSteps where it cannot run. packed: the eager loop's matmuls on weights packed by oneDNN
+    for the rollout (infra/packed.py: CPU, float32; the same rollout up to float rounding).
     """
     check_sampling(prompts, G, max_new_tokens, max_num_seqs)
     device = next(model.parameters()).device
@@ -278,30 +280,32 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     use_static = static is not None and static.can_compile(model, device, window, ids.shape[1] + T)
     steps = (static.StaticSteps if use_static else EagerSteps)(model, cache, ids, pmask, G, S, T)
     admitted, work = 0, None
-
     # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G
     # slots are free), instead of the batch shrinking until its longest row ends. With long-tailed
     # lengths (most answers short, a few at max_new_tokens) a static batch spends its last steps on
     # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
     # whatever the number of prompts.
-    while True:
-        idle = steps.free() == S
-        k = min(B - admitted, steps.free() // G) if continuous or idle else 0  # whole groups
-        if k:
-            steps.admit(slice(admitted, admitted + k))
-            admitted += k
-        rows, t, logits = steps.active()                    # [n] response rows, tokens, [n, V]
-        if rows.numel() == 0:
-            break
-        work = sample_workspace(S, logits.shape[-1], device) if work is None else work  # reused
-        tok, lp, k = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n] each
-        response[rows, t], logprobs[rows, t] = tok, lp
-        if kept is not None:
-            kept[rows, t] = k
-        hit = torch.isin(tok, eos)                                            # [n]
-        lengths[rows] = torch.where(hit, t + 1, lengths[rows])
-        truncated[rows] &= ~hit
-        steps.advance(tok, (~hit & (t + 1 < T)).tolist())          # the step's one host sync
+    # packed: the matmuls on oneDNN-packed weights for the rollout (infra/packed.py)
+    with packed_linears(model, S, enabled=packed and not use_static):
+        while True:
+            idle = steps.free() == S
+            k = min(B - admitted, steps.free() // G) if continuous or idle else 0  # whole groups
+            if k:
+                steps.admit(slice(admitted, admitted + k))
+                admitted += k
+            rows, t, logits = steps.active()                # [n] response rows, tokens, [n, V]
+            if rows.numel() == 0:
+                break
+            if work is None:                                             # reused across steps
+                work = sample_workspace(S, logits.shape[-1], device)
+            tok, lp, k = sample_token(logits, u[rows, t], temperature, top_p, work)  # [n] each
+            response[rows, t], logprobs[rows, t] = tok, lp
+            if kept is not None:
+                kept[rows, t] = k
+            hit = torch.isin(tok, eos)                                        # [n]
+            lengths[rows] = torch.where(hit, t + 1, lengths[rows])
+            truncated[rows] &= ~hit
+            steps.advance(tok, (~hit & (t + 1 < T)).tolist())      # the step's one host sync
     model.train(was_training)
     return Rollout.from_lengths(prompts, G, pad_token_id, response, logprobs, lengths, truncated,
                                 kept)
@@ -309,10 +313,10 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
 
 class EagerSteps:
     """sample_groups' batch as the eager loop holds it: the n decoding rows in slots [0, n) of the
-    cache (a finished row leaves, the rows after it move up), each step's forward over those n rows
-    and the first L columns in use. Slot i's row writes its token t at column P + t (its prompt,
-    left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn), so
-    what an earlier row left in the slot is never read. infra/static_decode.py's StaticSteps is
+    cache (a finished row leaves, the last rows move into its slot), each step's forward over those
+    n rows and the first L columns in use. Slot i's row writes its token t at column P + t (its
+    prompt, left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn),
+    so what an earlier row left in the slot is never read. infra/static_decode.py's StaticSteps is
     the other way to hold it (fixed shapes for torch.compile)."""
 
     def __init__(self, model, cache, ids, pmask, G: int, S: int, T: int):
@@ -351,20 +355,27 @@ class EagerSteps:
     def advance(self, tok: torch.Tensor, keep: list[bool]) -> None:
         """Rows where keep is False leave; the others' tokens tok [n] go through one forward."""
         self.t, self.step = self.t + 1, self.step + 1
-        if not all(keep):                                             # compact: finished rows leave
-            idx = [i for i, k_ in enumerate(keep) if k_]
-            keep_i = torch.tensor(idx, dtype=torch.long, device=tok.device)
-            for layer in self.cache.layers:
-                layer.keep_rows(keep_i)
-            self.attn[:len(idx)] = self.attn[keep_i]
-            self.rows, self.t, tok = self.rows[keep_i], self.t[keep_i], tok[keep_i]
-            self.born, self.logits = [self.born[i] for i in idx], self.logits[:0]
+        if not all(keep):    # finished rows leave: the last kept rows move into their slots
+            n = sum(keep)
+            holes = [i for i in range(n) if not keep[i]]
+            movers = [i for i in range(n, len(keep)) if keep[i]]         # as many as holes
+            order = list(range(n))
+            for h, m in zip(holes, movers):
+                order[h] = m
+            if movers:
+                src, dst = (torch.tensor(x, device=tok.device) for x in (movers, holes))
+                for layer in self.cache.layers:
+                    layer.move_rows(src, dst)
+                self.attn[dst] = self.attn[src]
+            idx = torch.tensor(order, dtype=torch.long, device=tok.device)    # [n]
+            self.rows, self.t, tok = self.rows[idx], self.t[idx], tok[idx]
+            self.born, self.logits = [self.born[i] for i in order], self.logits[:0]
         n = self.rows.shape[0]
         if n == 0:
             return
         at = self.P + self.t - 1                            # [n] the column of each row's new token
         self.attn[torch.arange(n, device=tok.device), at] = 1
-        L = self.P + self.step - self.born[0]  # columns in use: the oldest row's (admission order)
+        L = self.P + self.step - min(self.born)           # columns in use: the oldest row's
         for layer in self.cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
         pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token

@@ -145,9 +145,9 @@ def bench_compile(device: str, repeats: int) -> None:
         gens = lambda B=B: [torch.Generator().manual_seed(i) for i in range(B)]  # noqa: E731
         clock = StepClock(device)
 
-        def ours(compile, prompts=prompts, G=G, T=T, ends=ends, S=S, gens=gens):
+        def ours(compile, prompts=prompts, G=G, T=T, ends=ends, S=S, gens=gens, packed=True):
             return sample_groups(model, prompts, G, T, ends, 0, generator=gens(), max_num_seqs=S,
-                                 static=static_decode if compile else None)
+                                 static=static_decode if compile else None, packed=packed)
 
         def static_eager():
             with eager_step():
@@ -156,7 +156,9 @@ def bench_compile(device: str, repeats: int) -> None:
         def hf(prompts=prompts, G=G, T=T, ends=ends):
             return generate_tokens(model, prompts, G, T, ends, device)
 
-        ref = ours(False)
+        ref, plain = ours(False), ours(False, packed=False)
+        psame = (plain.response_ids == ref.response_ids).all(-1)              # [N]
+        pdlp = float((plain.logprobs - ref.logprobs)[psame].abs().max())
         with clock.on():
             t0 = time.perf_counter()
             comp = ours(True)                                          # compiles at this shape
@@ -164,12 +166,13 @@ def bench_compile(device: str, repeats: int) -> None:
         nsteps = clock.calls
         same = (comp.response_ids == ref.response_ids).all(-1)                # [N] rows identical
         dlp = float((comp.logprobs - ref.logprobs)[same].abs().max())
-        fns = {"eager": lambda: ours(False), "static": static_eager, "compiled": lambda: ours(True),
-               "generate": hf}
+        fns = {"eager": lambda: ours(False), "plain": lambda: ours(False, packed=False),
+               "static": static_eager, "compiled": lambda: ours(True), "generate": hf}
         times, tokens, fwd = {k: [] for k in fns}, {}, {"static": [], "compiled": []}
-        mms = []                                       # s per step of the matmuls, every slot busy
+        mms, pmms = [], []                             # s per step of the matmuls, every slot busy
         for _ in range(repeats):
             mms.append(decode_matmuls(model, S, device, steps=5))
+            pmms.append(decode_matmuls(model, S, device, steps=5, packed=True))
             for name, fn in fns.items():                                      # interleaved
                 clock.seconds, clock.calls = 0.0, 0
                 with clock.on():
@@ -183,7 +186,7 @@ def bench_compile(device: str, repeats: int) -> None:
         if tokens["vllm"] is None:
             del tokens["vllm"], med["vllm"]
         tps = {k: tokens[k] / med[k] for k in med}
-        mm = statistics.median(mms)
+        mm, pmm = statistics.median(mms), statistics.median(pmms)
         step = {k: statistics.median(v) for k, v in fwd.items()}
         lens, R = ref.lengths.float(), static_decode.STATIC_ROUND
         print(f"\n## --compile, {c['title']}, float32, {device}")
@@ -191,10 +194,12 @@ def bench_compile(device: str, repeats: int) -> None:
               f"C = {-(-(max(c['plens']) + T) // R) * R} columns; "
               f"{nsteps} decode steps per static rollout; compiled vs eager loop: "
               f"{int(same.sum())} of {len(same)} rows the same ids, max |log-prob difference| "
-              f"on those {dlp:.1e}")
+              f"on those {dlp:.1e}; packed (the default) vs plain weights: {int(psame.sum())} "
+              f"of {len(psame)} rows the same ids, max |log-prob difference| {pdlp:.1e}")
         print(f"{'':44s}{'tokens/s':>9s}{'s / rollout':>12s}{'/ generate':>11s}"
               f"{'fwd ms/step':>12s}")
         labels = {"eager": "sample_groups, eager loop (the default)",
+                  "plain": "eager loop, plain weights (no packing)",
                   "static": "static loop, step eager",
                   "compiled": "static loop, compiled (--compile)",
                   "generate": "model.generate(num_return_sequences=G)",
@@ -206,6 +211,13 @@ def bench_compile(device: str, repeats: int) -> None:
         print(f"{labels['vllm'] if 'vllm' not in med else '  (vLLM)':44s}{vllm_note}")
         print(f"{f'matmuls alone, {S}-row decode steps':44s}{S / mm:9.0f}{'':23s}{mm * 1e3:12.1f}"
               f"   (every slot busy)")
+        print(f"{'  the same, weights packed (infra/packed.py)':44s}{S / pmm:9.0f}{'':23s}"
+              f"{pmm * 1e3:12.1f}")
+        print("eager loop (the default) / vLLM: "
+              + (f"{tps['eager'] / tps['vllm']:.2f}x" if "vllm" in tps else "no vLLM line")
+              + f"; of the matmuls alone: {tps['eager'] / (S / pmm):.2f} packed, "
+              f"{tps['eager'] / (S / mm):.2f} plain; packing {tps['eager'] / tps['plain']:.2f}x "
+              f"the plain eager loop")
         print(f"compiled decode forward / matmuls alone: {mm / step['compiled']:.2f} (eager step "
               f"{mm / step['static']:.2f}); compiled rollout / generate "
               f"{tps['compiled'] / tps['generate']:.2f}x, / eager loop "

@@ -18,6 +18,7 @@ import torch
 
 from bench.common import RSS_READABLE, cuda_peak, in_fresh_process, qwen_39m, rss_peak, sync, timed
 from infra.kv_cache import left_padded
+from infra.packed import linears, packed_linears
 from sampler import sample_groups
 
 
@@ -59,16 +60,17 @@ class ForwardClock:
         self.seconds += time.perf_counter() - self._t0
 
 
-def decode_matmuls(model, rows: int, device: str, steps: int = 10) -> float:
+def decode_matmuls(model, rows: int, device: str, steps: int = 10, packed: bool = False) -> float:
     """Seconds of one decode step's matrix multiplies alone: `rows` tokens through every nn.Linear
-    weight of the model (vocabulary projection included), each weight once, as a step reads them."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device, dtype=w.dtype) for w in weights}
-    linear = torch.nn.functional.linear
+    of the model (vocabulary projection included), each once, as a step reads them; packed: through
+    the weights sample_groups packs on CPU (infra/packed.py), where it packs them."""
+    mods = linears(model)
+    x = {m.in_features: torch.randn(rows, m.in_features, device=device, dtype=m.weight.dtype)
+         for m in mods}
     times = []
-    with torch.no_grad():
+    with torch.no_grad(), packed_linears(model, rows, enabled=packed):
         for _ in range(steps + 1):
-            times.append(timed(lambda: [linear(x[w.shape[1]], w) for w in weights], device)[0])
+            times.append(timed(lambda: [m(x[m.in_features]) for m in mods], device)[0])
     return statistics.median(times[1:])
 
 
@@ -123,6 +125,7 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
                 fwd[name].append(clock.seconds)
             flops.append(matmul_flops(device, dtype))
         step = decode_matmuls(model, B * G, device)
+        packed = decode_matmuls(model, B * G, device, packed=True)   # what sample_groups runs
         med = {k: statistics.median(v) for k, v in times.items()}
         fmed = {k: statistics.median(v) for k, v in fwd.items()}
         ideal = statistics.median(flops) / (2 * params)                  # tokens/s: matmuls at peak
@@ -140,6 +143,9 @@ def bench_rollouts(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
         print(f"{short + f' matmuls alone, {B * G}-row decode steps':46s}{B * G / step:9.0f}   "
               f"({2 * params * B * G / step / 1e9:.0f} GFLOP/s: the model's matrix multiplies at "
               f"the decode shape)")
+        if packed != step:
+            print(f"{short + ' the same, weights packed (infra/packed.py)':46s}"
+                  f"{B * G / packed:9.0f}   (what sample_groups multiplies by in {short})")
 
 
 # ---------------------------------------------------------------------------------------------

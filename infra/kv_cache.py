@@ -68,12 +68,13 @@ class BufferedLayer(DynamicLayer):
                          (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
             buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = (
                 src[:, None, :, :P])
-        self.seen = max(self.seen, P)                            # keep_rows copies what was written
+        self.seen = max(self.seen, P)                            # move_rows copies what was written
 
-    def keep_rows(self, indices: torch.Tensor) -> None:
-        n, L = indices.shape[0], self.seen                      # kept rows move to [0, n), in place
-        self.kbuf[:n, :, :L], self.vbuf[:n, :, :L] = (self.kbuf[indices, :, :L],
-                                                      self.vbuf[indices, :, :L])
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows src [m] move to rows dst [m] (the written columns only), in place."""
+        L = self.seen
+        self.kbuf[dst, :, :L], self.vbuf[dst, :, :L] = (self.kbuf[src, :, :L],
+                                                        self.vbuf[src, :, :L])
 
 
 def make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCache, int | None]:

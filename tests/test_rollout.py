@@ -102,6 +102,51 @@ def test_static_decode_gives_the_eager_rollout_at_every_slot_count(monkeypatch):
             assert len(shapes) >= want.lengths.max() - 1
 
 
+def test_packed_weights_give_the_plain_rollout(monkeypatch):
+    # infra/packed.py: the eager loop's matmuls through weights packed by oneDNN give the rollout of
+    # the plain weights (_static_case: prompts of 131-144 tokens sharing 130, GQA, q/k/v biases; 7
+    # slots for 15 rows, so rows leave and groups enter): greedy, sampled, top-p, and with LoRA's
+    # adapters (peft); the packed forward ran for every Linear, and after the rollout each Linear's
+    # own forward is back. Under bf16 autocast nothing is packed (the matmuls are autocast's).
+    from infra import packed
+    made, pack = [], packed._packed_forward
+    monkeypatch.setattr(packed, "_packed_forward", lambda *a: made.append(a[0]) or pack(*a))
+    model, rollout = _static_case()
+    with torch.no_grad():
+        for m in packed.linears(model):
+            if m.bias is not None:                                   # q, k, v: zero at init
+                m.bias.normal_(std=0.3)
+
+    def both(temperature, top_p=1.0):
+        """(packed, plain) rollouts at 7 slots; `made`: the weights packed for the first."""
+        made.clear()
+        got = rollout(7, temperature, top_p, compile=False)
+        with monkeypatch.context() as m:
+            m.setattr(packed, "can_pack", lambda model: False)
+            return got, rollout(7, temperature, top_p, compile=False)
+    weights = [m.weight for m in packed.linears(model)]
+    for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.9, 0.8)):
+        got, want = both(temperature, top_p)
+        assert temperature == 0 or (want.lengths.min() < 5 and want.truncated.any())
+        _same_rollout(got, want)
+        assert made == weights                                       # each Linear packed once
+    assert not any("forward" in m.__dict__ for m in packed.linears(model))
+    made.clear()
+    with torch.autocast("cpu", torch.bfloat16):
+        rollout(7, 1.0, compile=False)
+    assert made == []
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    from infra import lora
+    lora.add_adapters(model, 2, 4.0, "q_proj,v_proj", "tiny")
+    adapters = [m.weight for m in packed.linears(model) if 2 in m.weight.shape]   # A [2, 32], B
+    assert len(adapters) == 2 * 2 * 2                       # 2 layers x q, v x A, B
+    for w in adapters:                                       # B is zero at init: make them count
+        torch.nn.init.normal_(w, std=0.3)
+    got, want = both(1.0)
+    _same_rollout(got, want)
+    assert len(made) == len(weights) + len(adapters)
+
+
 def test_compile_where_it_cannot_run_warns_once_and_decodes_eagerly(monkeypatch):
     # no C++ compiler for inductor (CPU), and a sliding window shorter than P + T: one line, then
     # the eager loop (the static one is never entered)

@@ -68,8 +68,9 @@ def test_bench_generate_tokens_counts_each_response_up_to_its_first_end_id():
 @pytest.mark.slow
 def test_bench_compile_section_prints_every_way_from_one_run(capsys, monkeypatch):
     """python -m bench --only compile, shrunk to a 2-layer Qwen2 and one config (one real compile,
-    ~30 s): the eager loop, the static loop eager and compiled, generate, the vLLM line (skipped
-    where vllm does not import), the matmuls alone, the compile time, the profile."""
+    ~30 s): the eager loop packed and plain, the static loop eager and compiled, generate, the vLLM
+    line (skipped where vllm does not import), the matmuls alone both ways, the compile time, the
+    profile."""
     import shutil
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -94,9 +95,11 @@ def test_bench_compile_section_prints_every_way_from_one_run(capsys, monkeypatch
                  "model.generate(num_return_sequences=G)", "vLLM engine (--rollout vllm)",
                  "matmuls alone, 4-row decode steps", "compiled decode forward / matmuls alone: ",
                  "C = 192 columns", "compile: ", "once per shape and run; ",
-                 "profile of one compiled rollout"):
+                 "profile of one compiled rollout", "eager loop, plain weights (no packing)",
+                 "the same, weights packed (infra/packed.py)", "eager loop (the default) / vLLM: "):
         assert line in out, line
-    assert "6 of 6 rows the same ids" in out
+    assert "compiled vs eager loop: 6 of 6 rows the same ids" in out
+    assert "packed (the default) vs plain weights: 6 of 6 rows the same ids" in out
 
 
 # ---------------------------------------------------------------------------------------------
