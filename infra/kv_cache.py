@@ -58,16 +58,17 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]
         return self.keys, self.values
 
-    def put(self, start: int, prompt: BufferedLayer, G: int) -> None:
-        """Rows [start, start + k*G) take the KV of k prefilled prompts (columns [0, P)), each for
-        its G rows."""
-        k, H, P, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
+    def put(self, start: int, prompt: BufferedLayer, G: int, P: int) -> None:
+        """Rows [start, start + k*G) take the KV of k prefilled prompts, each for its G rows: the
+        prompt cache's columns (prefill_prompts' trimmed width) go to the last of [0, P), where the
+        rows' prompts end; the columns before are left padding, masked."""
+        k, H, p, D = prompt.kbuf.shape[0], prompt.kbuf.shape[1], prompt.seen, prompt.kbuf.shape[-1]
         if self.kbuf is None:
             self.alloc(prompt.kbuf, k * G)
         for buf, src in ((self.kbuf, prompt.kbuf),
-                         (self.vbuf, prompt.vbuf)):  # [k, G, H, P, D] <- [k, 1, H, P, D]
-            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, :P] = (
-                src[:, None, :, :P])
+                         (self.vbuf, prompt.vbuf)):  # [k, G, H, p, D] <- [k, 1, H, p, D]
+            buf[start:start + k * G].view(k, G, H, self.capacity, D)[:, :, :, P - p:P] = (
+                src[:, None, :, :p])
         self.seen = max(self.seen, P)                            # move_rows copies what was written
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -114,10 +115,14 @@ def cache_kwarg(model) -> str:
 
 
 def prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
-    """One forward over k left-padded prompts [k, P] -> (the logits at each prompt's last position
-    [k, V], their cache of BufferedLayers, columns [0, P))."""
+    """One forward over k left-padded prompts [k, P], less the columns that are padding in all k
+    (a group of short prompts is not computed at the batch's longest) -> (the logits at each
+    prompt's last position [k, V], their cache of BufferedLayers, of the columns computed: the last
+    of [0, P), as `put` places them)."""
+    lead = ids.shape[1] - int(pmask.sum(-1).max())                  # all-padding columns
+    ids, pmask = ids[:, lead:], pmask[:, lead:]
     prompt_cache, _ = make_cache(model, ids.shape[1])
-    pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, P] counted from the first real token
+    pos = (pmask.cumsum(-1) - 1).clamp_min(0)             # [k, p] counted from the first real token
     logits = model(input_ids=ids, attention_mask=pmask, position_ids=pos, use_cache=True,
                    logits_to_keep=1,
                    **{cache_kwarg(model): prompt_cache}).logits[:, -1]      # [k, V]
@@ -127,9 +132,9 @@ def prefill_prompts(model, ids: torch.Tensor, pmask: torch.Tensor):
 def prefill_into(model, cache, ids: torch.Tensor, pmask: torch.Tensor,
              start: int, G: int) -> torch.Tensor:
     """One forward over k left-padded prompts ([k, P]); their KV go to the cache's rows
-    [start, start + k*G), each prompt's to its G rows. Returns the logits at each prompt's
-    last position, [k, V]."""
+    [start, start + k*G), each prompt's to its G rows, columns [0, P). Returns the logits at each
+    prompt's last position, [k, V]."""
     logits, prompt_cache = prefill_prompts(model, ids, pmask)
     for layer, prompt in zip(cache.layers, prompt_cache.layers):
-        layer.put(start, prompt, G)
+        layer.put(start, prompt, G, ids.shape[1])
     return logits

@@ -59,12 +59,12 @@ class StaticLayer(DynamicLayer):
         self.vbuf[rows, :, self.at] = value_states[:, :, 0].to(self.vbuf.dtype)
         return self.kbuf, self.vbuf
 
-    def put(self, slots: torch.Tensor, prompt, G: int) -> None:
-        """Slots [k*G] take the KV of k prefilled prompts (a kv_cache.BufferedLayer, columns
-        [0, P)), each prompt's for its G slots."""
-        P = prompt.seen
+    def put(self, slots: torch.Tensor, prompt, G: int, P: int) -> None:
+        """Slots [k*G] take the KV of k prefilled prompts (a kv_cache.BufferedLayer, the last
+        columns of [0, P): kv_cache.prefill_prompts), each prompt's for its G slots."""
+        p = prompt.seen
         for buf, src in ((self.kbuf, prompt.kbuf), (self.vbuf, prompt.vbuf)):
-            buf[slots, :, :P] = src[:, :, :P].repeat_interleave(G, 0).to(buf.dtype)
+            buf[slots, :, P - p:P] = src[:, :, :p].repeat_interleave(G, 0).to(buf.dtype)
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -196,7 +196,7 @@ class StaticSteps:
             self.cache.layers = [StaticLayer(*_static_buffers(la, self.S, self.C, self.graphs),
                                              self.at) for la in prompt.layers]
         for layer, pl in zip(self.cache.layers, prompt.layers):
-            layer.put(slots, pl, G)
+            layer.put(slots, pl, G, self.P)
         self.mask[slots, 0, 0] = torch.nn.functional.pad(
             self.pmask[g].bool(), (0, self.C - self.P)).repeat_interleave(G, 0)  # [k*G, C]
         self.row[slots] = torch.arange(g.start * G, g.stop * G, device=device)
