@@ -89,10 +89,12 @@ def _prompts(c: dict, V: int) -> list[list[int]]:
     return [torch.randint(len(c["ends"]) + 1, V, (n,), generator=g).tolist() for n in c["plens"]]
 
 
-def vllm_child(c: dict, repeats: int, device: str) -> None:
+def vllm_child(c: dict, device: str) -> None:
     """Run in a fresh process (vLLM binds the threads of the process it starts in): a vLLM engine
-    (vllm_rollout.Engine, float32, the config's slots as its max_num_seqs) on MODEL's weights draws
-    the config's rollout; prints 'vllm TOKENS SECONDS_PER_ROLLOUT START_SECONDS TORCH_THREADS'."""
+    (vllm_rollout.Engine, float32, the config's slots as its max_num_seqs) on MODEL's weights,
+    warmed up on the config's rollout, then prints 'ready START_SECONDS TORCH_THREADS' and, for
+    each line 'run' it reads, draws the rollout once and prints 'vllm TOKENS SECONDS'; so the
+    parent interleaves its repeats with the others' (VllmChild)."""
     from infra import vllm_rollout
     model = MODEL().eval()
     prompts = _prompts(c, model.config.vocab_size)
@@ -108,31 +110,63 @@ def vllm_child(c: dict, repeats: int, device: str) -> None:
                                     generator=[torch.Generator().manual_seed(i)
                                                for i in range(c["B"])])
     run()                                                                     # warm-up
-    times = []
-    for _ in range(repeats):
+    print(f"ready {start} {torch.get_num_threads()}", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
         dt, roll = timed(run, device)
-        times.append(dt)
-    print(f"vllm {int(roll.lengths.sum())} {statistics.median(times)} {start} "
-          f"{torch.get_num_threads()}")
+        print(f"vllm {int(roll.lengths.sum())} {dt}", flush=True)
 
 
-def _vllm(c: dict, repeats: int, device: str):
-    """(tokens, seconds per rollout, a note) of vllm_child in a fresh process, or (None, None,
-    why there is no figure)."""
-    if importlib.util.find_spec("vllm") is None:
-        return None, None, "skipped: vllm is not installed here (it runs in the vLLM venv)"
-    env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")                            # GiB on CPU
-    call = f"from bench import compiled; compiled.vllm_child({c!r}, {repeats}, {device!r})"
-    res = subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, cwd=ROOT,
-                         env=env)
-    found = [line.split() for line in res.stdout.splitlines() if line.startswith("vllm ")]
-    if res.returncode or not found:
-        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, None, f"failed in its process (exit {res.returncode}): {last}"
-    _, tokens, seconds, start, threads = found[-1]
-    return int(tokens), float(seconds), (f"a fresh process, started in {float(start):.0f} s, "
-                                         f"max_num_seqs {c['S']}, {threads} torch threads")
+class VllmChild:
+    """vllm_child in a process of its own, asked for one rollout at a time (`run`), so that its
+    repeats interleave with the rest of the bench's; `note` says why there is no figure where it
+    did not start."""
+
+    def __init__(self, c: dict, device: str):
+        self.proc, self.c = None, c
+        if importlib.util.find_spec("vllm") is None:
+            self.note = "skipped: vllm is not installed here (it runs in the vLLM venv)"
+            return
+        env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")                        # GiB on CPU
+        self.err = tempfile.TemporaryFile(mode="w+")                    # its logs, not a pipe
+        call = f"from bench import compiled; compiled.vllm_child({c!r}, {device!r})"
+        self.proc = subprocess.Popen([sys.executable, "-c", call], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     cwd=ROOT, env=env)
+        ready = self._line("ready ")
+        if ready is None:
+            return
+        start, threads = ready
+        self.note = (f"a process of its own, started in {float(start):.0f} s, max_num_seqs "
+                     f"{c['S']}, {threads} torch threads, its repeats interleaved with the others'")
+
+    def _line(self, prefix: str) -> list[str] | None:
+        """The fields after `prefix` of the child's next line starting with it; None (and a note)
+        where it exits first."""
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.split()[1:]
+        self.err.seek(0)
+        last = (self.err.read().strip().splitlines() or ["no output"])[-1]
+        self.note = f"failed in its process (exit {self.proc.wait()}): {last}"
+        self.proc = None
+        return None
+
+    def run(self) -> tuple[int, float] | None:
+        """(tokens, seconds) of one vLLM rollout, or None where the child is not running."""
+        if self.proc is None:
+            return None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        got = self._line("vllm ")
+        return None if got is None else (int(got[0]), float(got[1]))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
 
 
 def bench_compile(device: str, repeats: int) -> None:
@@ -170,9 +204,14 @@ def bench_compile(device: str, repeats: int) -> None:
                "static": static_eager, "compiled": lambda: ours(True), "generate": hf}
         times, tokens, fwd = {k: [] for k in fns}, {}, {"static": [], "compiled": []}
         mms, pmms = [], []                             # s per step of the matmuls, every slot busy
+        vllm, vtimes = VllmChild(c, device), []                           # its own process
         for _ in range(repeats):
             mms.append(decode_matmuls(model, S, device, steps=5))
             pmms.append(decode_matmuls(model, S, device, steps=5, packed=True))
+            got = vllm.run()
+            if got is not None:
+                tokens["vllm"] = got[0]
+                vtimes.append(got[1])
             for name, fn in fns.items():                                      # interleaved
                 clock.seconds, clock.calls = 0.0, 0
                 with clock.on():
@@ -181,10 +220,11 @@ def bench_compile(device: str, repeats: int) -> None:
                 tokens[name] = out if isinstance(out, int) else int(out.lengths.sum())
                 if name in fwd:
                     fwd[name].append(clock.seconds / max(clock.calls, 1))
+        vllm.close()
         med = {k: statistics.median(v) for k, v in times.items()}
-        tokens["vllm"], med["vllm"], vllm_note = _vllm(c, repeats, device)  # its own process
-        if tokens["vllm"] is None:
-            del tokens["vllm"], med["vllm"]
+        if vtimes:
+            med["vllm"] = statistics.median(vtimes)
+        vllm_note = vllm.note
         tps = {k: tokens[k] / med[k] for k in med}
         mm, pmm = statistics.median(mms), statistics.median(pmms)
         step = {k: statistics.median(v) for k, v in fwd.items()}

@@ -18,8 +18,8 @@ eager loop's up to float rounding: the same uniforms per row, the same sampler.s
 
 `can_compile` says whether it runs (else a one-line warning and the eager loop); `StaticSteps` is
 the batch sample_groups' one loop drives in these shapes; `compiled_step` the compiled forward. On
-CPU it pays little (1.02x the eager loop at the bench config, 1.26x with a long tail of lengths, a
-compile of 20-30 s per shape: docs/speed.md, `python -m bench --only compile`), so --compile is off
+CPU it pays little (1.05x the eager loop at the bench config, 1.17x with a long tail of lengths, a
+compile of 18-32 s per shape: docs/speed.md, `python -m bench --only compile`), so --compile is off
 by default.
 """
 from __future__ import annotations

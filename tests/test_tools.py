@@ -3,9 +3,11 @@ experiments, the habit models and the tables they write from metrics.jsonl."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -100,6 +102,9 @@ def test_bench_compile_section_prints_every_way_from_one_run(capsys, monkeypatch
         assert line in out, line
     assert "compiled vs eager loop: 6 of 6 rows the same ids" in out
     assert "packed (the default) vs plain weights: 6 of 6 rows the same ids" in out
+    if importlib.util.find_spec("vllm") is not None:          # the vLLM venv: a figure, interleaved
+        assert re.search(r"^vLLM engine \(--rollout vllm\) +\d+ +[\d.]+ +[\d.]+x$", out, re.M)
+        assert "its repeats interleaved with the others'" in out
 
 
 # ---------------------------------------------------------------------------------------------
