@@ -18,7 +18,7 @@ import torch
 
 from bench.common import RSS_READABLE, cuda_peak, in_fresh_process, qwen_39m, rss_peak, sync, timed
 from infra.kv_cache import left_padded
-from infra.packed import linears, packed_linears
+from infra.packed import packed_linears
 from sampler import sample_groups
 
 
@@ -63,8 +63,8 @@ class ForwardClock:
 def decode_matmuls(model, rows: int, device: str, steps: int = 10, packed: bool = False) -> float:
     """Seconds of one decode step's matrix multiplies alone: `rows` tokens through every nn.Linear
     of the model (vocabulary projection included), each once, as a step reads them; packed: through
-    the weights sample_groups packs on CPU (infra/packed.py), where it packs them."""
-    mods = linears(model)
+    the weights sample_groups packs on CPU (infra/packed.py: those of its MIN_WEIGHT)."""
+    mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     x = {m.in_features: torch.randn(rows, m.in_features, device=device, dtype=m.weight.dtype)
          for m in mods}
     times = []

@@ -107,8 +107,10 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     # the plain weights (_static_case: prompts of 131-144 tokens sharing 130, GQA, q/k/v biases; 7
     # slots for 15 rows, so rows leave and groups enter): greedy, sampled, top-p, and with LoRA's
     # adapters (peft); the packed forward ran for every Linear, and after the rollout each Linear's
-    # own forward is back. Under bf16 autocast nothing is packed (the matmuls are autocast's).
+    # own forward is back. Under bf16 autocast nothing is packed (the matmuls are autocast's), nor
+    # weights under MIN_WEIGHT (the test's model is all small: a threshold of 0 packs them)
     from infra import packed
+    monkeypatch.setattr(packed, "MIN_WEIGHT", 0)               # this model's weights are small
     made, pack = [], packed._packed_forward
     monkeypatch.setattr(packed, "_packed_forward", lambda *a: made.append(a[0]) or pack(*a))
     model, rollout = _static_case()
@@ -133,6 +135,10 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     assert not any("forward" in m.__dict__ for m in packed.linears(model))
     made.clear()
     with torch.autocast("cpu", torch.bfloat16):
+        rollout(7, 1.0, compile=False)
+    assert made == []
+    with monkeypatch.context() as m:
+        m.setattr(packed, "MIN_WEIGHT", 64 * 32 + 1)
         rollout(7, 1.0, compile=False)
     assert made == []
     pytest.importorskip("peft", reason="LoRA needs peft")
