@@ -98,6 +98,7 @@ class Setup:
     out: metrics.RunLog | None          # rank 0's run files; None on the other ranks
     perf: perf.Meter                    # the policy's FLOPs per token and the peak: perf/*
     signal: metrics.SignalCheck         # the no-signal warnings' state (rank 0 feeds it rows)
+    rounds_ahead: int = 1               # dynamic sampling's rounds drawn at once: the last step's
 
 
 def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:

@@ -549,3 +549,39 @@ def test_step_metrics_worked_by_hand():
     assert ((row["loss"], row["kl"], row["entropy"], row["grad_norm"], row["updates"])
             == (0.0, 0.0, 0.0, 0.0, 0.0))
     assert not {"clip/low_frac", "clip/high_frac", "ratio/mean", "clip/dual_frac"} & set(row)
+
+
+def test_rounds_drawn_ahead_train_what_round_by_round_drawing_trains(tiny_run_inputs, tmp_path,
+                                                                     monkeypatch):
+    # dynamic sampling draws a step's first rounds together, as many as the step before used
+    # (train.draw_step): 3 steps where odd answers' groups are all wrong (x_if_even), so steps take
+    # several rounds, against the same run with every round drawn alone. The same kept groups, so
+    # the same rows, the same metrics (time and perf aside) and the same weights; a merged draw
+    # did happen, and a round drawn ahead and not needed is counted and its prompts come next.
+    import train
+    from test_grpo import weights_of
+    real, merged = train.draw_rounds, []
+
+    def ahead(*a):
+        merged.append(a[-1])
+        return real(*a)
+    rows = {}
+    # alone: asked for k rounds, it draws the first only (draw_step then draws the next when needed)
+    for name, draw in (("ahead", ahead), ("alone", lambda *a: real(*a[:-1], 1))):
+        with monkeypatch.context() as m:
+            m.setattr(train, "draw_rounds", draw)
+            run = tiny_flags(tiny_run_inputs, tmp_path / name)
+            run[run.index("test_grpo:has_x")] = "test_metrics:x_if_even"
+            train.main([*run, "--steps", "3", "--eval-every", "5", "--algo", "dapo",
+                        "--max-rounds", "6"])
+        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
+                      .splitlines() if '"loss"' in x]
+    assert max(merged) > 1                                   # the run drew several rounds at once
+    assert sum(r["sampling/rounds_unused"] for r in rows["ahead"]) > 0, rows["ahead"]
+    same = lambda r: {k: v for k, v in r.items()  # noqa: E731
+                      if not k.startswith(("time/", "perf/", "sampling/rounds_unused"))}
+    for a, b in zip(rows["ahead"], rows["alone"], strict=True):
+        assert same(a) == pytest.approx(same(b), rel=1e-5, abs=1e-6)
+    assert [r["sampling/rounds_unused"] for r in rows["alone"]] == [0.0] * 3
+    wa, wb = weights_of(tmp_path / "ahead" / "final"), weights_of(tmp_path / "alone" / "final")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
