@@ -57,7 +57,7 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
     for step in bar:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
-        roll, sstats, rounds = draw_step(s, args, ranks, state["data_pos"])
+        roll, sstats, rounds, unused = draw_step(s, args, ranks, state["data_pos"])
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
@@ -67,7 +67,7 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
         stats = update_step(s, roll, advantages, mask, args, ranks)
 
         # ---- metrics, summed over ranks (perf: the phases' model FLOPs); rank 0's files ----
-        row = bookkeeping.step_row(s, args, ranks, step, roll, stats, sstats, rounds,
+        row = bookkeeping.step_row(s, args, ranks, step, roll, stats, sstats, rounds, unused,
                                    state["samples"], t0)
         state["samples"], state["step"] = row["samples"], step + 1
         if s.out:
@@ -90,16 +90,16 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
 def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_pos: int):
     """Steps 1 + 2 of a step from the stream's position `data_pos`: one round of draw_round, or with
     --dynamic-sampling rounds until the step's groups are filled (dapo.dynamic_sampling). Returns
-    the rollout trained on, the sampling/* metrics and every (rollout, timings) drawn, kept or
-    not.
+    the rollout trained on, the sampling/* metrics, every (rollout, timings) of the rounds used,
+    kept or not, and the rollouts of rounds drawn ahead and not used.
 
     Dynamic sampling's first rounds are drawn together, as many as the step before used
     (s.rounds_ahead): one decode loop over their rows costs less than one per round (the built-in
     model: 1,024 rows 1.3 s, four loops of 256 rows 2.0 s). A round's rollout does not depend on
     what is drawn with it (each prompt has its own generator), and the rounds are used in order,
     so the step trains on what drawing round by round gives; a round drawn and not needed is
-    dropped (its time counted in time/sample_s, its count in sampling/rounds_unused) and the next
-    step's stream starts at it."""
+    dropped (its time and FLOPs counted, its count in sampling/rounds_unused) and the next step's
+    stream starts at it."""
     drawn: dict[int, tuple] = {}                          # round -> (rollout, timings)
 
     def draw(rnd: int):
@@ -112,13 +112,15 @@ def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_
 
     if not args.dynamic_sampling:
         rounds = [draw(0)]
-        return rounds[0][0], {"sampling/rounds": 1.0}, rounds
+        return rounds[0][0], {"sampling/rounds": 1.0}, rounds, []
     roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
                                                  ranks.gather, ranks.rank)
-    unused = [t for r, (_, t) in drawn.items() if r >= len(rounds)]
-    rounds[-1][1]["time/sample_s"] += sum(t["time/sample_s"] + t["time/reward_s"] for t in unused)
+    unused = [drawn[r] for r in sorted(drawn) if r >= len(rounds)]
+    rounds[-1][1]["time/sample_s"] += sum(t["time/sample_s"] + t["time/reward_s"]
+                                          for _, t in unused)
     s.rounds_ahead = len(rounds)                             # the same on every rank
-    return roll, {**sstats, "sampling/rounds_unused": float(len(unused))}, rounds
+    return (roll, {**sstats, "sampling/rounds_unused": float(len(unused))}, rounds,
+            [r for r, _ in unused])
 
 
 def draw_rounds(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist, first: int,

@@ -27,14 +27,15 @@ def progress_bar(args: flags.TrainArgs, ranks: parallel.Dist, first: int):
 
 
 def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, roll,
-             stats: update.UpdateStats, sstats: dict[str, float], rounds: list, samples: int,
-             t0: float) -> dict:
+             stats: update.UpdateStats, sstats: dict[str, float], rounds: list, unused: list,
+             samples: int, t0: float) -> dict:
     """The step's metrics.jsonl row: the drawn rollouts' sums and the update's `stats` (both over
     all ranks) as metrics.step_metrics, the learning rate, the run's samples so far (`samples`
-    before this step, plus its own), the sampling/*, time/*, memory/* and perf/* keys."""
+    before this step, plus its own), the sampling/*, time/*, memory/* and perf/* keys (Step 1's
+    FLOPs over the rounds used and those drawn ahead and not used, `unused`)."""
     drawn = [r for r, _ in rounds]
     d = ranks.sum_named({**metrics.drawn_sums(drawn),
-                         **s.perf.flops(roll, drawn, stats, args, ranks)})
+                         **s.perf.flops(roll, drawn + unused, stats, args, ranks)})
     row = {"step": step + 1, **metrics.step_metrics(d, stats, args.mu, args.clip_c,
                                                      (args.tis_cap > 0, args.off_policy_mask > 0)),
            "lr": s.sched.get_last_lr()[0], "samples": samples + int(d["samples"]), **sstats,

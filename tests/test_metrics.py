@@ -582,6 +582,9 @@ def test_rounds_drawn_ahead_train_what_round_by_round_drawing_trains(tiny_run_in
                       if not k.startswith(("time/", "perf/", "sampling/rounds_unused"))}
     for a, b in zip(rows["ahead"], rows["alone"], strict=True):
         assert same(a) == pytest.approx(same(b), rel=1e-5, abs=1e-6)
+        # Step 1's FLOPs: a round drawn ahead and not used is counted (the update's are the same)
+        more = a["perf/flops"] > b["perf/flops"] * (1 + 1e-6)
+        assert more == (a["sampling/rounds_unused"] > 0), (a, b)
     assert [r["sampling/rounds_unused"] for r in rows["alone"]] == [0.0] * 3
     wa, wb = weights_of(tmp_path / "ahead" / "final"), weights_of(tmp_path / "alone" / "final")
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
