@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import statistics
-from types import SimpleNamespace
 
 import torch
 
 import update
-from bench.common import timed
+from bench.common import timed, update_args
 from infra import parallel, perf
 from sampler import sample_groups
 
@@ -37,15 +36,6 @@ def cpu_bf16() -> dict[str, bool]:
         words = set()
     return {"avx512_bf16": "avx512_bf16" in words, "amx_bf16": "amx_bf16" in words,
             "torch capability": torch.backends.cpu.get_cpu_capability()}
-
-
-def update_args() -> SimpleNamespace:
-    """One on-policy update of the whole rollout (update_policy's flags.TrainArgs fields)."""
-    return SimpleNamespace(micro_batch_size=8, micro_batch_tokens=10**6, mini_batches=1, mu=1,
-                           temperature=1.0, top_p=1.0, reduction="token", loss="ppo", fsdp=False,
-                           gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0,
-                           entropy_coef=0.0, beta=0.0, kl="k3", grad_clip=0.0, lr=0.0)
 
 
 def bench_bf16(device: str, repeats: int) -> None:
@@ -79,7 +69,8 @@ def bench_bf16(device: str, repeats: int) -> None:
         learner = update.Learner(model, model, None, torch.optim.SGD(model.parameters(), lr=0.0),
                                  amp[bf16])
         model.train()
-        update.update_policy(learner, roll, adv, roll.mask, update_args(), parallel.Dist("cpu"))
+        update.update_policy(learner, roll, adv, roll.mask,
+                             update_args(T, grad_clip=0.0, lr=0.0), parallel.Dist("cpu"))
         model.eval()
         model.zero_grad(set_to_none=True)
 

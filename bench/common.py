@@ -89,6 +89,18 @@ def header(script: str, device: str, repeats: int) -> str:
             f", load average {os.getloadavg()[0]:.1f}; medians of {repeats} interleaved repeats")
 
 
+def update_args(T: int, **given):
+    """update.update_policy's flags.TrainArgs fields for one on-policy DAPO-style update of
+    T-token responses (token mean, clip 0.2 / 0.28, beta 0), `given` fields overriding."""
+    from types import SimpleNamespace
+    return SimpleNamespace(**{
+        **dict(micro_batch_size=8, micro_batch_tokens=10**6, mini_batches=1, mu=1,
+               temperature=1.0, top_p=1.0, reduction="token", loss="ppo", fsdp=False,
+               gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2, eps_high=0.28,
+               clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, entropy_coef=0.0, beta=0.0,
+               kl="k3", grad_clip=1.0), **given})
+
+
 def qwen_39m():
     """The 38.9M-parameter Qwen2 of the rollout sections (and the training forward), random init
     from seed 0."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import RSS_READABLE, in_fresh_process, rss_now, rss_peak
+from bench.common import RSS_READABLE, in_fresh_process, rss_now, rss_peak, update_args
 from infra.vllm_rollout import MARGIN
 from sampler import Rollout
 
@@ -89,7 +89,6 @@ def update_child(T: int, fused: bool) -> None:
     """In a fresh process: prints the peak RSS bytes of one update_policy (first epoch: the entropy
     measured too) on 8 responses of T tokens, after a warm-up update at 8 tokens."""
     import contextlib as cl
-    from types import SimpleNamespace
 
     import update
     from infra import lm_head, parallel
@@ -97,12 +96,7 @@ def update_child(T: int, fused: bool) -> None:
     if not fused:
         lm_head.fusable = lambda model: "bench: the plain head"
     model = tiny_qwen(V_QWEN)
-    args = SimpleNamespace(micro_batch_size=8, micro_batch_tokens=10**6, mini_batches=1, mu=1,
-                           temperature=1.0, reduction="token", loss="ppo", fsdp=False,
-                           gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
-                           entropy_coef=0.0, beta=0.0,
-                           kl="k3", grad_clip=1.0)
+    args = update_args(T)
     learner = update.Learner(model, model, None, torch.optim.AdamW(model.parameters()),
                              cl.nullcontext)
 
@@ -118,13 +112,7 @@ def update_child(T: int, fused: bool) -> None:
 
 
 def _update_args(T: int, budget: int):
-    from types import SimpleNamespace
-    return SimpleNamespace(micro_batch_size=64, micro_batch_tokens=budget, mini_batches=1, mu=1,
-                           temperature=1.0, reduction="token", loss="ppo", fsdp=False,
-                           gradient_checkpointing=False, max_new_tokens=T, eps_low=0.2,
-                           eps_high=0.28, clip_c=0.0, tis_cap=0.0, off_policy_mask=0.0, top_p=1.0,
-                           entropy_coef=0.0, beta=0.0,
-                           kl="k3", grad_clip=1.0)
+    return update_args(T, micro_batch_size=64, micro_batch_tokens=budget)
 
 
 def measured_update() -> None:
