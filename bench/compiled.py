@@ -124,7 +124,7 @@ class VllmChild:
     did not start."""
 
     def __init__(self, c: dict, device: str):
-        self.proc, self.c = None, c
+        self.proc = None
         if importlib.util.find_spec("vllm") is None:
             self.note = "skipped: vllm is not installed here (it runs in the vLLM venv)"
             return
