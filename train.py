@@ -116,8 +116,8 @@ def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_
     roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
                                                  ranks.gather, ranks.rank)
     unused = [drawn[r] for r in sorted(drawn) if r >= len(rounds)]
-    rounds[-1][1]["time/sample_s"] += sum(t["time/sample_s"] + t["time/reward_s"]
-                                          for _, t in unused)
+    for key in rounds[-1][1]:                         # their time, on the last round used
+        rounds[-1][1][key] += sum(t[key] for _, t in unused)
     s.rounds_ahead = len(rounds)                             # the same on every rank
     return (roll, {**sstats, "sampling/rounds_unused": float(len(unused))}, rounds,
             [r for r, _ in unused])
