@@ -50,6 +50,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from infra import lm_head
 from infra.kv_cache import cache_kwarg, left_padded
@@ -237,10 +238,21 @@ def length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
 
 def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
     """A cache holding rows `index` of `cache`, which is left as it was (layers rebind, never write,
-    their tensors)."""
+    their tensors). Differentiable: the prompts' gradient is the sum over their responses' rows.
+
+    Gathered with index_select, whose backward is index_add_, not with transformers'
+    `keys[index]`, whose backward is an accumulating index_put_: on the CPU that ran 3.5-4x slower
+    for the gather and its gradient together (16 prompts x G = 8, 9 heads, 200 positions: 27 vs
+    102 ms per tensor, once for the keys and once for the values of each layer)."""
     out = copy.copy(cache)
     out.layers = [copy.copy(layer) for layer in cache.layers]
-    out.batch_select_indices(index)                                       # an index: differentiable
+    for layer in out.layers:
+        if (type(layer).batch_select_indices is DynamicLayer.batch_select_indices
+                and layer.get_seq_length() > 0):                  # keys and values, nothing else
+            layer.keys = layer.keys.index_select(0, index)         # [m, H, P-1, D]
+            layer.values = layer.values.index_select(0, index)     # [m, H, P-1, D]
+        else:                                                      # a layer that keeps more
+            layer.batch_select_indices(index)
     return out
 
 
