@@ -212,12 +212,17 @@ def start_engine(args: flags.TrainArgs, path: str, model, ranks: parallel.Dist):
 
 def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):
     """(update.Learner, the lr schedule): the policy wrapped for DDP or FSDP2, AdamW on its
-    trainable parameters, --bf16's autocast, the linear --warmup-steps schedule."""
+    trainable parameters (fused on the CPU), --bf16's autocast, the linear --warmup-steps
+    schedule."""
     device_type = torch.device(ranks.device).type
     amp = lambda: torch.autocast(device_type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
     policy = parallel.wrap(model, ranks, args.fsdp)  # FSDP2 shards `model` in place: policy is it
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
+    # on the CPU torch's default AdamW loops over the parameters one op at a time; its fused kernel
+    # took a fifth of the time (SmolLM2-135M: 97 vs 508 ms a step, 2 cores). CUDA keeps the default
+    # (foreach), the form the GPU memory model counts
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
+                            fused=True if device_type == "cpu" else None)
     warmup = lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0  # noqa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     as_reference = (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext
