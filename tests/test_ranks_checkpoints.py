@@ -71,6 +71,29 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
                                         for c in calls] == [("nccl", 0, 1)])
 
 
+def test_adamw_is_fused_on_the_cpu_and_left_to_torch_on_cuda():
+    # the CPU's default AdamW loops over parameters op by op (5x slower on SmolLM2-135M); CUDA keeps
+    # foreach, the form the GPU memory model counts. The same step either way.
+    from infra import flags, parallel, setup
+    args = flags.parse_train_args(["--lr", "1e-2"])
+    models = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    fused, _ = setup.make_learner(args, models[0], None, parallel.Dist("cpu"))
+    assert fused.opt.defaults["fused"] is True
+    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=args.weight_decay)
+    for opt, model in ((fused.opt, models[0]), (plain, models[1])):
+        for _ in range(3):
+            model(torch.ones(2, 6)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)
+    ranks = parallel.Dist("cpu")
+    ranks.device = "cuda"                              # only the optimizer's choice reads it here
+    assert setup.make_learner(args, torch.nn.Linear(2, 2), None, ranks)[0].opt.defaults[
+        "fused"] is None
+
+
 def test_fsdp_shards_each_decoder_layer_then_the_root_bf16_on_cuda(monkeypatch):
     # fully_shard recorded instead of run, so the CUDA branch (bf16 compute, float32 reductions)
     # runs on CPU too
