@@ -35,12 +35,12 @@ A slice may cut a group (`--micro-batch-size` counts responses): its partial gro
 run once. Responses are trimmed to the slice's own longest response, not the rollout's. The gradient
 equals the per-response one: the prompt's activations are the same function of the parameters,
 reached by G paths. Cost of a pass: groups x P + n x T tokens instead of n x (P + T); it pays with
-long prompts and short answers, and little with long reasoning traces (T >> P). With one process, a
-slice whose response lengths are spread runs as two length buckets (`length_buckets`). Under DDP
-the prompt runs on the wrapped module and the responses in one DDP forward (DDP syncs in each
-forward, so every rank runs one per micro-batch); under FSDP2, or when gradient checkpointing would
-drop the cache, the per-response forward runs instead (the caller says which: `rollout_logprobs`'
-shared_prefix and buckets).
+long prompts and short answers, and little with long reasoning traces (T >> P). With one process,
+a slice whose response lengths are spread runs as up to four length buckets (`length_buckets`).
+Under DDP the prompt runs on the wrapped module and the responses in one DDP forward (DDP syncs in
+each forward, so every rank runs one per micro-batch); under FSDP2, or when gradient checkpointing
+would drop the cache, the per-response forward runs instead (the caller says which:
+`rollout_logprobs`' shared_prefix and buckets).
 """
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ from infra import lm_head
 from infra.kv_cache import cache_kwarg, left_padded
 from sampler import Rollout
 
-# split a slice's responses in two length buckets when that leaves <= 80% of the positions
+# a slice's responses run in length buckets, each padded to its own longest: a bucket is cut in two
+# when that leaves <= 80% of its positions, into at most MAX_BUCKETS (each a forward of its own)
 BUCKET_KEEP = 0.8
+MAX_BUCKETS = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,18 +224,31 @@ def _new_cache(model) -> DynamicCache:
             else DynamicCache())
 
 
-def length_buckets(lengths: torch.Tensor) -> list[torch.Tensor]:
-    """Rows [n] split in two by length (short ones, long ones) when padding each part to its own
-    longest computes at most BUCKET_KEEP of the positions one batch padded to the longest would;
-    else one part."""
-    L, order = lengths.sort(stable=True)                                      # [n] ascending
-    n = L.shape[0]
-    # positions if split after k
-    cost = torch.arange(1, n) * L[:-1] + (n - torch.arange(1, n)) * L[-1]      # [n - 1]
-    if n < 2 or float(cost.min()) > BUCKET_KEEP * n * float(L[-1]):
-        return [torch.arange(n)]
-    k = int(cost.argmin()) + 1
-    return [order[:k], order[k:]]
+def length_buckets(lengths: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> list[torch.Tensor]:
+    """Rows [n] split by length into buckets (index tensors, shortest first), each to be padded to
+    its own longest: a bucket is cut in two, at the cut that pads least, when that computes at most
+    BUCKET_KEEP of its positions, the cut that saves most first, up to max_buckets."""
+    order = lengths.sort(stable=True).indices                                  # [n] ascending
+    buckets = [order]
+    while len(buckets) < max_buckets:
+        best = None                                                 # (positions saved, bucket, k)
+        for i, rows in enumerate(buckets):
+            L = lengths[rows]                                                  # [m] ascending
+            m = L.shape[0]
+            if m < 2:
+                continue
+            k = torch.arange(1, m)
+            cost = k * L[:-1] + (m - k) * L[-1]                     # [m - 1] positions if cut at k
+            c = int(cost.argmin())
+            whole = m * int(L[-1])
+            if float(cost[c]) <= BUCKET_KEEP * whole and (best is None
+                                                          or whole - cost[c] > best[0]):
+                best = (whole - int(cost[c]), i, c + 1)
+        if best is None:
+            break
+        _, i, k = best
+        buckets[i:i + 1] = [buckets[i][:k], buckets[i][k:]]
+    return buckets if len(buckets) > 1 else [torch.arange(lengths.shape[0])]  # whole: in row order
 
 
 def _cache_rows(cache: DynamicCache, index: torch.Tensor) -> DynamicCache:
@@ -293,10 +308,10 @@ def rollout_logprobs(model, roll: Rollout, rows: slice, temperature: float,
     are 0.
 
     The shared-prefix forward of the module docstring: each group's prompt once, its responses
-    against it, in one or two length buckets. Same values and gradients as `per_response_logprobs`
-    (test_shared_prefix_forward_equals_per_response). The caller says how it may run
-    (update.update_policy): shared_prefix=False runs `per_response_logprobs` instead (FSDP2, which
-    all-gathers in every forward so that ranks must run one forward per micro-batch as a
+    against it, in one to MAX_BUCKETS length buckets. Same values and gradients as
+    `per_response_logprobs` (test_shared_prefix_forward_equals_per_response). The caller says how it
+    may run (update.update_policy): shared_prefix=False runs `per_response_logprobs` instead (FSDP2,
+    which all-gathers in every forward so that ranks must run one forward per micro-batch as a
     zero-weight pass does; gradient checkpointing with gradients, whose recompute transformers runs
     without the cache); buckets=False keeps one bucket (DDP, which syncs in each of its forwards:
     one per micro-batch on every rank). entropy_grad: whether the entropy is differentiated (the

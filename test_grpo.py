@@ -1136,8 +1136,8 @@ def _micro_batches(N, mb):
                          ids=["llama", "llama-buckets", "mistral", "gpt2", "llama-long",
                               "mistral-long", "gpt2-long"])
 def test_shared_prefix_forward_equals_per_response(tiny_model, kind, keep, prompts, monkeypatch):
-    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice with two
-    # response lengths is split into two length buckets (0.8, the default, keeps these slices
+    # mistral: sliding-window layers (window 5) in the cache; keep 1.0: every slice of two or more
+    # responses is cut into up to four length buckets (0.8, the default, keeps these slices
     # whole); gpt2: absolute positions; -long: prompts of 141-146 tokens sharing a 140-token prefix
     from functools import partial
 
@@ -1211,6 +1211,19 @@ def test_length_buckets_split_only_when_it_pays():
     assert ([b.tolist() for b in logprobs.length_buckets(torch.tensor([40, 38, 39, 37]))]
             == [[0, 1, 2, 3]])
     assert [b.tolist() for b in logprobs.length_buckets(torch.tensor([7]))] == [[0]]
+    # 4 each of 4, 20 and 64: 768 positions as one; cut at 8 (160 + 256 = 416, 0.54); then the short
+    # part (160) at 4 (16 + 80 = 96, 0.6): three buckets, 352 positions. At most two: the first cut.
+    lengths = torch.tensor([4, 64, 20] * 4)
+    three = logprobs.length_buckets(lengths)
+    assert [sorted(lengths[b].tolist()) for b in three] == [[4] * 4, [20] * 4, [64] * 4]
+    assert sorted(torch.cat(three).tolist()) == list(range(12))
+    two = logprobs.length_buckets(lengths, max_buckets=2)
+    assert [sorted(lengths[b].tolist()) for b in two] == [[4] * 4 + [20] * 4, [64] * 4]
+    # the cut that saves most goes first: after {1, 1, 10, 10} | {50, 50, 100, 100} (440 of 800),
+    # cutting the long part saves 100 positions and the short part 18; a third bucket is the former
+    lengths = torch.tensor([100, 1, 50, 10, 100, 1, 50, 10])
+    assert [sorted(lengths[b].tolist()) for b in logprobs.length_buckets(lengths, 3)] == [
+        [1, 1, 10, 10], [50, 50], [100, 100]]
 
 
 def test_rollout_logprobs_rejects_bad_slices(tiny_model):
