@@ -6,10 +6,11 @@ apart from `python -m bench`'s sections.
 Run from the repo root:
 
     python -m venv --system-site-packages venv-trl && venv-trl/bin/pip install trl torch==2.13.0
-    venv-trl/bin/python -m bench.vs_trl --init random   # the built-in architecture, random init
-    venv-trl/bin/python -m bench.vs_trl                 # on the built-in base model
+    venv-trl/bin/python -m bench.vs_trl --table     # docs/speed.md's table: every configuration
+    venv-trl/bin/python -m bench.vs_trl --init random --new-tokens 64 --threads 2   # one of them
 
-Both trainers run in their own processes with one thread, interleaved; seconds per step are medians.
+Both trainers run in their own processes with the same torch threads, interleaved; seconds per step
+are medians.
 """
 from __future__ import annotations
 
@@ -27,10 +28,14 @@ import torch
 
 from bench.common import ROOT, header
 
-VS_TRL = dict(prompts=16, G=8, new_tokens=4, beta=0.04)  # the short-answer configuration, issue 16
+VS_TRL = dict(prompts=16, G=8, beta=0.04)  # 16 prompts x 8 samples, as in issue 16
+# docs/speed.md's table: (model, new tokens) at each thread count; 4 new tokens is the built-in
+# task's short answers, 64 a random-init model that never stops early (every answer 64 tokens long)
+TABLE = [("base", 4), ("random", 4), ("random", 64)]
+TABLE_THREADS = (1, 2)
 
 
-def trl_child(folder: str, steps: int) -> None:
+def trl_child(folder: str, steps: int, new_tokens: int) -> None:
     """In a fresh process: `steps` GRPOTrainer steps on folder/model and folder/train.jsonl; prints
     seconds per step."""
     from datasets import Dataset
@@ -57,7 +62,7 @@ def trl_child(folder: str, steps: int) -> None:
     n = VS_TRL["prompts"] * VS_TRL["G"]
     cfg = GRPOConfig(output_dir=os.path.join(folder, "trl"), per_device_train_batch_size=n,
                      gradient_accumulation_steps=1, num_generations=VS_TRL["G"],
-                     max_completion_length=VS_TRL["new_tokens"], beta=VS_TRL["beta"],
+                     max_completion_length=new_tokens, beta=VS_TRL["beta"],
                      loss_type="grpo", scale_rewards="group", temperature=1.0, learning_rate=1e-6,
                      max_steps=steps, use_cpu=True, bf16=False, report_to="none",
                      save_strategy="no", logging_steps=1, disable_tqdm=True,
@@ -68,34 +73,44 @@ def trl_child(folder: str, steps: int) -> None:
     print(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])]}))
 
 
-def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
+def write_model(folder: str, init: str) -> None:
+    """folder/model: the built-in base model, or (init="random") its architecture randomly
+    initialised; folder/train.jsonl: 512 training prompts of the built-in task."""
+    from transformers.utils import logging as hf_logging
+
+    from infra import builtin
+    hf_logging.disable_progress_bar()                      # no "Writing model shards" bar per run
+    if init == "base":
+        shutil.copytree(builtin.base_model(), os.path.join(folder, "model"))
+    else:
+        tok = builtin.make_tokenizer()
+        torch.manual_seed(0)
+        model = builtin.make_model(builtin.BaseModelConfig(), len(tok))
+        model.save_pretrained(os.path.join(folder, "model"))
+        tok.save_pretrained(os.path.join(folder, "model"))
+    with open(os.path.join(folder, "train.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in builtin.sample_problems(512, 0, False))
+
+
+def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int = 4,
+                 threads: int = 1) -> tuple[float, float]:
     """Both trainers on the built-in base model (init="random": the same architecture, randomly
     initialised, so nothing is built first) and the same 512 training prompts, each in its own
-    process with one thread, interleaved; seconds per step, the first step of each run left out
-    (warm-up)."""
-    from infra import builtin
+    process with `threads` torch threads, interleaved; seconds per step, the first step of each run
+    left out (warm-up). Prints and returns the two medians (train.py, TRL)."""
     flags = ["--algo", "grpo", "--beta", str(VS_TRL["beta"]),
              "--prompts-per-step", str(VS_TRL["prompts"]), "--group-size", str(VS_TRL["G"]),
-             "--max-new-tokens", str(VS_TRL["new_tokens"]),
+             "--max-new-tokens", str(new_tokens),
              "--micro-batch-size", str(VS_TRL["prompts"] * VS_TRL["G"]), "--lr", "1e-6",
              "--steps", str(steps), "--device", "cpu"]
     model_name = "base" if init == "base" else "random-init"
     print(f"\n## A GRPO step, train.py vs TRL's GRPOTrainer: {VS_TRL['prompts']} prompts x "
-          f"{VS_TRL['G']} samples, {VS_TRL['new_tokens']} new tokens, beta {VS_TRL['beta']}, the "
-          f"built-in {model_name} model, CPU, one thread")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+          f"{VS_TRL['G']} samples, {new_tokens} new tokens, beta {VS_TRL['beta']}, the "
+          f"built-in {model_name} model, CPU, {threads} thread{'s' * (threads > 1)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     times = {"train.py": [], "TRL GRPOTrainer": []}
     with tempfile.TemporaryDirectory() as d:
-        if init == "base":
-            shutil.copytree(builtin.base_model(), os.path.join(d, "model"))
-        else:
-            tok = builtin.make_tokenizer()
-            torch.manual_seed(0)
-            model = builtin.make_model(builtin.BaseModelConfig(), len(tok))
-            model.save_pretrained(os.path.join(d, "model"))
-            tok.save_pretrained(os.path.join(d, "model"))
-        with open(os.path.join(d, "train.jsonl"), "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in builtin.sample_problems(512, 0, False))
+        write_model(d, init)
         for r in range(repeats):
             out = os.path.join(d, f"ours{r}")
             subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
@@ -105,7 +120,7 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
             with open(os.path.join(out, "metrics.jsonl")) as fh:
                 steps_s = [r["time/step_s"] for r in map(json.loads, fh) if "time/step_s" in r]
             times["train.py"] += steps_s[1:]
-            child = f"from bench import vs_trl; vs_trl.trl_child({d!r}, {steps})"
+            child = f"from bench import vs_trl; vs_trl.trl_child({d!r}, {steps}, {new_tokens})"
             res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                                  cwd=ROOT, env=env)
             if res.returncode:
@@ -116,7 +131,21 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base") -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"  {k:18s} {v:7.3f} s / step (median of {len(times[k])} steps)")
-    print(f"  train.py / TRL: {med['train.py'] / med['TRL GRPOTrainer']:.2f} (target <= 0.5)")
+    print(f"  train.py / TRL: {med['train.py'] / med['TRL GRPOTrainer']:.2f} (target <= 0.5)",
+          flush=True)
+    return med["train.py"], med["TRL GRPOTrainer"]
+
+
+def bench_table(steps: int, repeats: int) -> None:
+    """Every configuration of TABLE at every thread count of TABLE_THREADS, each its own
+    interleaved run; then docs/speed.md's table."""
+    rows = [(init, n, t, *bench_vs_trl(steps, repeats, init, n, t))
+            for init, n in TABLE for t in TABLE_THREADS]
+    print("\n| model | new tokens | threads | train.py s / step | TRL s / step | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for init, n, t, ours, trl in rows:
+        name = "built-in base" if init == "base" else "random init"
+        print(f"| {name} | {n} | {t} | {ours:.3f} | {trl:.3f} | {ours / trl:.2f} |")
 
 
 def main(argv=None) -> None:
@@ -128,13 +157,22 @@ def main(argv=None) -> None:
     p.add_argument("--init", choices=["base", "random"], default="base",
                    help="the built-in base model, or the same architecture randomly initialised "
                         "(no build)")
+    p.add_argument("--new-tokens", type=int, default=4,
+                   help="tokens each answer may have (max_completion_length, --max-new-tokens)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each trainer")
+    p.add_argument("--table", action="store_true",
+                   help="every configuration of docs/speed.md's table (ignores --init, "
+                        "--new-tokens and --threads)")
     args = p.parse_args(argv)
-    if args.steps < 4 or args.repeats < 1:
-        p.error("--steps must be >= 4 and --repeats >= 1")
-    torch.set_num_threads(1)
+    if args.steps < 4 or args.repeats < 1 or args.new_tokens < 1 or args.threads < 1:
+        p.error("--steps must be >= 4, --repeats, --new-tokens and --threads >= 1")
+    torch.set_num_threads(1)  # this parent only waits; each section names its children's threads
     print(header("python -m bench.vs_trl", "cpu", args.repeats))
     t0 = time.perf_counter()
-    bench_vs_trl(args.steps, args.repeats, args.init)
+    if args.table:
+        bench_table(args.steps, args.repeats)
+    else:
+        bench_vs_trl(args.steps, args.repeats, args.init, args.new_tokens, args.threads)
     print(f"\n({time.perf_counter() - t0:.0f} s in all)")
 
 

@@ -204,6 +204,23 @@ def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
             and "packed / padded time" in out)
 
 
+def test_vs_trl_table_runs_every_configuration_and_prints_its_ratio(capsys, monkeypatch):
+    # TRL is not installed here: each configuration's interleaved run is stubbed by its figures
+    from bench import vs_trl
+    seen = []
+
+    def fake(steps, repeats, init, new_tokens, threads):
+        seen.append((init, new_tokens, threads))
+        return 0.1 * len(seen), 0.4
+    monkeypatch.setattr(vs_trl, "bench_vs_trl", fake)
+    vs_trl.main(["--table", "--repeats", "2"])
+    assert seen == [(i, n, t) for i, n in vs_trl.TABLE for t in vs_trl.TABLE_THREADS]
+    out = capsys.readouterr().out.splitlines()
+    rows = [x for x in out if x.startswith("| ") and "---" not in x]
+    assert rows[1] == "| built-in base | 4 | 1 | 0.100 | 0.400 | 0.25 |"
+    assert rows[-1] == "| random init | 64 | 2 | 0.600 | 0.400 | 1.50 |" and len(rows) == 7
+
+
 # ---------------------------------------------------------------------------------------------
 # infra/data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for bad
 # input
