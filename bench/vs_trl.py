@@ -37,7 +37,7 @@ TABLE_THREADS = (1, 2)
 
 def trl_child(folder: str, steps: int, new_tokens: int) -> None:
     """In a fresh process: `steps` GRPOTrainer steps on folder/model and folder/train.jsonl; prints
-    seconds per step."""
+    seconds per step, and of them in model.generate."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -47,14 +47,25 @@ def trl_child(folder: str, steps: int, new_tokens: int) -> None:
         rows = [json.loads(line) for line in fh]
     tok = AutoTokenizer.from_pretrained(os.path.join(folder, "model"))
     model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "model"), dtype=torch.float32)
-    ends = []
+    ends, gens, spent = [], [], [0.0]              # clock and generate's running total at each
+    plain_generate = model.generate                # GRPOTrainer calls the (unwrapped) model's
+
+    def generate(*a, **k):
+        t = time.perf_counter()
+        try:
+            return plain_generate(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t
+    model.generate = generate
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
             ends.append(time.perf_counter())
+            gens.append(spent[0])
 
         def on_step_end(self, *a, **k):
             ends.append(time.perf_counter())
+            gens.append(spent[0])
 
     def reward(completions, answer, **_):
         return [verifier.verify(c, a) for c, a in zip(completions, answer)]
@@ -70,7 +81,8 @@ def trl_child(folder: str, steps: int, new_tokens: int) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                           train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
     trainer.train()
-    print(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])]}))
+    print(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])],
+                      "sample_s": [b - a for a, b in zip(gens, gens[1:])]}))
 
 
 def write_model(folder: str, init: str) -> None:
@@ -109,6 +121,7 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int =
           f"built-in {model_name} model, CPU, {threads} thread{'s' * (threads > 1)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     times = {"train.py": [], "TRL GRPOTrainer": []}
+    sampling = {"train.py": [], "TRL GRPOTrainer": []}     # of them: sample_groups / generate
     with tempfile.TemporaryDirectory() as d:
         write_model(d, init)
         for r in range(repeats):
@@ -118,8 +131,9 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int =
                             "--data", os.path.join(d, "train.jsonl"), "--out", out, *flags],
                            check=True, capture_output=True, cwd=ROOT, env=env)
             with open(os.path.join(out, "metrics.jsonl")) as fh:
-                steps_s = [r["time/step_s"] for r in map(json.loads, fh) if "time/step_s" in r]
-            times["train.py"] += steps_s[1:]
+                rows = [r for r in map(json.loads, fh) if "time/step_s" in r]
+            times["train.py"] += [r["time/step_s"] for r in rows[1:]]
+            sampling["train.py"] += [r["time/sample_s"] for r in rows[1:]]
             child = f"from bench import vs_trl; vs_trl.trl_child({d!r}, {steps}, {new_tokens})"
             res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                                  cwd=ROOT, env=env)
@@ -128,9 +142,11 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int =
                                    f"{res.stderr[-2000:]}")
             line = next(x for x in reversed(res.stdout.splitlines()) if x.startswith('{"step_s"'))
             times["TRL GRPOTrainer"] += json.loads(line)["step_s"][1:]
+            sampling["TRL GRPOTrainer"] += json.loads(line)["sample_s"][1:]
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
-        print(f"  {k:18s} {v:7.3f} s / step (median of {len(times[k])} steps)")
+        print(f"  {k:18s} {v:7.3f} s / step (median of {len(times[k])} steps), of which "
+              f"sampling {statistics.median(sampling[k]):.3f} s (its median)")
     print(f"  train.py / TRL: {med['train.py'] / med['TRL GRPOTrainer']:.2f} (target <= 0.5)",
           flush=True)
     return med["train.py"], med["TRL GRPOTrainer"]
