@@ -3,10 +3,10 @@ docs/real-model-on-a-laptop.md.
 
 Development only, like real_model/build.py.
 
-    python -m real_model.table runs/real-sums                        # one run: a markdown table per
-    step python -m real_model.table verifier=runs/fmt-verifier format=runs/fmt-format --out
-    results/x.png python -m real_model.table per-problem.jsonl                    # evaluate.py
-    --out's records, tallied
+    python -m real_model.table runs/real-sums          # one run: a markdown table per step
+    python -m real_model.table verifier=runs/fmt-verifier format=runs/fmt-format --out results/x.png
+    python -m real_model.table a=runs/a --also mismatch/kl   # and more of the logged metrics
+    python -m real_model.table per-problem.jsonl       # evaluate.py --out's records, tallied
 
 Each row is a training step: the sampled responses' mean of every reward component train.py logs
 (`reward/<function>`: a component passed with weight 0 is logged and not trained on), the truncated
@@ -41,23 +41,28 @@ def read(folder: str) -> tuple[list[dict], dict[int, float]]:
                                               if "eval/accuracy" in r}
 
 
-def columns(steps: list[dict]) -> list[str]:
+def columns(steps: list[dict], also: tuple[str, ...] = ()) -> list[str]:
     keys = [k for k in steps[0] if k.startswith("reward/") and k not in SKIP]
     same = [k for k in keys if k != "reward/correct"
             and all(r[k] == r["reward/correct"] for r in steps)]
     # the one component trained on: once
     keys = [k for k in keys if k != "reward/correct" or not same]
-    return [*keys, "len/truncated_frac", "len/mean", "entropy"]
+    missing = [k for k in also if k not in steps[0]]
+    if missing:
+        raise SystemExit(f"--also: {missing} not in the run's metrics (it has "
+                         f"{sorted(steps[0])})")
+    return [*keys, "len/truncated_frac", "len/mean", "entropy", *also]
 
 
-def table(steps: list[dict], evals: dict[int, float]) -> str:
-    cols = columns(steps)
+def table(steps: list[dict], evals: dict[int, float], also: tuple[str, ...] = ()) -> str:
+    cols = columns(steps, also)
     head = ["step", *cols, "eval/accuracy"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     if 0 in evals:
         lines.append("| 0 |" + " |" * len(cols) + f" {evals[0]:.3f} |")
     for r in steps:
-        cells = [f"{r[c]:.1f}" if c == "len/mean" else f"{r[c]:.3f}" for c in cols]
+        cells = [f"{r[c]:.1f}" if c == "len/mean" else f"{r[c]:.4g}" if c in also
+                 else f"{r[c]:.3f}" for c in cols]
         acc = f"{evals[r['step']]:.3f}" if r["step"] in evals else ""
         lines.append(f"| {r['step']} | " + " | ".join(cells) + f" | {acc} |")
     return "\n".join(lines)
@@ -133,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run folders, or label=folder")
     ap.add_argument("--out", help="also draw the columns to this PNG")
+    ap.add_argument("--also", nargs="+", default=[], metavar="KEY",
+                    help="more metrics.jsonl keys as columns of the tables (e.g. "
+                         "mismatch/logp_abs_mean mismatch/kl)")
     args = ap.parse_args(argv)
     if len(args.runs) == 1 and os.path.isfile(args.runs[0]):
         with open(args.runs[0], encoding="utf-8") as fh:
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         label, _, folder = spec.rpartition("=")
         runs[label or folder] = read(folder)
     for label, (steps, evals) in runs.items():
-        print(f"{label}\n\n{table(steps, evals)}\n")
+        print(f"{label}\n\n{table(steps, evals, tuple(args.also))}\n")
     if args.out:
         plot(runs, args.out)
         print(f"figure: {args.out}")

@@ -569,3 +569,20 @@ def test_real_model_figures_have_labels_units_and_a_caption():
                                                  "accuracy (share right, greedy)"}
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["seed 0", "seed 1"]
     assert fig.get_suptitle() == f"seed 0, seed 1\n{table.CAPTION}"
+
+
+def test_real_model_table_adds_the_metrics_asked_for(capsys):
+    """real_model.table --also: more logged metrics as columns (the bf16 lesson's sampler/trainer
+    mismatch), each step's own value; a key the run never logged is one line naming it."""
+    from launch import ROOT
+    from real_model import table
+    path = os.path.join(ROOT, "results", "real-model-sums-metrics.jsonl")
+    table.main([path, "--also", "mismatch/kl"])
+    lines = capsys.readouterr().out.splitlines()
+    head = next(x for x in lines if x.startswith("| step"))
+    assert head.split(" | ")[-2:] == ["mismatch/kl", "eval/accuracy |"]
+    steps, _ = table.read(path)
+    first = next(x for x in lines if x.startswith("| 1 |"))
+    assert first.split(" | ")[-2] == f"{steps[0]['mismatch/kl']:.4g}"
+    with pytest.raises(SystemExit, match="no/such"):
+        table.main([path, "--also", "no/such"])
