@@ -285,12 +285,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # lengths (most answers short, a few at max_new_tokens) a static batch spends its last steps on
     # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
     # whatever the number of prompts.
-    # packed: the matmuls on oneDNN-packed weights for the rollout (infra/packed.py). Inference
-    # mode drops autograd's bookkeeping from every op (the built-in model's 64-token rollout: 8%
-    # faster); what outlives the loop was made before it, and is written in place (normal tensors).
-    # The compiled step keeps the no_grad it was compiled under.
-    with (torch.inference_mode(not use_static),
-          packed_linears(model, S, enabled=packed and not use_static)):
+    # packed: the matmuls on oneDNN-packed weights for the rollout (infra/packed.py)
+    with packed_linears(model, S, enabled=packed and not use_static):
         while True:
             idle = steps.free() == S
             k = min(B - admitted, steps.free() // G) if continuous or idle else 0  # whole groups

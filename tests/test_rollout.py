@@ -102,25 +102,6 @@ def test_static_decode_gives_the_eager_rollout_at_every_slot_count(monkeypatch):
             assert len(shapes) >= want.lengths.max() - 1
 
 
-def test_the_rollout_decoded_in_inference_mode_holds_normal_tensors():
-    # sample_groups decodes under torch.inference_mode; the Rollout it returns is training data, so
-    # none of its tensors may be an inference tensor (one saved for backward raises), and the
-    # training forward's loss on it backpropagates
-    import dataclasses
-
-    from logprobs import rollout_logprobs
-    model = tiny("llama", torch.float32)
-    roll = sample_groups(model, PROMPTS, 4, 6, 1, 0, top_p=0.9,
-                         generator=torch.Generator().manual_seed(0), max_num_seqs=4)
-    tensors = [v for v in vars(roll).values() if isinstance(v, torch.Tensor)]
-    assert len(tensors) >= 6 and not any(t.is_inference() for t in tensors)
-    assert all(not t.is_inference() for f in dataclasses.fields(roll)
-               for t in [getattr(roll, f.name)] if isinstance(t, torch.Tensor))
-    logp, _, mask = rollout_logprobs(model, roll, slice(0, roll.response_ids.shape[0]), 1.0)
-    (torch.exp(logp - roll.logprobs) * roll.logprobs * mask).sum().backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-
-
 def test_packed_weights_give_the_plain_rollout(monkeypatch):
     # infra/packed.py: the eager loop's matmuls through weights packed by oneDNN give the rollout of
     # the plain weights (_static_case: prompts of 131-144 tokens sharing 130, GQA, q/k/v biases; 7
