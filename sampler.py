@@ -373,14 +373,9 @@ class EagerSteps:
         n = self.rows.shape[0]
         if n == 0:
             return
-        first, last = min(self.born), max(self.born)
-        if first == last:                         # rows admitted together: one column for all
-            at = self.P + self.step - first - 1
-            self.attn[:n, at] = 1
-        else:
-            at = self.P + self.t - 1                        # [n] the column of each row's new token
-            self.attn[torch.arange(n, device=tok.device), at] = 1
-        L = self.P + self.step - first                    # columns in use: the oldest row's
+        at = self.P + self.t - 1                            # [n] the column of each row's new token
+        self.attn[torch.arange(n, device=tok.device), at] = 1
+        L = self.P + self.step - min(self.born)           # columns in use: the oldest row's
         for layer in self.cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
         pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token

@@ -21,8 +21,8 @@ class BufferedLayer(DynamicLayer):
     DynamicLayer grows by torch.cat, so every step copies the whole cache into a fresh tensor
     (O(T^2) copying per rollout). Here a prefill writes columns [0, P) and a decode step writes one
     column per row, row i at its own column at[i] (rows admitted at different steps have different
-    lengths; an int `at`: every row at that column); attention reads a view of the first `seen`
-    columns, and the attention mask hides the columns a row has not written.
+    lengths); attention reads a view of the first `seen` columns, and the attention mask hides the
+    columns a row has not written.
     """
 
     def __init__(self, capacity: int, rows: int | None = None):
@@ -49,13 +49,10 @@ class BufferedLayer(DynamicLayer):
         if self.at is None:                                              # a prefill: columns [0, t)
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                 # a decode step: row i at column at[i]
+            rows = torch.arange(n, device=self.kbuf.device)
             # autocast: prefill's dtype
             k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
-            if isinstance(self.at, int):       # every row at one column: a copy, no index_put
-                self.kbuf[:n, :, self.at], self.vbuf[:n, :, self.at] = k, v
-            else:
-                rows = torch.arange(n, device=self.kbuf.device)
-                self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
+            self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
         self.seen += t
         # [n, H, seen, D] views
         self.keys, self.values = self.kbuf[:n, :, :self.seen], self.vbuf[:n, :, :self.seen]
