@@ -77,7 +77,7 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
             state["acc_after"] = bookkeeping.held_out(s, args, ranks, state["step"])
         if args.save_every and (state["step"] % args.save_every == 0 or done):
             bookkeeping.save_checkpoint(s, args, ranks, state)
-        bookkeeping.show_progress(s, bar, row, state["acc_after"])
+        bookkeeping.show_progress(s, bar, row, state["acc_after"], done)
         if done:
             break
     return bookkeeping.finish(s, args, ranks, state, time.time() - t_start)

@@ -83,9 +83,11 @@ def save_checkpoint(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state
                         {**state, "world_size": ranks.world})
 
 
-def show_progress(s: Setup, bar, row: dict, acc: float | None) -> None:
+def show_progress(s: Setup, bar, row: dict, acc: float | None, done: bool = False) -> None:
     """Rank 0's progress bar: the step's reward and length, the last held-out accuracy, the MFU
-    and tokens/s, and signal=none when the step trained nothing."""
+    and tokens/s, and signal=none when the step trained nothing. done: the run's last step: the
+    bar set to the steps run and closed (the loop breaks out of it, so tqdm would leave it one
+    short)."""
     if not hasattr(bar, "set_postfix"):                           # not rank 0, or no steps left
         return
     bar.set_postfix(reward=f"{row['reward/correct']:.2f}", len=f"{row['len/mean']:.0f}",
@@ -93,6 +95,9 @@ def show_progress(s: Setup, bar, row: dict, acc: float | None) -> None:
                     **({"mfu": f"{100 * row['perf/mfu']:.3g}%"} if "perf/mfu" in row else {}),
                     **{"tok/s": f"{row['perf/tokens_per_s']:.0f}"},
                     **({"signal": "none"} if s.signal.silent else {}))
+    if done:                        # inside tqdm's loop its own count lags: set it, then close
+        bar.n = row["step"]
+        bar.close()
 
 
 def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: dict,

@@ -209,6 +209,20 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     assert all(f"`{k}`" in glossary for k in row if k.startswith("perf/"))
 
 
+def test_the_progress_bar_ends_at_the_last_step(tiny_run_inputs, tmp_path, capsys):
+    """The loop breaks out of tqdm's iteration at its last step, before tqdm counts it: the bar
+    counts it itself and closes, so a finished run's bar reads N/N (it read N-1/N), and a run
+    --max-samples stops early reads the steps it ran."""
+    import train
+    train.main([*tiny_flags(tiny_run_inputs, tmp_path / "a"), "--steps", "2", "--eval-every", "5"])
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "2/2 [" in err and "100%" in err, err[-400:]
+    train.main([*tiny_flags(tiny_run_inputs, tmp_path / "b"), "--steps", "5", "--eval-every", "5",
+                "--no-dynamic-sampling", "--max-samples", "16"])      # one step: 4 prompts x G 4
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()
+    assert any("1/5 [" in x for x in last) and not any("2/5 [" in x for x in last), last[-3:]
+
+
 def x_if_even(response: str, answer: str) -> float:
     """has_x where the answer is even, else 0: groups of odd answers all wrong (dynamic sampling
     drops them and draws again), the others mixed."""
