@@ -862,12 +862,17 @@ def test_every_rank_has_rows_in_every_mini_batch_update():
 
 def test_dapo_with_fixes_off_is_grpo():
     """DAPO with all four fixes off resolves to exactly GRPO's settings (see also the end-to-end
-    check)."""
+    check), the run's length aside: on the built-in task DAPO stops at 30 steps, GRPO at 40
+    (flags.BUILTIN_ALGO_DEFAULTS), the one setting that is not the objective's."""
     off = ["--eps-high", "0.2", "--reduction", "sequence", "--no-dynamic-sampling",
            "--no-overlong-filter", "--no-overlong-penalty", "--beta", "0.04", "--wrong-reward", "0"]
     a = flags.parse_train_args(["--algo", "dapo", *off])
     b = flags.parse_train_args(["--algo", "grpo"])
-    assert {**vars(a), "algo": None} == {**vars(b), "algo": None}
+    assert {**vars(a), "algo": None, "steps": None} == {**vars(b), "algo": None, "steps": None}
+    assert (a.steps, b.steps) == (30, 40)
+    a = flags.parse_train_args(["--algo", "dapo", *off, "--model", "some/model"])  # no such split
+    assert {**vars(a), "algo": None} == {**vars(flags.parse_train_args(
+        ["--algo", "grpo", "--model", "some/model"])), "algo": None}
     # and the loss pieces: no truncation -> the filter changes nothing; token == sequence on equal
     # lengths
     logp, adv, mask = torch.randn(4, 3), torch.randn(4), torch.ones(4, 3)

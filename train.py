@@ -4,7 +4,7 @@ Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts ->
 advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family
 objectives of infra/variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
-    python train.py --algo dapo          # the built-in task and model (base_model/), CPU, minutes
+    python train.py --algo dapo          # the built-in task and model (base_model/), CPU, a minute
     python train.py --algo grpo --steps 60
     torchrun --standalone --nproc_per_node 8 train.py --model Qwen/Qwen2.5-0.5B-Instruct \
         --data gsm8k.jsonl

@@ -275,11 +275,12 @@ EXPERIMENTS = (
 # The two built-in default runs (`python -m ablate --defaults`): not a fix but the whole of each
 DEFAULTS = Experiment(
     "default-dapo-vs-grpo",
-    "The built-in default runs of each algorithm, `train.py --algo grpo` and `--algo dapo` "
-    "(40 steps of 32 prompts x 8 on the shipped base model; DAPO's dynamic sampling draws more "
-    "responses per step), nothing else changed; and `--algo dapo` with 4 optimizer updates per "
-    "rollout step (`--mini-batches 4`), where clip-higher can act.",
-    (), (("grpo", ("--algo", "grpo")), ("dapo", ("--algo", "dapo")),
+    "The built-in default runs of each algorithm, `train.py --algo grpo` and `--algo dapo`, "
+    "both at 40 steps (GRPO's default; DAPO's is 30, the first 30 of these) of 32 prompts x 8 on "
+    "the shipped base model (DAPO's dynamic sampling draws more responses per step), nothing else "
+    "changed; and `--algo dapo` with 4 optimizer updates per rollout step (`--mini-batches 4`), "
+    "where clip-higher can act.",
+    ("--steps", "40"), (("grpo", ("--algo", "grpo")), ("dapo", ("--algo", "dapo")),
          # DAPO's several updates per rollout step: from the second on the ratio leaves 1 and
          # clip-higher can act (with one update it cannot, by construction)
          ("dapo, 4 mini-batches", ("--algo", "dapo", "--mini-batches", "4"))),

@@ -84,3 +84,15 @@ def test_eval_flags_are_shared_and_checked(capsys):
             err = capsys.readouterr().err
             assert (e.value.code == 2 and err.startswith("error: ")
                     and len(err.strip().splitlines()) == 1), err
+
+
+def test_the_builtin_task_runs_dapo_30_steps_and_grpo_40_a_model_500():
+    """The steps each command runs when --steps is not given (flags.BUILTIN_ALGO_DEFAULTS); a
+    --steps given wins, and the other built-in defaults are the same for both algorithms."""
+    steps = lambda *argv: flags.parse_train_args(list(argv)).steps  # noqa: E731
+    assert steps("--algo", "dapo") == 30
+    assert steps("--algo", "grpo") == 40
+    assert steps("--algo", "dapo", "--steps", "40") == 40
+    assert steps("--algo", "dapo", "--model", "some/model") == 500
+    dapo, grpo = (flags.parse_train_args(["--algo", a]) for a in ("dapo", "grpo"))
+    assert (dapo.prompts_per_step, dapo.lr) == (grpo.prompts_per_step, grpo.lr) == (32, 2e-4)

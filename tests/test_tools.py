@@ -118,8 +118,12 @@ def test_ablation_rows_add_one_fix_each_and_end_at_dapo():
             first.overlong_filter,
             first.overlong_penalty) == (0.0, 0.2, "sequence", False, False, False)
     last = flags.parse_train_args(ablate.rows.row_flags(len(ablate.rows.ROWS) - 1))
-    assert {**vars(last), "algo": None} == {**vars(flags.parse_train_args(["--algo", "dapo"])),
-                                            "algo": None}
+    # exactly DAPO under the run length `python -m ablate --rows` gives every row (--steps with
+    # --max-samples): the built-in defaults' steps differ by --algo (GRPO 40, DAPO 30)
+    budget = ["--steps", "1000", "--max-samples", "10240"]
+    assert ({**vars(flags.parse_train_args(ablate.rows.row_flags(len(ablate.rows.ROWS) - 1)
+                                           + budget)), "algo": None}
+            == {**vars(flags.parse_train_args(["--algo", "dapo", *budget])), "algo": None})
     parsed = [vars(flags.parse_train_args(ablate.rows.row_flags(i)))
               for i in range(len(ablate.rows.ROWS))]
     changed = [sum(parsed[i][k] != parsed[i - 1][k]
