@@ -76,15 +76,17 @@ def in_fresh_process(call: str, count: int = 1) -> int | list[int]:
     return numbers[0] if count == 1 else numbers
 
 
-def header(script: str, device: str, repeats: int) -> str:
-    """The first line of a benchmark's output: versions, the machine, its load."""
+def header(script: str, device: str, repeats: int, threads: str | None = None) -> str:
+    """The first line of a benchmark's output: versions, the machine, its load. threads: what to
+    say of the torch threads where the work runs in child processes (default: this process's)."""
     cpu = platform.processor()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as fh:
             cpu = next((line.split(":", 1)[1].strip() for line in fh
                         if line.startswith("model name")), cpu)
     where = (f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") else
-             f", {os.cpu_count()} cores ({cpu}), {torch.get_num_threads()} torch threads")
+             f", {os.cpu_count()} cores ({cpu}), "
+             f"{threads or f'{torch.get_num_threads()} torch threads'}")
     return (f"# {script}: torch {torch.__version__}, {device}{where}"
             f", load average {os.getloadavg()[0]:.1f}; medians of {repeats} interleaved repeats")
 

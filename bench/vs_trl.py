@@ -183,7 +183,8 @@ def main(argv=None) -> None:
     if args.steps < 4 or args.repeats < 1 or args.new_tokens < 1 or args.threads < 1:
         p.error("--steps must be >= 4, --repeats, --new-tokens and --threads >= 1")
     torch.set_num_threads(1)  # this parent only waits; each section names its children's threads
-    print(header("python -m bench.vs_trl", "cpu", args.repeats))
+    print(header("python -m bench.vs_trl", "cpu", args.repeats,
+                 threads="each section's torch threads in its title (both trainers' processes)"))
     t0 = time.perf_counter()
     if args.table:
         bench_table(args.steps, args.repeats)

@@ -216,6 +216,8 @@ def test_vs_trl_table_runs_every_configuration_and_prints_its_ratio(capsys, monk
     vs_trl.main(["--table", "--repeats", "2"])
     assert seen == [(i, n, t) for i, n in vs_trl.TABLE for t in vs_trl.TABLE_THREADS]
     out = capsys.readouterr().out.splitlines()
+    # the header names the children's threads, not this process's one (it only waits)
+    assert "each section's torch threads" in out[0] and "1 torch threads" not in out[0]
     rows = [x for x in out if x.startswith("| ") and "---" not in x]
     assert rows[1] == "| built-in base | 4 | 1 | 0.100 | 0.400 | 0.25 |"
     assert rows[-1] == "| random init | 64 | 2 | 0.600 | 0.400 | 1.50 |" and len(rows) == 7
