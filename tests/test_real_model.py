@@ -444,7 +444,10 @@ def test_real_model_two_grpo_steps_with_rollout_vllm(real_model_dir, tmp_path):
         "engine vs trainer, mean |log-prob diff| per step:",
         [r["mismatch/logp_abs_mean"] for r in steps],
     )
-    assert all(r["mismatch/logp_abs_mean"] < 1e-4 for r in steps)
+    # float32 engine and trainer: 5.0e-6 and 6.7e-6 (AMD EPYC, every run), once 1.7e-4 and 2.2e-4 on
+    # an Intel Xeon (its rerun 5e-6; vLLM's CPU kernels, cause not found); an engine left on the old
+    # weights (push a no-op): 2.3e-2 at step 2
+    assert all(r["mismatch/logp_abs_mean"] < 1e-3 for r in steps)
     hf = _evaluate(real_model_dir, d)
     assert hf[str(real_model_dir)]["eval/accuracy"] == evals[0]["eval/accuracy"]
     assert hf[str(real_model_dir)]["eval/len_mean"] == pytest.approx(evals[0]["eval/len_mean"])
