@@ -33,6 +33,9 @@ VS_TRL = dict(prompts=16, G=8, beta=0.04)  # 16 prompts x 8 samples, as in issue
 # task's short answers, 64 a random-init model's long-tailed ones (its end token drawn now and then)
 TABLE = [("base", 4), ("random", 4), ("random", 64)]
 TABLE_THREADS = (1, 2)
+# where train.py's step goes: its metrics' time/* (docs/metrics.md); the rest is bookkeeping
+PHASES = {"time/sample_s": "sampling", "time/reward_s": "reward",
+          "time/logprob_s": "no-grad log-probs", "time/update_s": "update"}
 
 
 def trl_child(folder: str, steps: int, new_tokens: int) -> None:
@@ -122,6 +125,7 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int =
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     times = {"train.py": [], "TRL GRPOTrainer": []}
     sampling = {"train.py": [], "TRL GRPOTrainer": []}     # of them: sample_groups / generate
+    phases = {k: [] for k in PHASES}                       # train.py's step, phase by phase
     with tempfile.TemporaryDirectory() as d:
         write_model(d, init)
         for r in range(repeats):
@@ -134,6 +138,8 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int =
                 rows = [r for r in map(json.loads, fh) if "time/step_s" in r]
             times["train.py"] += [r["time/step_s"] for r in rows[1:]]
             sampling["train.py"] += [r["time/sample_s"] for r in rows[1:]]
+            for k in PHASES:
+                phases[k] += [r[k] for r in rows[1:]]
             child = f"from bench import vs_trl; vs_trl.trl_child({d!r}, {steps}, {new_tokens})"
             res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                                  cwd=ROOT, env=env)
@@ -147,6 +153,8 @@ def bench_vs_trl(steps: int, repeats: int, init: str = "base", new_tokens: int =
     for k, v in med.items():
         print(f"  {k:18s} {v:7.3f} s / step (median of {len(times[k])} steps), of which "
               f"sampling {statistics.median(sampling[k]):.3f} s (its median)")
+    print("  train.py's step, phase by phase (medians): " + ", ".join(
+        f"{name} {statistics.median(phases[k]):.3f} s" for k, name in PHASES.items()))
     print(f"  train.py / TRL: {med['train.py'] / med['TRL GRPOTrainer']:.2f} (target <= 0.5)",
           flush=True)
     return med["train.py"], med["TRL GRPOTrainer"]

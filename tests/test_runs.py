@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from bench.vs_trl import PHASES
 from infra import builtin, checkpoint, data, flags, models
 from launch import KILL_DRIVER, ROOT, run_record, run_train, thread_counting_driver, torchrun
 from test_data import SCHEMA_PROBLEMS, _chat_tokenizer, _chatml, _doc_commands, _schema_rows
@@ -159,6 +160,7 @@ def test_end_to_end_changes_weights_and_writes_metrics(tiny_run_inputs, tmp_path
     assert [r["step"] for r in train_rows] == [1, 2] and [r["step"] for r in evals] == [0, 1, 2]
     for r in train_rows:
         assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
+        assert set(PHASES) <= set(r)                 # the split python -m bench.vs_trl prints
         assert all(math.isfinite(v) for v in r.values())
         assert 0.0 <= r["entropy"] <= math.log(len(builtin.CHARS) + 3) + 1e-4
         assert 0.0 <= r["len/truncated_frac"] <= 1.0 and 1.0 <= r["len/mean"] <= 12.0
