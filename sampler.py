@@ -8,6 +8,8 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
   copies);
 - the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it
   with torch.cat at every step);
+- a decode step of a Llama-family model on the CPU is a few plain ops over fused weights
+  (infra/lean_decode.py), not the HF forward's per-layer Python;
 - finished rows leave the batch and the cache, so they stop costing compute, and with max_num_seqs
   (continuous batching) their slots go to waiting groups, so at most that many rows decode at once;
 - sampling is inverse-CDF on uniforms drawn up front, walking block masses then one block (no
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infra import kv_cache
+from infra.lean_decode import LeanDecoder
 from infra.packed import packed_linears
 
 
@@ -236,7 +239,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True,
-                  static=None, packed: bool = True) -> Rollout:
+                  static=None, packed: bool = True, lean: bool = True) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache ->
     Rollout.
 
@@ -251,7 +254,9 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     the module infra.static_decode): this loop over its StaticSteps, the step with static shapes
     through torch.compile (the same rollout up to float rounding), or a one-line warning and
     EagerSteps where it cannot run. packed: the eager loop's matmuls on weights packed by oneDNN
-    for the rollout (infra/packed.py: CPU, float32; the same rollout up to float rounding).
+    for the rollout (infra/packed.py: CPU, float32; the same rollout up to float rounding). lean:
+    the eager loop's decode steps as plain ops where infra/lean_decode.py applies (a Llama-family
+    model on the CPU in float32; the same rollout up to float rounding), else the HF forward.
     """
     check_sampling(prompts, G, max_new_tokens, max_num_seqs)
     device = next(model.parameters()).device
@@ -279,6 +284,8 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     continuous = continuous and (window is None or ids.shape[1] + T <= window)
     use_static = static is not None and static.can_compile(model, device, window, ids.shape[1] + T)
     steps = (static.StaticSteps if use_static else EagerSteps)(model, cache, ids, pmask, G, S, T)
+    if lean and not use_static:
+        steps.lean = LeanDecoder.build(model, S)
     admitted, work = 0, None
     # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G
     # slots are free), instead of the batch shrinking until its longest row ends. With long-tailed
@@ -331,6 +338,7 @@ class EagerSteps:
         self.t = torch.zeros_like(self.rows)                             # [n] tokens it has sampled
         self.logits = None                                               # [n, V] the next tokens'
         self.born, self.step = [], 0                # born: the step each slot's row came in
+        self.lean = None            # infra/lean_decode.py's LeanDecoder: the step's forward, if set
 
     def free(self) -> int:
         return self.S - self.rows.shape[0]
@@ -376,8 +384,11 @@ class EagerSteps:
         at = self.P + self.t - 1                            # [n] the column of each row's new token
         self.attn[torch.arange(n, device=tok.device), at] = 1
         L = self.P + self.step - min(self.born)           # columns in use: the oldest row's
+        pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token
+        if self.lean is not None:
+            self.logits = self.lean.step(tok, pos, self.cache, at, self.attn[:n, :L])  # [n, V]
+            return
         for layer in self.cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
-        pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token
         self.logits = self.model(input_ids=tok[:, None], attention_mask=self.attn[:n, :L],
                                  position_ids=pos[:, None], **self.kw).logits[:, -1]  # [n, V]

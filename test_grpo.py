@@ -1597,7 +1597,7 @@ def _slot_schedule(lengths, G, S, continuous):
     return forwards
 
 
-def test_max_num_seqs_refills_a_freed_slot_at_once():
+def test_max_num_seqs_refills_a_freed_slot_at_once(monkeypatch):
     # 6 prompts of 131-135 tokens sharing a 130-token prefix, G = 3, 7 slots (two groups, one slot
     # idle), lengths from 1 to T. A slot freed by a short row goes to the next waiting group as soon
     # as G are free (continuous batching): the decode forwards follow the continuous _slot_schedule,
@@ -1618,6 +1618,10 @@ def test_max_num_seqs_refills_a_freed_slot_at_once():
     calls = []                                                 # (rows, positions) of each forward
     model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
                                     with_kwargs=True)
+    from infra.lean_decode import LeanDecoder  # the decode forwards, as plain ops
+    step = LeanDecoder.step
+    monkeypatch.setattr(LeanDecoder, "step", lambda self, tok, *a: (
+        calls.append((tok.shape[0], 1)) or step(self, tok, *a)))
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
     args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False,
                            compile=False)

@@ -3,7 +3,8 @@
 The sections (each prints both sides of its comparison from one run):
 - bench/rollouts.py, "Step 1: Rollout 采样" (generation is most of an RL step's time):
   sample_groups vs HF generate, its memory and continuous batching at max_num_seqs, the two rollout
-  engines (sample_groups vs vLLM);
+  engines (sample_groups vs vLLM); bench/lean_decode.py, the decode step as plain ops vs the HF
+  forward;
 - bench/training.py, the log-prob passes and the update of "Step 4: PPO Loss 计算" (vocabulary-sized
   logits dominate memory): token_logprobs vs the naive form, the shared-prefix training forward, one
   training step split into its phases, gradient checkpointing;
@@ -35,7 +36,7 @@ import time
 
 import torch
 
-from bench import bf16, compiled, memory, ranks, rollouts, training, warm_start
+from bench import bf16, compiled, lean_decode, memory, ranks, rollouts, training, warm_start
 from bench.common import header
 
 SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
@@ -43,7 +44,8 @@ SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
             "step": training.bench_step, "checkpointing": training.bench_checkpointing,
             "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines,
             "ranks": ranks.bench_ranks, "compile": compiled.bench_compile,
-            "memory": memory.bench_memory, "bf16": bf16.bench_bf16}
+            "memory": memory.bench_memory, "bf16": bf16.bench_bf16,
+            "lean": lean_decode.bench_lean}
 
 
 def main(argv=None) -> None:

@@ -48,7 +48,7 @@ def can_pack(model) -> bool:
                     and w.dtype == torch.float32 for w in ws))
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+def packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
     """A Linear's forward on its weight [out, in] reordered by oneDNN for inputs of about `rows`
     rows (any row count runs; the layout is chosen for that one)."""
     w = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)      # oneDNN's layout
@@ -70,7 +70,7 @@ def packed_linears(model, rows: int, enabled: bool = True):
     mods = linears(model)
     own = [m.__dict__.get("forward") for m in mods]        # an instance forward someone set
     for m in mods:
-        m.forward = _packed_forward(m.weight, m.bias, rows)
+        m.forward = packed_forward(m.weight, m.bias, rows)
     try:
         yield True
     finally:

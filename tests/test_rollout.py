@@ -58,10 +58,10 @@ def _static_case():
     prefix = [17 + i % 47 for i in range(130)]
     prompts = [prefix + [20 + (7 * j + i) % 40 for i in range(k)]
                for j, k in enumerate((1, 14, 6, 9, 3))]
-    return model, lambda S, temperature, top_p=1.0, compile=True: sample_groups(
+    return model, lambda S, temperature, top_p=1.0, compile=True, lean=True: sample_groups(
         model, prompts, 3, 24, [1, 2], 0, temperature=temperature, top_p=top_p, max_num_seqs=S,
         generator=[torch.Generator().manual_seed(60 + i) for i in range(5)],
-        static=static_decode if compile else None)
+        static=static_decode if compile else None, lean=lean)
 
 
 def _same_rollout(a, b, tol=1e-5) -> None:
@@ -108,11 +108,12 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     # slots for 15 rows, so rows leave and groups enter): greedy, sampled, top-p, and with LoRA's
     # adapters (peft); the packed forward ran for every Linear, and after the rollout each Linear's
     # own forward is back. Under bf16 autocast nothing is packed (the matmuls are autocast's), nor
-    # weights under MIN_WEIGHT (the test's model is all small: a threshold of 0 packs them)
+    # weights under MIN_WEIGHT (the test's model is all small: a threshold of 0 packs them). The
+    # decode runs through the HF forward here (lean=False; infra/lean_decode.py packs its own)
     from infra import packed
     monkeypatch.setattr(packed, "MIN_WEIGHT", 0)               # this model's weights are small
-    made, pack = [], packed._packed_forward
-    monkeypatch.setattr(packed, "_packed_forward", lambda *a: made.append(a[0]) or pack(*a))
+    made, pack = [], packed.packed_forward
+    monkeypatch.setattr(packed, "packed_forward", lambda *a: made.append(a[0]) or pack(*a))
     model, rollout = _static_case()
     with torch.no_grad():
         for m in packed.linears(model):
@@ -122,10 +123,10 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     def both(temperature, top_p=1.0):
         """(packed, plain) rollouts at 7 slots; `made`: the weights packed for the first."""
         made.clear()
-        got = rollout(7, temperature, top_p, compile=False)
+        got = rollout(7, temperature, top_p, compile=False, lean=False)
         with monkeypatch.context() as m:
             m.setattr(packed, "can_pack", lambda model: False)
-            return got, rollout(7, temperature, top_p, compile=False)
+            return got, rollout(7, temperature, top_p, compile=False, lean=False)
     weights = [m.weight for m in packed.linears(model)]
     for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.9, 0.8)):
         got, want = both(temperature, top_p)
@@ -135,11 +136,11 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     assert not any("forward" in m.__dict__ for m in packed.linears(model))
     made.clear()
     with torch.autocast("cpu", torch.bfloat16):
-        rollout(7, 1.0, compile=False)
+        rollout(7, 1.0, compile=False, lean=False)
     assert made == []
     with monkeypatch.context() as m:
         m.setattr(packed, "MIN_WEIGHT", 64 * 32 + 1)
-        rollout(7, 1.0, compile=False)
+        rollout(7, 1.0, compile=False, lean=False)
     assert made == []
     pytest.importorskip("peft", reason="LoRA needs peft")
     from infra import lora
@@ -151,6 +152,69 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     got, want = both(1.0)
     _same_rollout(got, want)
     assert len(made) == len(weights) + len(adapters)
+
+
+def test_lean_decode_is_the_hf_rollout(monkeypatch):
+    # infra/lean_decode.py: the eager loop's decode step as plain ops gives the HF forward's rollout
+    # (tokens equal, log-probs within 1e-5): _static_case's Qwen2 (GQA, q/k/v biases made nonzero,
+    # prompts of 131-144 tokens sharing 130: past a KV block) and a Llama with attention and MLP
+    # biases, at 7 slots (rows leave, groups enter) and at all, greedy, sampled and top-p, and with
+    # its fused weights packed by oneDNN; it ran every decode step. Where it does not apply it is
+    # not built: LoRA's layers, bf16 autocast or weights, a sliding window, eager attention, q/k
+    # norms (Qwen3)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from infra import lean_decode, packed
+    from infra.lean_decode import LeanDecoder
+    ran, step = [], LeanDecoder.step
+    monkeypatch.setattr(LeanDecoder, "step", lambda self, *a: ran.append(1) or step(self, *a))
+    qwen2, rollout = _static_case()
+    torch.manual_seed(4)
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None, attention_bias=True, mlp_bias=True,
+        initializer_range=0.2)).eval()
+    for model in (qwen2, llama):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):                               # zero at init
+                    p.normal_(std=0.3)
+    prefix = [17 + i % 47 for i in range(130)]
+    prompts = [prefix[:k] + [20 + (7 * j) % 40] for j, k in enumerate((3, 130, 40, 9))]
+    cases = [lambda S, t, p, lean: rollout(S, t, p, compile=False, lean=lean),
+             lambda S, t, p, lean: sample_groups(
+                 llama, prompts, 3, 20, [1, 2], 0, temperature=t, top_p=p, max_num_seqs=S,
+                 generator=[torch.Generator().manual_seed(70 + i) for i in range(4)], lean=lean)]
+    for case in cases:
+        for S in (7, None):
+            for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.9, 0.8)):
+                ran.clear()
+                want = case(S, temperature, top_p, False)
+                assert ran == []
+                got = case(S, temperature, top_p, True)
+                assert len(ran) >= int(want.lengths.max()) - 1          # every decode step
+                assert temperature == 0 or want.lengths.min() < want.lengths.max()
+                _same_rollout(got, want)
+        with monkeypatch.context() as m:
+            m.setattr(packed, "MIN_WEIGHT", 0)                          # every fused weight packed
+            _same_rollout(case(7, 1.0, 1.0, True), case(7, 1.0, 1.0, False))
+    assert LeanDecoder.build(llama, 4) is not None
+    with torch.autocast("cpu", torch.bfloat16):
+        assert LeanDecoder.build(llama, 4) is None
+    assert LeanDecoder.build(tiny("qwen2", torch.bfloat16), 4) is None
+    assert LeanDecoder.build(tiny("mistral", torch.float32), 4) is None          # window 5
+    llama.config._attn_implementation = "eager"                        # the user's choice, kept
+    assert LeanDecoder.build(llama, 4) is None
+    llama.config._attn_implementation = "sdpa"
+    assert LeanDecoder.build(Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8)), 4) is None
+    assert lean_decode.FAMILY == ("llama", "qwen2", "mistral")
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    from infra import lora
+    lora.add_adapters(llama, 2, 4.0, "q_proj,v_proj", "tiny")
+    assert LeanDecoder.build(llama, 4) is None
 
 
 def test_compile_where_it_cannot_run_warns_once_and_decodes_eagerly(monkeypatch):

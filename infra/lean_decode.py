@@ -1,0 +1,138 @@
+"""The eager decode step of a Llama-family model in a few plain tensor ops, not through the Hugging
+Face forward.
+
+Article section: "Step 1: Rollout 采样" (the old policy decodes its G answers token by token; this
+is how one decode step is computed on a CPU, not what is sampled).
+
+A decode step feeds one token per row. Through the HF forward that is, per layer, 35 or so small
+ops plus their Python (the attention mask rebuilt from the 2-D one at every step, module hooks,
+the output classes), a cost that does not shrink with the rows. Here the same step is: the
+embedding, per layer an RMSNorm, one matmul for q, k and v (their weights concatenated once per
+rollout), RoPE from the model's own rotary module, the new K/V written into sampler.sample_groups'
+buffers (kv_cache.BufferedLayer) at each row's column, SDPA over the columns in use under the rows'
+mask (a KV head's query heads stacked as its queries, no K/V copied per head), o_proj, an RMSNorm,
+one matmul for gate and up, SiLU, down_proj; then the final norm and the LM head on each row's one
+position. A rollout takes 0.78-0.94x the time (`python -m bench --only lean`, docs/speed.md).
+
+Exact up to float rounding (the sums run in another order): `test_lean_decode_is_the_hf_rollout`
+holds the rollout's tokens equal and its log-probs within 1e-5 on a Llama and a Qwen2 (GQA, q/k/v
+biases) with left-padded prompts. `LeanDecoder.build` says where it applies; elsewhere (another
+architecture, attention other than SDPA, LoRA's wrapped layers, FSDP2's sharded weights, autocast,
+a GPU, a sliding window) the HF forward runs as before.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from infra import packed
+
+# architectures whose decoder layer is exactly: x += o(attn(rope(q), rope(k), v)) of RMSNorm(x);
+# x += down(silu(gate) * up) of RMSNorm(x) (no q/k norms, no sliding window, no soft-capping)
+FAMILY = ("llama", "qwen2", "mistral")
+
+
+def _plain(*mods) -> bool:
+    """Every module a plain nn.Linear with float32 CPU weights held as plain parameters."""
+    return all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+               for m in mods)
+
+
+def _fused(*mods):
+    """One weight [sum out, in] (and bias) for several Linears of the same input."""
+    w = torch.cat([m.weight.detach() for m in mods])
+    bs = [m.bias for m in mods]
+    b = None if all(x is None for x in bs) else torch.cat(
+        [x.detach() if x is not None else m.weight.new_zeros(m.out_features)
+         for x, m in zip(bs, mods)])
+    return w, b
+
+
+def _linear(w: torch.Tensor, b: torch.Tensor | None, rows: int):
+    """x -> x @ w.T + b, through oneDNN's packed weight where infra/packed.py would pack it."""
+    if w.numel() >= packed.MIN_WEIGHT and torch.backends.mkldnn.is_available():
+        return packed.packed_forward(w, b, rows)
+    return lambda x: F.linear(x, w, b)
+
+
+def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+    """The HF RMSNorm (LlamaRMSNorm and its copies): weight * x / sqrt(mean(x^2) + eps)."""
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, H, D] rotated by cos, sin [n, 1, D] (HF's rotate_half convention)."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
+class LeanDecoder:
+    """A model's decode step as plain ops over fused weights, built once per rollout (`build`);
+    `step` is one forward of one token per row."""
+
+    def __init__(self, model, rows: int):
+        self.model, inner = model, model.model
+        c = model.config
+        self.Hq, self.Hk = c.num_attention_heads, c.num_key_value_heads
+        self.D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm, _linear(*_fused(a.q_proj, a.k_proj,
+                                                                      a.v_proj), rows),
+                                _linear(*_fused(a.o_proj), rows), a.scaling,
+                                layer.post_attention_layernorm,
+                                _linear(*_fused(m.gate_proj, m.up_proj), rows),
+                                _linear(*_fused(m.down_proj), rows)))
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.head = _linear(*_fused(model.lm_head), rows)
+
+    @staticmethod
+    def build(model, rows: int) -> LeanDecoder | None:
+        """The decoder for `model`, or None where the HF forward must run: a model outside FAMILY
+        or not laid out as its HF class, attention other than SDPA (the user's eager or flash), a
+        layer that is not a plain float32 CPU nn.Linear (LoRA, FSDP2, another dtype or device),
+        autocast on, a sliding window, an MLP other than SiLU."""
+        c = model.config
+        inner = getattr(model, "model", None)
+        if (getattr(c, "model_type", None) not in FAMILY or inner is None
+                or getattr(c, "_attn_implementation", None) != "sdpa"
+                or torch.is_autocast_enabled("cpu") or getattr(c, "hidden_act", None) != "silu"
+                or getattr(c, "pretraining_tp", 1) != 1
+                or (getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True))
+                or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head")):
+            return None
+        for layer in inner.layers:
+            a, m = layer.self_attn, getattr(layer, "mlp", None)
+            if (m is None or not _plain(a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+                                        m.up_proj, m.down_proj)
+                    or any(hasattr(a, x) for x in ("q_norm", "k_norm"))):
+                return None
+        if not _plain(model.lm_head):
+            return None
+        return LeanDecoder(model, rows)
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, cache, at: torch.Tensor,
+             attn: torch.Tensor) -> torch.Tensor:
+        """tok, pos, at [n] (the rows' tokens, positions, KV columns), cache: the rollout's
+        kv_cache.BufferedLayer per layer, attn [n, L] the columns each row sees (L: in use) ->
+        the next tokens' logits [n, V]."""
+        n, L, Hq, Hk, D = tok.shape[0], attn.shape[1], self.Hq, self.Hk, self.D
+        x = self.embed(tok)                                                    # [n, h]
+        cos, sin = self.rotary(x[:, None], pos[:, None])                       # [n, 1, D] each
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        mask = attn.bool()[:, None, None, :]                                   # [n, 1, 1, L]
+        rows = torch.arange(n, device=tok.device)
+        for (norm1, qkv, o, scale, norm2, gate_up, down), la in zip(self.layers, cache.layers):
+            q, k, v = qkv(_rms(x, norm1)).split([Hq * D, Hk * D, Hk * D], -1)  # [n, H*D]
+            q, k = _rope(q.view(n, Hq, D), cos, sin), _rope(k.view(n, Hk, D), cos, sin)
+            la.kbuf[rows, :, at], la.vbuf[rows, :, at] = k, v.view(n, Hk, D)   # column at[i]
+            la.seen = L
+            K, V = la.kbuf[:n, :, :L], la.vbuf[:n, :, :L]                      # [n, Hk, L, D]
+            y = F.scaled_dot_product_attention(q.view(n, Hk, Hq // Hk, D), K, V, attn_mask=mask,
+                                               scale=scale)                   # [n, Hk, Hq/Hk, D]
+            x = x + o(y.reshape(n, Hq * D))
+            g, u = gate_up(_rms(x, norm2)).chunk(2, -1)                        # [n, I] each
+            x = x + down(F.silu(g) * u)
+        return self.head(_rms(x, self.norm))                                   # [n, V]
