@@ -12,7 +12,7 @@ rollout), RoPE from the model's own rotary module, the new K/V written into samp
 buffers (kv_cache.BufferedLayer) at each row's column, SDPA over the columns in use under the rows'
 mask (a KV head's query heads stacked as its queries, no K/V copied per head), o_proj, an RMSNorm,
 one matmul for gate and up, SiLU, down_proj; then the final norm and the LM head on each row's one
-position. A rollout takes 0.78-0.94x the time (`python -m bench --only lean`, docs/speed.md).
+position. A rollout takes 0.77-0.98x the time (`python -m bench --only lean`, docs/speed.md).
 
 Exact up to float rounding (the sums run in another order): `test_lean_decode_is_the_hf_rollout`
 holds the rollout's tokens equal and its log-probs within 1e-5 on a Llama and a Qwen2 (GQA, q/k/v
@@ -39,19 +39,21 @@ def _plain(*mods) -> bool:
                for m in mods)
 
 
-def _fused(*mods):
-    """One weight [sum out, in] (and bias) for several Linears of the same input."""
-    w = torch.cat([m.weight.detach() for m in mods])
-    bs = [m.bias for m in mods]
-    b = None if all(x is None for x in bs) else torch.cat(
-        [x.detach() if x is not None else m.weight.new_zeros(m.out_features)
-         for x, m in zip(bs, mods)])
-    return w, b
-
-
-def _linear(w: torch.Tensor, b: torch.Tensor | None, rows: int):
-    """x -> x @ w.T + b, through oneDNN's packed weight where infra/packed.py would pack it."""
-    if w.numel() >= packed.MIN_WEIGHT and torch.backends.mkldnn.is_available():
+def _linear(rows: int, *mods):
+    """x -> x @ w.T + b for several Linears of the same input as one (their weights [sum out, in]
+    and biases concatenated), through oneDNN's packed weight where infra/packed.py would pack each
+    of them (packing is chosen by the size of the weights as the model has them: the built-in
+    model's, all under packed.MIN_WEIGHT, multiply as stored)."""
+    if len(mods) == 1:                                                         # no copy
+        w, b = mods[0].weight.detach(), mods[0].bias
+        b = None if b is None else b.detach()
+    else:
+        w = torch.cat([m.weight.detach() for m in mods])                       # [sum out, in]
+        b = None if all(m.bias is None for m in mods) else torch.cat(
+            [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+             for m in mods])
+    if (min(m.weight.numel() for m in mods) >= packed.MIN_WEIGHT
+            and torch.backends.mkldnn.is_available()):
         return packed.packed_forward(w, b, rows)
     return lambda x: F.linear(x, w, b)
 
@@ -79,14 +81,13 @@ class LeanDecoder:
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append((layer.input_layernorm, _linear(*_fused(a.q_proj, a.k_proj,
-                                                                      a.v_proj), rows),
-                                _linear(*_fused(a.o_proj), rows), a.scaling,
+            self.layers.append((layer.input_layernorm, _linear(rows, a.q_proj, a.k_proj, a.v_proj),
+                                _linear(rows, a.o_proj), a.scaling,
                                 layer.post_attention_layernorm,
-                                _linear(*_fused(m.gate_proj, m.up_proj), rows),
-                                _linear(*_fused(m.down_proj), rows)))
+                                _linear(rows, m.gate_proj, m.up_proj),
+                                _linear(rows, m.down_proj)))
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
-        self.head = _linear(*_fused(model.lm_head), rows)
+        self.head = _linear(rows, model.lm_head)
 
     @staticmethod
     def build(model, rows: int) -> LeanDecoder | None:
