@@ -284,8 +284,6 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     continuous = continuous and (window is None or ids.shape[1] + T <= window)
     use_static = static is not None and static.can_compile(model, device, window, ids.shape[1] + T)
     steps = (static.StaticSteps if use_static else EagerSteps)(model, cache, ids, pmask, G, S, T)
-    if lean and not use_static:
-        steps.lean = LeanDecoder.build(model, S)
     admitted, work = 0, None
     # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G
     # slots are free), instead of the batch shrinking until its longest row ends. With long-tailed
@@ -293,7 +291,9 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
     # whatever the number of prompts.
     # packed: the matmuls on oneDNN-packed weights for the rollout (infra/packed.py)
-    with packed_linears(model, S, enabled=packed and not use_static):
+    with packed_linears(model, S, enabled=packed and not use_static) as is_packed:
+        if lean and not use_static:                      # keeps the packed forwards it is given
+            steps.lean = LeanDecoder.build(model, S, is_packed)
         while True:
             idle = steps.free() == S
             k = min(B - admitted, steps.free() // G) if continuous or idle else 0  # whole groups
@@ -384,11 +384,11 @@ class EagerSteps:
         at = self.P + self.t - 1                            # [n] the column of each row's new token
         self.attn[torch.arange(n, device=tok.device), at] = 1
         L = self.P + self.step - min(self.born)           # columns in use: the oldest row's
-        pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token
-        if self.lean is not None:
-            self.logits = self.lean.step(tok, pos, self.cache, at, self.attn[:n, :L])  # [n, V]
-            return
         for layer in self.cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
+        pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token
+        if self.lean is not None:
+            self.logits = self.lean.step(tok, pos, self.cache, self.attn[:n, :L])  # [n, V]
+            return
         self.logits = self.model(input_ids=tok[:, None], attention_mask=self.attn[:n, :L],
                                  position_ids=pos[:, None], **self.kw).logits[:, -1]  # [n, V]

@@ -38,6 +38,7 @@ class BufferedLayer(DynamicLayer):
         # NaN
         self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
                                                like.shape[-1]) for _ in "kv")
+        self.row_ids = torch.arange(self.kbuf.shape[0], device=like.device)   # a decode's rows
 
     def update(self, key_states, value_states, *args, **kwargs):
         n, t = key_states.shape[0], key_states.shape[-2]                      # [n, H, t, D]
@@ -49,7 +50,7 @@ class BufferedLayer(DynamicLayer):
         if self.at is None:                                              # a prefill: columns [0, t)
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                 # a decode step: row i at column at[i]
-            rows = torch.arange(n, device=self.kbuf.device)
+            rows = self.row_ids[:n]
             # autocast: prefill's dtype
             k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
             self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v

@@ -199,6 +199,15 @@ def test_lean_decode_is_the_hf_rollout(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(packed, "MIN_WEIGHT", 0)                          # every fused weight packed
             _same_rollout(case(7, 1.0, 1.0, True), case(7, 1.0, 1.0, False))
+    made, pack = [], packed.packed_forward                    # packed=False: nothing packed, lean
+    monkeypatch.setattr(packed, "packed_forward", lambda *a: made.append(a[0]) or pack(*a))
+    monkeypatch.setattr(packed, "MIN_WEIGHT", 0)
+    for packs in (False, True):
+        made.clear()
+        sample_groups(llama, prompts, 3, 4, [1, 2], 0, packed=packs)
+        # packed: the model's 15 Linears (packed_linears) and per layer the fused q/k/v, gate/up
+        assert len(made) == packs * (2 * 7 + 1 + 2 * 2)
+    monkeypatch.undo()
     assert LeanDecoder.build(llama, 4) is not None
     with torch.autocast("cpu", torch.bfloat16):
         assert LeanDecoder.build(llama, 4) is None
