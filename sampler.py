@@ -8,8 +8,8 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
   copies);
 - the cache is preallocated for the whole rollout and written in place (DynamicCache re-copies it
   with torch.cat at every step);
-- a decode step of a Llama-family model on the CPU is a few plain ops over fused weights
-  (infra/lean_decode.py), not the HF forward's per-layer Python;
+- every decode step is the model's own HF forward (`model(input_ids=..., past_key_values=...)`) over
+  the rows still decoding;
 - finished rows leave the batch and the cache, so they stop costing compute, and with max_num_seqs
   (continuous batching) their slots go to waiting groups, so at most that many rows decode at once;
 - sampling is inverse-CDF on uniforms drawn up front, walking block masses then one block (no
@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infra import kv_cache
-from infra.lean_decode import LeanDecoder
 from infra.packed import packed_linears
 
 
@@ -239,7 +238,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,
                   max_num_seqs: int | None = None, continuous: bool = True,
-                  static=None, packed: bool = True, lean: bool = True) -> Rollout:
+                  packed: bool = True) -> Rollout:
     """Sample G responses for each prompt (token-id lists of any lengths) with the KV cache ->
     Rollout.
 
@@ -250,13 +249,9 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     slots are free, so max_num_seqs must be >= G. continuous=False: static batches (admit what fits,
     wait until all of it has ended, admit the next), the baseline bench/ measures; a model whose
     sliding window is shorter than P + T always gets it (below). The rollout is the same for every
-    max_num_seqs and either mode: each row's uniforms are drawn up front. static (--compile:
-    the module infra.static_decode): this loop over its StaticSteps, the step with static shapes
-    through torch.compile (the same rollout up to float rounding), or a one-line warning and
-    EagerSteps where it cannot run. packed: the eager loop's matmuls on weights packed by oneDNN
-    for the rollout (infra/packed.py: CPU, float32; the same rollout up to float rounding). lean:
-    the eager loop's decode steps as plain ops where infra/lean_decode.py applies (a Llama-family
-    model on the CPU in float32; the same rollout up to float rounding), else the HF forward.
+    max_num_seqs and either mode: each row's uniforms are drawn up front. packed: the loop's
+    matmuls on weights packed by oneDNN for the rollout (infra/packed.py: CPU, float32; the same
+    rollout up to float rounding). Every step is the model's own HF forward.
     """
     check_sampling(prompts, G, max_new_tokens, max_num_seqs)
     device = next(model.parameters()).device
@@ -282,8 +277,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # the model's mask applies a sliding window at one query column for all rows: exact only when
     # the rows are aligned, as in a static batch (or when the window never bites)
     continuous = continuous and (window is None or ids.shape[1] + T <= window)
-    use_static = static is not None and static.can_compile(model, device, window, ids.shape[1] + T)
-    steps = (static.StaticSteps if use_static else EagerSteps)(model, cache, ids, pmask, G, S, T)
+    steps = Slots(model, cache, ids, pmask, G, S, T)
     admitted, work = 0, None
     # Continuous batching: a slot whose row has ended goes at once to the next waiting group (when G
     # slots are free), instead of the batch shrinking until its longest row ends. With long-tailed
@@ -291,9 +285,7 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
     # a handful of rows; here every step decodes up to S rows, and the cache stays S x (P + T)
     # whatever the number of prompts.
     # packed: the matmuls on oneDNN-packed weights for the rollout (infra/packed.py)
-    with packed_linears(model, S, enabled=packed and not use_static) as is_packed:
-        if lean and not use_static:                      # keeps the packed forwards it is given
-            steps.lean = LeanDecoder.build(model, S, is_packed)
+    with packed_linears(model, S, enabled=packed):
         while True:
             idle = steps.free() == S
             k = min(B - admitted, steps.free() // G) if continuous or idle else 0  # whole groups
@@ -318,13 +310,12 @@ def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                                 kept)
 
 
-class EagerSteps:
-    """sample_groups' batch as the eager loop holds it: the n decoding rows in slots [0, n) of the
-    cache (a finished row leaves, the last rows move into its slot), each step's forward over those
-    n rows and the first L columns in use. Slot i's row writes its token t at column P + t (its
-    prompt, left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn),
-    so what an earlier row left in the slot is never read. infra/static_decode.py's StaticSteps is
-    the other way to hold it (fixed shapes for torch.compile)."""
+class Slots:
+    """sample_groups' batch: the n decoding rows in slots [0, n) of the cache (a finished row
+    leaves, the last rows move into its slot), each step's HF forward over those n rows and the
+    first L columns in use. Slot i's row writes its token t at column P + t (its prompt,
+    left-padded, at [0, P)), and sees only the columns of its own prompt and tokens (attn), so what
+    an earlier row left in the slot is never read."""
 
     def __init__(self, model, cache, ids, pmask, G: int, S: int, T: int):
         self.model, self.cache, self.ids, self.pmask = model, cache, ids, pmask
@@ -338,7 +329,6 @@ class EagerSteps:
         self.t = torch.zeros_like(self.rows)                             # [n] tokens it has sampled
         self.logits = None                                               # [n, V] the next tokens'
         self.born, self.step = [], 0                # born: the step each slot's row came in
-        self.lean = None            # infra/lean_decode.py's LeanDecoder: the step's forward, if set
 
     def free(self) -> int:
         return self.S - self.rows.shape[0]
@@ -387,8 +377,5 @@ class EagerSteps:
         for layer in self.cache.layers:
             layer.at, layer.seen = at, L - 1                       # write at `at`, attend to [0, L)
         pos = self.plen[self.rows // self.G] + self.t - 1         # [n] from the prompt's 1st token
-        if self.lean is not None:
-            self.logits = self.lean.step(tok, pos, self.cache, self.attn[:n, :L])  # [n, V]
-            return
         self.logits = self.model(input_ids=tok[:, None], attention_mask=self.attn[:n, :L],
                                  position_ids=pos[:, None], **self.kw).logits[:, -1]  # [n, V]

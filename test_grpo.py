@@ -6,8 +6,8 @@ DAPO's Eq. 10-13), each case worked by hand; then the shared fixtures and helper
 tiny_run_inputs, PROMPTS, tiny, tiny_flags, one_step, and the rewards `--reward test_grpo:NAME`
 names: has_x, flip_x, trl_length, ...), then one section per article module: grpo, dapo, update,
 logprobs, sampler, train. Nothing here is @slow. The other tests are in tests/, by room: the
-verifier's rules (test_verifier.py), evaluate.py (test_evaluate.py), how Step 1 runs: --kv-cache-gb,
---compile (test_rollout.py), the flags (test_flags.py), the loss family (test_losses.py), data and
+verifier's rules (test_verifier.py), evaluate.py (test_evaluate.py), how Step 1 runs
+(test_rollout.py), the flags (test_flags.py), the loss family (test_losses.py), data and
 the built-in task (test_data.py), ranks and checkpoints (test_ranks_checkpoints.py), metrics, MFU
 and LoRA (test_metrics.py), the layout (test_layout.py); and by kind: the end-to-end runs through
 subprocess and torchrun (test_runs.py, launched by launch.py), bench and ablate (test_tools.py),
@@ -1618,13 +1618,8 @@ def test_max_num_seqs_refills_a_freed_slot_at_once(monkeypatch):
     calls = []                                                 # (rows, positions) of each forward
     model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
                                     with_kwargs=True)
-    from infra.lean_decode import LeanDecoder  # the decode forwards, as plain ops
-    step = LeanDecoder.step
-    monkeypatch.setattr(LeanDecoder, "step", lambda self, tok, *a: (
-        calls.append((tok.shape[0], 1)) or step(self, tok, *a)))
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
-    args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False,
-                           compile=False)
+    args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
     roll = rollout.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
     lengths = roll.lengths.tolist()
     assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5

@@ -3,8 +3,7 @@
 The sections (each prints both sides of its comparison from one run):
 - bench/rollouts.py, "Step 1: Rollout 采样" (generation is most of an RL step's time):
   sample_groups vs HF generate, its memory and continuous batching at max_num_seqs, the two rollout
-  engines (sample_groups vs vLLM); bench/lean_decode.py, the decode step as plain ops vs the HF
-  forward;
+  engines (sample_groups vs vLLM);
 - bench/training.py, the log-prob passes and the update of "Step 4: PPO Loss 计算" (vocabulary-sized
   logits dominate memory): token_logprobs vs the naive form, the shared-prefix training forward, one
   training step split into its phases, gradient checkpointing;
@@ -20,10 +19,9 @@ The sections (each prints both sides of its comparison from one run):
   GRPOTrainer (TRL in its own venv).
 The shared timers and memory probes are in bench/common.py.
 
-    python -m bench               # every section: ~25 min on 2 CPU cores (compile: 16), or CUDA
+    python -m bench               # every section: ~10 min on 2 CPU cores, or CUDA
     python -m bench --threads 0   # torch's default thread count
     python -m bench --only slots  # one section
-    python -m bench --only compile   # --compile (infra/static_decode.py): eager vs compiled
     python -m bench --only warmstart --threads 0   # the warm start on all cores (infra/builtin.py)
 
 Every time is the median of --repeats repeats, interleaved (A, B, A, B, ...) so that load from other
@@ -36,16 +34,15 @@ import time
 
 import torch
 
-from bench import bf16, compiled, lean_decode, memory, ranks, rollouts, training, warm_start
+from bench import bf16, memory, ranks, rollouts, training, warm_start
 from bench.common import header
 
 SECTIONS = {"rollouts": rollouts.bench_rollouts, "slots": rollouts.bench_slots,
             "logprobs": training.bench_logprobs, "forward": training.bench_forward,
             "step": training.bench_step, "checkpointing": training.bench_checkpointing,
             "warmstart": warm_start.bench_warm_start, "engines": rollouts.bench_engines,
-            "ranks": ranks.bench_ranks, "compile": compiled.bench_compile,
-            "memory": memory.bench_memory, "bf16": bf16.bench_bf16,
-            "lean": lean_decode.bench_lean}
+            "ranks": ranks.bench_ranks,
+            "memory": memory.bench_memory, "bf16": bf16.bench_bf16}
 
 
 def main(argv=None) -> None:

@@ -12,8 +12,8 @@ this folder holds the rest, which the article's modules and the two commands imp
   fused with the log-softmax: no [n, T, V] logits)
 - disk: checkpoint (atomic saves, resume, the run lock), models (loading and saving a model)
 - what is measured: metrics (the metric rows and run files), perf (model FLOPs and MFU), curves
-- how Step 1 runs: kv_cache (the sampler's preallocated KV cache and prefill), static_decode
-  (--compile), vllm_rollout (--rollout vllm), rollout (Step 1 as the commands call it, and the
+- how Step 1 runs: kv_cache (the sampler's preallocated KV cache and prefill),
+  vllm_rollout (--rollout vllm), rollout (Step 1 as the commands call it, and the
   --kv-cache-gb sizing)
 - errors: the user-facing error classes
 """

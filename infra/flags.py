@@ -100,10 +100,6 @@ class EvalArgs:
                               "float32, in the sampler, the trainer and the vLLM engine "
                               "(head_dtype), as MiniMax-M1 and ScaleRL (TRL's "
                               "cast_lm_head_to_fp32)")
-    compile: bool = flag(False, "decode with static shapes (--max-num-seqs slots x P + T "
-                         "positions, masks) through torch.compile, a CUDA graph on CUDA: the same "
-                         "rollout, compiled once per shape (20-30 s on CPU, where it gains "
-                         "1.0-1.3x: docs/speed.md); without a compiler, a warning and eager")
 
 
 class Parser(argparse.ArgumentParser):
@@ -418,8 +414,6 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
          "--max-num-seqs must be >= --group-size (a group's G responses decode together)"),
         (ns.vllm_tensor_parallel_size == 1 or ns.rollout == "vllm",
          "--vllm-tensor-parallel-size is for --rollout vllm"),
-        (not (ns.compile and ns.rollout == "vllm"),
-         "--compile is for --rollout hf (sampler.py's decode; a vLLM engine compiles its own)"),
         *((getattr(ns, k) >= v, f"--{k.replace('_', '-')} must be >= {v}")
           for k, v in MINIMUMS.items()),
         (ns.clip_c == 0 or ns.clip_c > 1, "--clip-c must be 0 or > 1"),

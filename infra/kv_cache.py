@@ -1,6 +1,6 @@
 """The KV cache sampler.sample_groups decodes with: Hugging Face's DynamicCache, every layer a
-buffer allocated once and written in place, and the prefill and prompt helpers the static step
-(infra/static_decode.py) and the training forward (logprobs.py) share with it.
+buffer allocated once and written in place, and the prefill and prompt helpers the training forward
+(logprobs.py) shares with it.
 
 Article section: "Step 1: Rollout 采样" (the old policy's G answers are decoded with a KV cache;
 this is how the cache is held, not what is sampled).

@@ -4,15 +4,15 @@ the nn.Linear weights as stored.
 Article section: "Step 1: Rollout 采样" (the old policy decodes its G answers; this is how its
 matrix multiplies run on a CPU, not what is sampled).
 
-A decode step multiplies a few rows (the slots still decoding, 1 to --max-num-seqs) by every
-weight of the model. Through torch's nn.Linear that is an sgemm with a transposed right side, which
-MKL runs at a fraction of the CPU's rate at those row counts (the vocabulary projection of the
-38.9M Qwen2, 12 rows: 11.5 ms; the same reordered by oneDNN: 4.0 ms; `python -m bench --only
-compile` prints the matmuls alone both ways). oneDNN's blocked layout serves any row count, so
-the weights are reordered once per rollout (a copy of the model's Linear weights, 0.1 s for 39M
-parameters) and the copy is dropped after: the update changes the weights, and the next rollout
-packs them again. The rollout is the one the plain weights give up to float rounding (the sums run
-in another order): `test_packed_weights_give_the_plain_rollout` holds it to 1e-5 in the log-probs.
+A decode step multiplies a few rows (the slots still decoding, 1 to --max-num-seqs) by every weight
+of the model. Through torch's nn.Linear that is an sgemm with a transposed right side, which MKL
+runs at a fraction of the CPU's rate at those row counts (the vocabulary projection of the 38.9M
+Qwen2, 12 rows: 11.5 ms; the same reordered by oneDNN: 4.0 ms). oneDNN's blocked layout serves any
+row count, so the weights are reordered once per rollout (a copy of the model's Linear weights, 0.1
+s for 39M parameters) and the copy is dropped after: the update changes the weights, and the next
+rollout packs them again. The rollout is the one the plain weights give up to float rounding (the
+sums run in another order): `test_packed_weights_give_the_plain_rollout` holds it to 1e-5 in the
+log-probs.
 
 `packed_linears` is the context sampler.sample_groups decodes in; `can_pack` says where it applies:
 a CPU whose torch has oneDNN, float32 weights held as plain tensors (not FSDP2's sharded ones),

@@ -1,5 +1,5 @@
 """Step 1 as the commands run it: sampler.sample_groups under --bf16 autocast with --max-num-seqs
-slots (--compile: infra.static_decode's static-shape step), or a vLLM engine's sample_groups.
+slots, or a vLLM engine's sample_groups.
 
 Article section: "Step 1: Rollout 采样" (sampler.py is the step; this picks how it runs).
 """
@@ -10,7 +10,6 @@ import warnings
 import torch
 
 import sampler
-from infra import static_decode
 from infra.errors import InputError
 from sampler import Rollout
 
@@ -53,7 +52,7 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
     sample_groups under --bf16 autocast, at most --max-num-seqs rows at once (default: as many as
     --kv-cache-gb holds); or `sample`, a vLLM engine's sample_groups (train.py --rollout vllm),
     which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
-    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16, compile)."""
+    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16)."""
     T = args.max_new_tokens
     check_context(model, prompts, T)
     if sample is not None:
@@ -61,8 +60,7 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
     S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
         return sampler.sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
-                                     generator=generator, max_num_seqs=S,
-                                     static=static_decode if args.compile else None)
+                                     generator=generator, max_num_seqs=S)
 
 
 def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,

@@ -3,7 +3,6 @@ experiments, the habit models and the tables they write from metrics.jsonl."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import random
@@ -51,7 +50,7 @@ def test_bench_bf16_section_times_both_dtypes_and_skips_without_the_model(tiny_r
 
 
 def test_bench_generate_tokens_counts_each_response_up_to_its_first_end_id():
-    """bench.rollouts.generate_tokens (the `generate` line of the rollouts and compile sections):
+    """bench.rollouts.generate_tokens (the `generate` line of the rollouts section):
     generate gets the prompts left-padded with their mask, and each response counts up to and with
     its first end id, none after it."""
     from bench.rollouts import generate_tokens
@@ -65,46 +64,6 @@ def test_bench_generate_tokens_counts_each_response_up_to_its_first_end_id():
             return torch.cat([ids.repeat_interleave(2, 0), torch.tensor(resp)], dim=1)
 
     assert generate_tokens(Fake(), [[5, 6, 7], [8]], 2, 4, [1, 2], "cpu") == 2 + 1 + 4 + 3
-
-
-@pytest.mark.slow
-def test_bench_compile_section_prints_every_way_from_one_run(capsys, monkeypatch):
-    """python -m bench --only compile, shrunk to a 2-layer Qwen2 and one config (one real compile,
-    ~30 s): the eager loop packed and plain, the static loop eager and compiled, generate, the vLLM
-    line (skipped where vllm does not import), the matmuls alone both ways, the compile time, the
-    profile."""
-    import shutil
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from bench import compiled
-    if not shutil.which("g++"):
-        pytest.skip("no C++ compiler for inductor")
-
-    def tiny():
-        torch.manual_seed(0)
-        return Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            bos_token_id=None, eos_token_id=1, pad_token_id=0))
-    monkeypatch.setattr(compiled, "MODEL", tiny)
-    monkeypatch.setattr(compiled, "CONFIGS", [dict(title="tiny", B=3, plens=[130, 140, 135], G=2,
-                                                   T=12, ends=[1, 2, 3], S=4)])
-    compiled.bench_compile("cpu", 1)
-    out = capsys.readouterr().out
-    for line in ("## --compile, tiny, float32, cpu", "sample_groups, eager loop (the default)",
-                 "static loop, step eager", "static loop, compiled (--compile)",
-                 "model.generate(num_return_sequences=G)", "vLLM engine (--rollout vllm)",
-                 "matmuls alone, 4-row decode steps", "compiled decode forward / matmuls alone: ",
-                 "C = 192 columns", "compile: ", "once per shape and run; ",
-                 "profile of one compiled rollout", "eager loop, plain weights (no packing)",
-                 "the same, weights packed (infra/packed.py)", "eager loop (the default) / vLLM: "):
-        assert line in out, line
-    assert "compiled vs eager loop: 6 of 6 rows the same ids" in out
-    assert "packed (the default) vs plain weights: 6 of 6 rows the same ids" in out
-    if importlib.util.find_spec("vllm") is not None:          # the vLLM venv: a figure, interleaved
-        assert re.search(r"^vLLM engine \(--rollout vllm\) +\d+ +[\d.]+ +[\d.]+x$", out, re.M)
-        assert "its repeats interleaved with the others'" in out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +482,6 @@ def _true_at(line: str, x: int) -> bool:
         assert isinstance(node, ast.BinOp) and type(node.op) in ops, ast.dump(node)
         return ops[type(node.op)](value(node.left), value(node.right))
 
-    import re
     text = re.sub(r"(\d)([x(])", r"\1*\2", line.replace(" ", "")).replace("x", f"({x})")
     lhs, rhs = text.split("=")
     return value(ast.parse(lhs, mode="eval").body) == value(ast.parse(rhs, mode="eval").body)
