@@ -155,6 +155,22 @@ def clip_metrics(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
             "ratio/mean": float((ratio * mask).sum() / valid)}
 
 
+def advantage_column(advantages: torch.Tensor, mask: torch.Tensor,
+                     per_token_ok: bool = False) -> torch.Tensor:
+    """One advantage per response as a column [N, 1] to broadcast over its tokens, from [N] (as
+    train.py passes them) or [N, 1] (the article's `adv.reshape(B * G, 1)`); with per_token_ok
+    also [N, T] as it is. Any other shape is refused in one line: a [N, 1] indexed with [:, None]
+    is [N, 1, 1] and broadcasts the loss to [N, N, T] without an error."""
+    N = mask.shape[0]
+    if advantages.shape in ((N,), (N, 1)):
+        return advantages.reshape(N, 1)                                     # [N, 1]
+    if per_token_ok and advantages.shape == mask.shape:
+        return advantages                                                   # [N, T]
+    want = "[N], [N, 1] or [N, T]" if per_token_ok else "[N] or [N, 1]"
+    raise ValueError(f"advantages must be {want} for mask {tuple(mask.shape)}, "
+                     f"got {tuple(advantages.shape)}")
+
+
 def ppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -174,9 +190,10 @@ def ppo_loss(
     a huge ratio on a token the policy should avoid cannot blow the loss up (verl's default 3).
     0: off.
     The log-ratio is clamped to +-LOG_RATIO_CLAMP before exp: a stale old_logp gives no inf or NaN.
-    Inputs [N, T] except advantages [N]; mask is 1.0 on valid response tokens (for the metrics).
+    Inputs [N, T] except advantages [N] or [N, 1] (`advantage_column`); mask is 1.0 on valid
+    response tokens (for the metrics).
     """
-    adv = advantages.to(logp.dtype)[:, None]                                # [N, 1]
+    adv = advantage_column(advantages, mask).to(logp.dtype)                 # [N, 1]
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, T]
     ratio = torch.exp(log_ratio)                                            # [N, T]
     per_token, low, high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # [N, T] each
@@ -238,7 +255,8 @@ def policy_loss(
     denominators), shared by both terms; is_weights [N, T] (optional, detached: the rollout
     correction of infra/correction.py) multiply the surrogate's, not the KL's. The KL term
     (`kl_term`, estimator `kl`) is added when ref_logp is given; beta != 0 needs it. Inputs
-    [N, T] except advantages [N] (or [N, T] where the surrogate takes per-token advantages).
+    [N, T] except advantages: one per response, [N] or [N, 1]; `ppo_loss` refuses any other
+    shape, and only a surrogate of infra/variants.py that says so takes per-token [N, T].
     """
     pg_weights = weights if is_weights is None else weights * is_weights.detach()  # [N, T]
     loss, metrics = surrogate(logp, old_logp, advantages, mask, pg_weights)

@@ -722,6 +722,30 @@ def test_policy_loss_guards_log_ratio_and_dual_clip():
         grpo.ppo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), w, clip_c=0.5)
 
 
+def test_ppo_loss_takes_the_articles_advantage_column_and_refuses_other_shapes():
+    # the article's adv.reshape(B * G, 1) and train.py's [N] give one loss and one gradient, at
+    # ratio != 1 (clipping on some tokens) and unequal lengths; with [:, None] applied to [N, 1]
+    # the loss broadcasts to [N, N, T] and comes out another number, with no error
+    torch.manual_seed(0)
+    N, T = 4, 6
+    mask = (torch.arange(T)[None] < torch.tensor([6, 2, 4, 1])[:, None]).float()  # [N, T]
+    old = -torch.rand(N, T) * 3
+    adv = torch.tensor([1.2, -0.4, 0.7, -1.5])                                    # [N]
+    w = grpo.token_weights(mask, "sequence")
+    got = []
+    for a in (adv, adv.reshape(N, 1)):
+        logp = (old + 0.4 * torch.randn(N, T, generator=torch.Generator().manual_seed(1))
+                ).requires_grad_()
+        for loss_fn in (grpo.ppo_loss, grpo.policy_loss):
+            loss = loss_fn(logp, old, a, mask, w)[0]
+            got.append((loss.item(), torch.autograd.grad(loss, logp)[0]))
+    assert all(abs(v - got[0][0]) < 1e-7 and torch.equal(g, got[0][1]) for v, g in got)
+    assert got[0][1].abs().sum() > 0 and got[0][1][mask == 0].abs().sum() == 0
+    for bad in (adv.reshape(1, N), adv.reshape(N, 1, 1), adv[:3], adv[:, None].expand(N, T)):
+        with pytest.raises(ValueError, match=r"advantages must be \[N\] or \[N, 1\]"):
+            grpo.ppo_loss(logp, old, bad, mask, w)
+
+
 def test_kl_metric_counts_valid_tokens_only():
     logp, mask = torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 0.0]])
     ref = torch.tensor([[-0.5, 9.0, 9.0]])                  # garbage after the response's end

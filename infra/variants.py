@@ -42,15 +42,6 @@ DPPO_DELTA, DPPO_RATIO_CAP = 0.2, 20.0
 SAPO_TAU_POS, SAPO_TAU_NEG = 1.0, 1.05  # TRL's defaults: a sharper gate for A < 0, as the paper
 
 
-def _check_adv(advantages: torch.Tensor, mask: torch.Tensor, per_token_ok: bool) -> torch.Tensor:
-    """Advantages [N] -> [N, 1], or [N, T] kept as is where per-token advantages are allowed."""
-    if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
-        return advantages[:, None]
-    if per_token_ok and advantages.shape == mask.shape:
-        return advantages
-    want = "[N] or [N, T]" if per_token_ok else "[N]"
-    got = tuple(advantages.shape)
-    raise ValueError(f"advantages must be {want} for mask {tuple(mask.shape)}, got {got}")
 
 
 def _seq_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -77,7 +68,7 @@ def gspo_loss(
     response's loss by its length, as verl's loss_agg_mode does.
     Inputs [N, T] except advantages [N].
     """
-    adv = _check_adv(advantages, mask, per_token_ok=False).to(logp.dtype)    # [N, 1]
+    adv = grpo.advantage_column(advantages, mask).to(logp.dtype)            # [N, 1]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     s = torch.exp(log_s.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))   # [N, 1]
@@ -104,7 +95,7 @@ def gspo_token_loss(
     gradient that of logp_t scaled by s_i. Per token: -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t}).
     With one advantage per response, value and gradient equal `gspo_loss` (as the paper shows).
     """
-    adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
+    adv = grpo.advantage_column(advantages, mask, True).to(logp.dtype)  # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
     log_s = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP)  # [N, 1], sg[log s_i]
@@ -136,7 +127,7 @@ def cispo_loss(
     [N, T] except advantages [N] or [N, T]. clip/low_frac and clip/high_frac count tokens whose
     weight was bounded (they still get a gradient).
     """
-    adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
+    adv = grpo.advantage_column(advantages, mask, True).to(logp.dtype)  # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_ratio = (logp - old_logp).detach()                                    # [N, T], no gradient
     ratio = torch.exp(log_ratio.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))  # [N, T]
@@ -167,7 +158,7 @@ def dppo_loss(
     ratio clip would stop. Inputs [N, T] except advantages [N] or [N, T]; clip/high_frac and
     clip/low_frac count the masked tokens with A > 0 and A < 0.
     """
-    adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
+    adv = grpo.advantage_column(advantages, mask, True).to(logp.dtype)  # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_ratio = (logp - old_logp).detach()                                    # [N, T]
     ratio = torch.exp(log_ratio.clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP))  # [N, T]
@@ -200,7 +191,7 @@ def sapo_loss(
     stopping at a boundary. eps_low / eps_high are not read (the loss has no clip range).
     clip/low_frac and clip/high_frac stay 0.
     """
-    adv = _check_adv(advantages, mask, per_token_ok=True).to(logp.dtype)     # [N, 1] or [N, T]
+    adv = grpo.advantage_column(advantages, mask, True).to(logp.dtype)  # [N, 1] or [N, T]
     mask = mask.to(logp.dtype)                                                # [N, T]
     log_ratio = (logp - old_logp).clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)                                              # [N, T]
