@@ -4,7 +4,8 @@ Article section: "DAPO：四项修正". Each fix is switched on or off alone by 
 (ablations):
 
 1. Clip-Higher (Sec. 3.1, Eq. 10): decouple the clip range, eps_low = 0.2, eps_high = 0.28. No new
-   code: it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value.
+   code: it is `eps_high` of `grpo.ppo_loss`; `EPS_HIGH` below is the paper's value. It acts only
+   where the ratio has left 1 (below): at one update per step it is inert.
 2. Dynamic Sampling (Sec. 3.2, Eq. 11): drop groups whose G answers are all right or all wrong
    (Eq. 11 keeps 0 < #correct < G) and keep sampling fresh prompts until the step has enough:
    `keep_groups`, `dynamic_sampling`. Such a group's correctness scores are all equal, so without
@@ -21,16 +22,23 @@ DAPO also drops the KL term (beta = 0): for long reasoning the policy is meant t
 initial model; scores a right answer +1 and a wrong one -1 (Sec. 2; train.py --wrong-reward -1), so
 the soft overlong penalty in [-1, 0] weighs against a reward gap of 2; and takes 16 optimizer steps
 per rollout step, on mini-batches of 512 of its 512 x 16 responses (train.py --mini-batches 16), so
-that from the second mini-batch on the policy is off-policy and the clip bounds act.
+that from the second mini-batch on the policy is off-policy and the clip bounds act. train.py's
+--algo dapo keeps one update per step (--mini-batches 1: on the built-in task 4 ended lower,
+results/default-dapo-vs-grpo.md), so there the ratio is 1 and Clip-Higher is inert.
+
+Eq. 12 as written divides each prompt group's token sum by that group's tokens; here (as verl and
+TRL) the denominator is the tokens of the whole update, so a group with more tokens weighs more.
+dapo.py needs torch and grpo.py only: `dynamic_sampling` takes any rollout with the fields of
+`Groups` (sampler.Rollout has them).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 import grpo
-from sampler import Rollout
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # Clip-Higher, DAPO Sec. 3.1
 
@@ -65,24 +73,36 @@ def keep_groups(correct: torch.Tensor) -> torch.Tensor:
     return ~grpo.constant_groups(correct)                                     # [B]
 
 
+class Groups(Protocol):
+    """What dynamic sampling reads of a round's rollout (sampler.Rollout is one): G responses per
+    prompt, each row's correctness and its prompt's position in the data, and a way to keep some
+    groups."""
+    G: int
+    correct: torch.Tensor                 # [N] the verifier's score of each response
+    index: torch.Tensor                   # [N] the position of the row's prompt in the data
+
+    def select_groups(self, keep: torch.Tensor) -> Any: ...  # keep [B] bool -> the kept groups
+
+
 def dynamic_sampling(
-    draw: Callable[[int], tuple[Rollout, dict]],
+    draw: Callable[[int], tuple[Groups, Any]],
     target: int,
     max_rounds: int,
     gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     rank: int = 0,
-) -> tuple[Rollout, dict[str, float], list[tuple[Rollout, dict]]]:
+) -> tuple[list, dict[str, float], list[tuple[Groups, Any]]]:
     """Sample rounds of groups until `target` informative groups are kept,
     or `max_rounds` rounds ran.
 
-    draw(round) -> (this rank's Rollout for that round, its `correct` [N] filled in; anything the
-    caller wants back with it, train.py: the round's timings). With several ranks, gather(x [b])
-    returns every rank's x in rank order: the ranks' keep flags, put in the round's global prompt
-    order by the groups' prompt positions (Rollout.index), so all ranks keep the same global groups
-    (the first informative ones in prompt order) however the prompts are spread over however many
-    ranks, and agree on when to stop. Returns the kept groups of this rank (Rollout.empty if it kept
-    none), the step's sampling statistics, and every round draw returned, kept or not (the step's
-    metrics count them).
+    draw(round) -> (this rank's rollout for that round (`Groups`), its `correct` [N] filled in;
+    anything the caller wants back with it, train.py: the round's timings). With several ranks,
+    gather(x [b]) returns every rank's x in rank order: the ranks' keep flags, put in the round's
+    global prompt order by the groups' prompt positions (`index`), so all ranks keep the same
+    global groups (the first informative ones in prompt order) however the prompts are spread over
+    however many ranks, and agree on when to stop. Returns the kept groups of this rank, one
+    `select_groups` per round that kept any (empty if it kept none: train.py concatenates them
+    with sampler.Rollout.cat), the step's sampling statistics, and every round draw returned, kept
+    or not (the step's metrics count them).
     """
     gather = gather or (lambda keep: [keep])
     kept, have, drawn_groups, rounds = [], 0, 0, []
@@ -105,4 +125,4 @@ def dynamic_sampling(
             kept.append(roll.select_groups(mine))
     stats = {"sampling/rounds": float(len(rounds)), "sampling/groups_drawn": float(drawn_groups),
              "sampling/groups_kept": float(have), "sampling/batch_full": float(have >= target)}
-    return (Rollout.cat(kept) if kept else Rollout.empty(roll.G, roll.pad_token_id)), stats, rounds
+    return kept, stats, rounds

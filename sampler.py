@@ -24,8 +24,8 @@ token. One generator per prompt if a list is given, so a prompt's samples depend
 seed, never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the
 same).
 
-infra/rollout.py's `sample_rollout` is Step 1 as train.py and evaluate.py call it: sample_groups
-under --bf16 autocast with --max-num-seqs slots, or a vLLM engine's sample_groups (--rollout vllm).
+train.rollout calls sample_groups (or a vLLM engine's, --rollout vllm) inside infra/rollout.py's
+`sampling`: --bf16 autocast and the --max-num-seqs slots.
 """
 from __future__ import annotations
 

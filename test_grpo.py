@@ -32,6 +32,7 @@ import dapo
 import grpo
 import logprobs
 import update
+import worked_example
 from infra import (
     builtin,
     data,
@@ -159,7 +160,16 @@ def test_article_kl_snippet_is_half_the_gradient_of_chi2():
     assert torch.allclose(grad(theta, snippet), 0.5 * grad(theta, chi2), atol=1e-6)
     assert torch.allclose(grad(theta, step4), grad(theta, snippet), atol=1e-12)
     assert not torch.allclose(grad(theta, snippet), grad(theta, kl), atol=1e-3)
+    # what the snippet's gradient does not tell from k3: neither is the forward KL's. As losses,
+    # k3's expected gradient is that of the reverse KL(ref || pi), k2's that of KL(pi || ref); the
+    # values are what differ: k3's mean is the KL (and k3 >= 0), the snippet's is chi^2
+    on_pi = lambda k: (lambda logp: (logp.exp().detach() * k(logp, ref)).sum())  # noqa: E731
+    reverse = lambda logp: (ref.exp() * (ref - logp)).sum()                        # noqa: E731
+    assert torch.allclose(grad(theta, on_pi(grpo.kl_k3)), grad(theta, reverse), atol=1e-12)
+    assert not torch.allclose(grad(theta, on_pi(grpo.kl_k3)), grad(theta, kl), atol=1e-3)
+    assert torch.allclose(grad(theta, on_pi(grpo.kl_k2)), grad(theta, kl), atol=1e-12)
     pi = torch.softmax(theta, 0)
+    assert float(on_pi(grpo.kl_k3)(pi.log())) == pytest.approx(float(kl(pi.log())), abs=1e-12)
     assert float(snippet(pi.log())) == pytest.approx(float(chi2(pi.log())), abs=1e-12)
     # at pi = ref: the expected gradient is zero (the fixed point), and so is chi^2
     assert torch.allclose(grad(ref, snippet), torch.zeros(5, dtype=torch.float64), atol=1e-12)
@@ -364,10 +374,15 @@ ARTICLE_EXAMPLE = [
     (S4, "1 / (G |o_i|)", [1 / 12, 1 / 8, 1 / 16, 1 / 24], None),
     (S4, "--reduction sequence", [(-0.55 - 0.52 - 0.6 + 1.35) / 4], None),        # -0.08
     # the sum over tokens, 3 * -0.55 + 2 * -0.52 + 4 * -0.6 + 6 * 1.35 = 3.01, over G * T = 24
-    (S4, "--reduction constant", [3.01 / 24], "Dr. GRPO's constant normaliser"),
+    # the article's padded sum adds -A_i on each padding position: 3 x -0.5, 4 x -0.5, 2 x -0.5
+    (S4, "--reduction constant", [3.01 / 24], f"(ratio 1 on padding: -A_i there): "
+     f"{(3.01 - 4.5) / 24:.4f}, Step 4's .mean()"),
     (S4, "pi_ref / pi_theta", [1, 0.5, 2, 1], None),
     (S4, "grpo.kl_k3", [0, LN2 - 0.5, 1 - LN2, 0],
-     "exp(new - ref) - 1: " + " ".join(f"{1 / r - 1:.4f}" for r in (1, 0.5, 2, 1))),
+     "exp(new - ref) - 1: " + " ".join(f"{1 / r - 1:.4f}" for r in (1, 0.5, 2, 1))
+     + ", negative for o_3; its mean over pi_theta is chi^2(pi_theta || pi_ref), not KL (k3's: the "
+     "KL, and never negative). As losses, on-policy expected gradients: the snippet's 1/2 grad "
+     "chi^2, k3's grad KL(pi_ref || pi_theta), k2's grad KL(pi_theta || pi_ref)"),
     (S4, "grpo.kl_term", [(LN2 - 0.5 + 1 - LN2) / 4], None),                  # 0.125
     (S4, "grpo.policy_loss", [-0.08 + 0.04 * 0.125], f"(padding at ratio 1): {ARTICLE_STEP4:.4f}"),
     # -A rho / G on each response's tokens, summed; 0 where clipped
@@ -375,18 +390,21 @@ ARTICLE_EXAMPLE = [
     (NUM, "the article's claim",
      "o_1、o_2、o_3 的 advantage > 0，loss 为负（梯度提升概率）; o_3 的 ratio 被 clip 到 1.15",
      None),
-    (NUM, "its verdict", "wrong for o_3: clipped (1.25 > 1.2), its gradient is 0 (训练效果 above), "
-     "so this update does not raise it; o_1, o_2 rise, o_4 falls", None),
+    (NUM, "its verdict", "wrong for o_3: clipped (1.25 > 1.2), its gradient is 0 (训练效果 above); "
+     "with each token's log-prob its own parameter, as here, this update does not raise it, while "
+     "in a network o_3 still moves through weights it shares with o_1, o_2; o_1, o_2 rise, o_4 "
+     "falls", None),
     (NEXT, "1st update, on-policy", [1, 1, 1, 1], None),
     (NEXT, "-A_i / (G |o_i|)", [-0.5 / 12, -0.5 / 8, -0.5 / 16, 1.5 / 24], None),
     (NEXT, "after one SGD step, lr 4", [math.exp(d) for d in NEXT_STEP], None),
     (NEXT, "clipped?", [False, True, False, True], None),
     (NEXT, "2nd update", [-0.5 * math.exp(1 / 6) / 12, 0, -0.5 * math.exp(1 / 8) / 16, 0], None),
-    ("Clip-Higher", "eps_high 0.28", [-0.55, -0.52, -0.625, 1.35], None),     # 1.25 < 1.28
+    ("Clip-Higher", "eps_high 0.28", [-0.55, -0.52, -0.625, 1.35],           # 1.25 < 1.28
+     "every ratio is 1 and neither bound acts"),
     ("Clip-Higher", "clipped above 1 + eps_high", [False] * 4, None),
     ("Dynamic Sampling", "grpo.constant_groups", [False], None),              # 3 of 4 right
     ("Dynamic Sampling", "all-right group", [0, 0, 0, 0], "refill the batch"),
-    ("Token-Level Loss", "1 / sum |o_i|", [1 / 15] * 4, None),
+    ("Token-Level Loss", "1 / sum |o_i|", [1 / 15] * 4, "a group with more tokens weighs more"),
     ("Token-Level Loss", "--reduction token", [3.01 / 15], None),
     ("Token-Level Loss", "DAPO's loss", [(3.01 - 4 * 0.025) / 15], None),   # o_3 at -0.625
     # Eq. 13 at L_max 7, L_cache 4: 0 up to 3 tokens, then (3 - L) / 4: o_3 (4) -1/4, o_4 (6) -3/4
@@ -400,7 +418,7 @@ def test_article_example_prints_the_articles_numbers(capsys):
     # decimals printed, with a note where the article's own text says otherwise
     import re
     import runpy
-    lines = grpo.article_example()
+    lines = worked_example.article_example()
     header = lines[0].split(" | ")
     assert len(header) == 4 and header[2].startswith("o_1 o_2 o_3 o_4"), lines[0]
     assert len(lines) == 1 + len(ARTICLE_EXAMPLE)
@@ -420,10 +438,38 @@ def test_article_example_prints_the_articles_numbers(capsys):
     steps = [line.split(" | ")[0] for line in lines]
     dapo_steps = ["Clip-Higher", "Dynamic Sampling", "Token-Level Loss", "Overlong Reward Shaping"]
     assert [s for i, s in enumerate(steps) if s in dapo_steps and s != steps[i - 1]] == dapo_steps
-    assert dapo.overlong_penalty(torch.tensor([3, 2, 4, 6]), *grpo.OVERLONG).tolist() == \
+    assert dapo.overlong_penalty(torch.tensor([3, 2, 4, 6]), *worked_example.OVERLONG).tolist() == \
         [0.0, 0.0, -0.25, -0.75]
     runpy.run_path(os.path.join(HERE, "grpo.py"), run_name="__main__")
     assert capsys.readouterr().out == "\n".join(lines) + "\n"
+
+
+def test_the_articles_modules_lift_into_an_empty_folder_with_torch_alone(tmp_path):
+    # a reader copies grpo.py, dapo.py and verifier.py (and the worked example) into a folder of
+    # their own: they import with torch alone (transformers and infra/ made unimportable, and
+    # nothing of the project's beyond the copies loaded) and `python grpo.py` prints there what it
+    # prints here
+    import shutil
+    import subprocess
+    import sys
+    files = ("grpo.py", "dapo.py", "verifier.py", "worked_example.py")
+    for f in files:
+        shutil.copy(os.path.join(HERE, f), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    check = ("import sys; sys.modules.update(transformers=None, infra=None, sampler=None); "
+             "import grpo, dapo, verifier, worked_example; "
+             "mine = {m for m, mod in sys.modules.items() if (getattr(mod, '__file__', '') or '')"
+             ".startswith(sys.argv[1])}; print(sorted(mine))")
+    out = subprocess.run([sys.executable, "-c", check, str(tmp_path)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['dapo',", "'grpo',", "'verifier',", "'worked_example']"]
+    run = lambda cwd: subprocess.run([sys.executable, "grpo.py"], cwd=cwd, env=env,  # noqa: E731
+                                     capture_output=True, text=True, timeout=120)
+    copied, here = run(tmp_path), run(HERE)
+    assert copied.returncode == 0, copied.stderr
+    assert copied.stdout == here.stdout and len(copied.stdout.splitlines()) > 40
+    assert len(open(os.path.join(HERE, "grpo.py"), encoding="utf-8").read().splitlines()) <= 300
 
 
 def test_article_example_next_update_the_clip_takes_the_gradient_away():
@@ -438,7 +484,7 @@ def test_article_example_next_update_the_clip_takes_the_gradient_away():
     g1 = torch.autograd.grad(grpo.ppo_loss(logp, torch.zeros_like(mask), A, mask, w)[0], logp)[0]
     assert torch.allclose(g1, -(A / 4 / lengths)[:, None] * mask, atol=1e-15)
     step = torch.tensor(NEXT_STEP, dtype=torch.float64)                        # [4] 4 A / (G |o_i|)
-    assert torch.allclose(-grpo.NEXT_LR * g1, step[:, None] * mask, atol=1e-15)
+    assert torch.allclose(-worked_example.NEXT_LR * g1, step[:, None] * mask, atol=1e-15)
     logp = (step[:, None] * mask).requires_grad_()                             # [4, 6]
     loss, m = grpo.ppo_loss(logp, torch.zeros_like(mask), A, mask, w)
     g2 = torch.autograd.grad(loss, logp)[0]
@@ -685,6 +731,22 @@ def test_reductions_differ_on_unequal_lengths():
         assert abs(full.item() - whole) < 1e-6 and abs(sum(h.item() for h in halves) - whole) < 1e-6
 
 
+def test_the_on_policy_loss_value_is_the_advantages_mean_under_each_reduction():
+    # one update per step: ratio 1, so the surrogate's value is -sum_i w_i A_i with each response's
+    # total token weight w_i: -mean(A) under "sequence", -sum |o_i| A_i / sum |o_i| under "token"
+    # (--algo dapo's default; not -mean(A)), -sum |o_i| A_i / (N T) under "constant"
+    lengths = torch.tensor([5, 1, 3, 2])
+    mask = (torch.arange(5)[None] < lengths[:, None]).float()                  # [4, 5]
+    A = torch.tensor([0.9, -0.3, 0.5, -1.1])
+    logp = -torch.rand(4, 5)
+    want = {"sequence": -A.mean(), "token": -(lengths * A).sum() / lengths.sum(),
+            "constant": -(lengths * A).sum() / 20}
+    for reduction, v in want.items():
+        loss = grpo.ppo_loss(logp, logp, A, mask, grpo.token_weights(mask, reduction))[0]
+        assert abs(loss.item() - v.item()) < 1e-6, reduction
+    assert abs(want["token"] - want["sequence"]) > 0.1
+
+
 def test_filtered_responses_leave_the_denominators():
     # overlong filtering zeroes a truncated response's mask row: it is out of the loss, and out of N
     # too (as in verl; TRL keeps counting it, which shrinks the loss of every other response)
@@ -779,17 +841,19 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
     # informative: 2, then 3
     rounds = [[[1, 0], [1, 1], [0, 1], [0, 0]], [[1, 0], [1, 0], [0, 0], [0, 1]]]
     draw = lambda r: (_fake_rollout(rounds[r], start=10 * r), {"round": r})  # noqa: E731
-    roll, st, drawn = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
-    # the first two informative groups of round 0, then the first two of round 1
-    assert [p[0] for p in roll.prompts] == [0, 2, 10, 11] and st["sampling/rounds"] == 2
+    kept, st, drawn = dapo.dynamic_sampling(draw, target=4, max_rounds=4)
+    # the first two informative groups of round 0, then the first two of round 1, one part a round
+    assert [[p[0] for p in k.prompts] for k in kept] == [[0, 2], [10, 11]]
+    assert st["sampling/rounds"] == 2
     # every round drawn comes back whole (all 4 groups, kept or not), with what draw returned beside
     # it
     assert [(r.num_groups, r.prompts[0][0], info) for r, info in drawn] == [(4, 0, {"round": 0}),
                                                                             (4, 10, {"round": 1})]
     assert st["sampling/groups_drawn"] == 8 and st["sampling/batch_full"] == 1.0
     # round limit: trains on what it has
-    roll, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
-    assert roll.num_groups == 5 and st["sampling/batch_full"] == 0.0 and len(drawn) == 2
+    kept, st, drawn = dapo.dynamic_sampling(draw, target=40, max_rounds=2)
+    assert sum(k.num_groups for k in kept) == 5 and st["sampling/batch_full"] == 0.0
+    assert len(drawn) == 2
     # two ranks, each drawing half of each round's prompts, in blocks (groups 0-1, 2-3) or every
     # other one (0, 2 and 1, 3, as train.draw_round spreads them): together they keep the same
     # groups (and with target 1, of informative groups 1 and 2 both keep group 1, the first in
@@ -812,10 +876,10 @@ def test_dynamic_sampling_fills_then_stops_and_is_world_size_invariant():
                 of = lambda h: (dapo.keep_groups(h.correct.view(-1, 2)) if mine.dtype == torch.bool  # noqa: E731
                                 else h.index[::2])
                 return [of(halves[(state["round"], j)]) for j in range(2)]
-            roll_k, _, _ = dapo.dynamic_sampling(draw_k, target, len(rounds), gather=gather_k,
-                                                 rank=k)
-            # a rank that keeps nothing: Rollout.empty
-            kept += [p[0] for p in roll_k.prompts]
+            parts, _, _ = dapo.dynamic_sampling(draw_k, target, len(rounds), gather=gather_k,
+                                                rank=k)
+            # a rank that keeps nothing gets no part
+            kept += [p[0] for part in parts for p in part.prompts]
         assert sorted(kept) == want
 
 

@@ -31,9 +31,11 @@ import torch
 
 import dapo
 import grpo
+import sampler
 import update
 import verifier
 from infra import bookkeeping, flags, parallel, setup
+from infra.rollout import sampling as rollout_context
 
 # ---------------------------------------------------------------------------------------------
 # The command and the loop
@@ -113,8 +115,10 @@ def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_
     if not args.dynamic_sampling:
         rounds = [draw(0)]
         return rounds[0][0], {"sampling/rounds": 1.0}, rounds, []
-    roll, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
+    kept, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
                                                  ranks.gather, ranks.rank)
+    first = rounds[0][0]
+    roll = sampler.Rollout.cat(kept) if kept else sampler.Rollout.empty(first.G, first.pad_token_id)
     unused = [drawn[r] for r in sorted(drawn) if r >= len(rounds)]
     for key in rounds[-1][1]:                         # their time, on the last round used
         rounds[-1][1][key] += sum(t[key] for _, t in unused)
@@ -155,8 +159,17 @@ def rollout(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist
                             rounds * args.prompts_per_step // ranks.world, stride=ranks.world)
     prompts = [task.encode(r["prompt"]) for _, r in mine]
     generators = [task.generator(args.seed, j) for j, _ in mine]             # one per prompt
-    roll = task.draw(model, prompts, args.group_size, args.temperature, args.top_p, generators,
-                     args)
+    G, T = args.group_size, args.max_new_tokens
+    engine = task.sample is not None      # --fsdp: the policy gathered once for the whole rollout
+    with parallel.unsharded(None if engine else model), \
+            rollout_context(model, prompts, G, args, engine) as slots:
+        if task.sample:                       # --rollout vllm: the engine's own sample_groups
+            roll = task.sample(model, prompts, G, T, task.eos, task.pad, args.temperature,
+                               args.top_p, generator=generators)
+        else:                                 # G answers per prompt, the HF forward + a KV cache
+            roll = sampler.sample_groups(model, prompts, G, T, task.eos, task.pad,
+                                         args.temperature, args.top_p, generator=generators,
+                                         max_num_seqs=slots)
     return roll, mine
 
 

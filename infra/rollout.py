@@ -5,6 +5,7 @@ Article section: "Step 1: Rollout 采样" (sampler.py is the step; this picks ho
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -46,21 +47,34 @@ def check_context(model, prompts: list[list[int]], max_new_tokens: int) -> None:
         warnings.warn(f"{what}; its config scales RoPE, so it may hold them", stacklevel=3)
 
 
-def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
-                   generator, eos: list[int], pad: int, args, sample=None) -> Rollout:
-    """Step 1 as training (train.rollout) and evaluation (evaluate.evaluate_model) run it:
-    sample_groups under --bf16 autocast, at most --max-num-seqs rows at once (default: as many as
-    --kv-cache-gb holds); or `sample`, a vLLM engine's sample_groups (train.py --rollout vllm),
-    which holds its own weights and --max-num-seqs and runs without autocast. `args` carries
-    flags.EvalArgs' fields (max_new_tokens, max_num_seqs, kv_cache_gb, bf16)."""
+@contextlib.contextmanager
+def sampling(model, prompts: list[list[int]], G: int, args, engine: bool = False):
+    """What Step 1 runs in (train.rollout, evaluate.py): the prompts checked against the model's
+    context; for sampler.sample_groups --bf16 autocast, and it yields the slots, at most
+    --max-num-seqs rows at once (default: as many as --kv-cache-gb holds); for a vLLM engine
+    (engine=True), which holds its own weights and concurrency and runs without autocast, nothing
+    more (it yields None). `args` carries flags.EvalArgs' fields (max_new_tokens, max_num_seqs,
+    kv_cache_gb, bf16)."""
     T = args.max_new_tokens
     check_context(model, prompts, T)
-    if sample is not None:
-        return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
+    if engine:
+        yield None
+        return
     S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
-        return sampler.sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
-                                     generator=generator, max_num_seqs=S)
+        yield S
+
+
+def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
+                   generator, eos: list[int], pad: int, args, sample=None) -> Rollout:
+    """Step 1 as evaluation runs it: sampler.sample_groups in `sampling`, or `sample`, a vLLM
+    engine's sample_groups."""
+    with sampling(model, prompts, G, args, engine=sample is not None) as S:
+        if sample is not None:
+            return sample(model, prompts, G, args.max_new_tokens, eos, pad, temperature, top_p,
+                          generator=generator)
+        return sampler.sample_groups(model, prompts, G, args.max_new_tokens, eos, pad,
+                                     temperature, top_p, generator=generator, max_num_seqs=S)
 
 
 def num_seqs_within(model, prompts: list[list[int]], G: int, max_new_tokens: int,

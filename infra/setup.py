@@ -73,14 +73,6 @@ class Task:
 
     generator = staticmethod(data.prompt_generator)  # (seed, position) -> the prompt's generator
 
-    def draw(self, model, prompts: list[list[int]], G: int, temperature: float, top_p: float,
-             generators, args) -> sampler.Rollout:
-        """Step 1 on these prompts (rollout.sample_rollout), the policy unsharded for it (--fsdp)
-        unless an engine, which holds its own weights, samples."""
-        with parallel.unsharded(None if self.sample else model):
-            return rollout.sample_rollout(model, prompts, G, temperature, top_p, generators,
-                                          self.eos, self.pad, args, self.sample)
-
 
 @dataclass
 class Setup:

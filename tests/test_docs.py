@@ -636,10 +636,11 @@ def test_builtin_page_quotes_the_default_runs_metrics():
 
 
 def test_walkthrough_quotes_what_python_grpo_py_prints():
-    """docs/walkthrough.md's printout lines are lines of grpo.article_example() as they are, or
-    their start where the page cuts a remark with '...'; every section's printout is quoted."""
-    import grpo
-    printed = grpo.article_example()
+    """docs/walkthrough.md's printout lines are lines of worked_example.article_example() as they
+    are, or their start where the page cuts a remark with '...'; every section's printout is
+    quoted."""
+    import worked_example
+    printed = worked_example.article_example()
     page = read_file(os.path.join(ROOT, "docs", "walkthrough.md"))
     labels = {line.split(" | ")[0] for line in printed[1:]}
     quoted = [line for line in page.splitlines() if line.split(" | ")[0] in labels
