@@ -27,7 +27,7 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| clamped before exp (as verl does): no inf, no NaN grad
 # a surrogate: (logp, old_logp, advantages, mask, weights) -> (loss, metrics); ppo_loss,
-# infra/variants.py
+# variants.py
 Surrogate = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # kl_k1, kl_k2, kl_k3
 
@@ -81,7 +81,7 @@ def token_weights(
     """Each token's weight in the loss [N, T], from mask [N, T] (1.0 on valid tokens), a reduction.
 
     The one place where a reduction and its denominators become numbers: every objective of this
-    file and of infra/variants.py is `(per_token * weights).sum()`, zero on padding.
+    file and of variants.py is `(per_token * weights).sum()`, zero on padding.
     "sequence" (GRPO, DeepSeekMath Eq. 3): 1 / (|o_i| * num_seqs), the mean over responses of each
         response's token mean; num_seqs defaults to the rows with at least one valid token, so
         responses masked out whole (overlong filtering) are not counted (as verl; TRL counts them);
@@ -250,13 +250,13 @@ def policy_loss(
     """The article's Step 4 loss, "surrogate + beta * KL", as update.py runs it, and its metrics.
 
     surrogate(logp, old_logp, advantages, mask, weights) -> (loss, metrics): `ppo_loss` (GRPO,
-    DAPO) or an objective of infra/variants.py (--loss), its clip range bound by the caller
+    DAPO) or an objective of variants.py (--loss), its clip range bound by the caller
     (functools.partial). weights [N, T]: `token_weights` (the reduction and its global
     denominators), shared by both terms; is_weights [N, T] (optional, detached: the rollout
-    correction of infra/correction.py) multiply the surrogate's, not the KL's. The KL term
+    correction of correction.py) multiply the surrogate's, not the KL's. The KL term
     (`kl_term`, estimator `kl`) is added when ref_logp is given; beta != 0 needs it. Inputs
     [N, T] except advantages: one per response, [N] or [N, 1]; `ppo_loss` refuses any other
-    shape, and only a surrogate of infra/variants.py that says so takes per-token [N, T].
+    shape, and only a surrogate of variants.py that says so takes per-token [N, T].
     """
     pg_weights = weights if is_weights is None else weights * is_weights.detach()  # [N, T]
     loss, metrics = surrogate(logp, old_logp, advantages, mask, pg_weights)

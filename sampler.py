@@ -18,13 +18,13 @@ Article section: "Step 1: Rollout 采样" (one prompt, G = 4 answers from the ol
 With top-p < 1 a token's log-prob is that of the nucleus it was drawn from, renormalised, and the
 nucleus' size is kept (Rollout.kept, one count per token, not a [T, V] mask), so that the trainer's
 old, reference and new log-probs are of the same truncated distribution (logprobs.py;
-DeepSeek-V3.2's "keep sampling mask", as sizes; an engine's rollout: infra/correction.py).
+DeepSeek-V3.2's "keep sampling mask", as sizes; an engine's rollout: correction.py).
 Prompts of different lengths are left-padded with position ids counted from each prompt's first real
 token. One generator per prompt if a list is given, so a prompt's samples depend only on its own
 seed, never on which other prompts share the batch (this is what makes 1 rank and N ranks draw the
 same).
 
-train.rollout calls sample_groups (or a vLLM engine's, --rollout vllm) inside infra/rollout.py's
+train.rollout calls sample_groups (or a vLLM engine's, --rollout vllm) inside harness/rollout.py's
 `sampling`: --bf16 autocast and the --max-num-seqs slots.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from infra import kv_cache
+from infra.lm_head import nucleus_last
 from infra.packed import packed_linears
 
 
@@ -153,13 +154,6 @@ def sample_workspace(n: int, V: int, device=None) -> torch.Tensor:
     """The zeroed float32 [n, V rounded up to SAMPLE_BLOCK] buffer sample_token works in; reuse it
     across steps."""
     return torch.zeros(n, -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK, device=device)
-
-
-def nucleus_last(cdf: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus' last index in descending order: cdf [n, V] the running mass of the sorted
-    probabilities -> [n, 1], the first index whose mass reaches top_p of the total (the smallest set
-    holding top_p); the one top-p rule, which the trainer's lm_head.nucleus_size applies too."""
-    return torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(cdf.shape[-1] - 1)
 
 
 def sample_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,

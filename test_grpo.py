@@ -33,17 +33,8 @@ import grpo
 import logprobs
 import update
 import worked_example
-from infra import (
-    builtin,
-    data,
-    flags,
-    kv_cache,
-    lm_head,
-    metrics,
-    models,
-    rollout,
-    setup,
-)
+from harness import builtin, data, flags, metrics, models, rollout, setup
+from infra import kv_cache, lm_head
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from verifier import (
@@ -1707,7 +1698,7 @@ def test_max_num_seqs_refills_a_freed_slot_at_once(monkeypatch):
     model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
                                     with_kwargs=True)
     gens = lambda: [torch.Generator().manual_seed(40 + i) for i in range(6)]  # noqa: E731
-    args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, kv_cache_gb=8.0, bf16=False)
+    args = SimpleNamespace(max_new_tokens=T, max_num_seqs=S, bf16=False)
     roll = rollout.sample_rollout(model, prompts, G, 0.9, 1.0, gens(), ends, 0, args)
     lengths = roll.lengths.tolist()
     assert min(lengths) == 1 and max(lengths) == T and len(set(lengths)) > 5

@@ -2,7 +2,7 @@
 
 Article section: the whole loop of "GRPO 训练过程拆解" (Step 1 rollouts -> Step 2 rewards -> Step 3
 advantages -> Step 4 loss), with "DAPO：四项修正" switched on by --algo dapo and the GRPO-family
-objectives of infra/variants.py by --loss, --kl, --entropy-coef and --tis-cap.
+objectives of variants.py by --loss, --kl, --entropy-coef and --tis-cap.
 
     python train.py --algo dapo          # the built-in task and model (base_model/), CPU, a minute
     python train.py --algo grpo --steps 60
@@ -12,7 +12,7 @@ objectives of infra/variants.py by --loss, --kl, --entropy-coef and --tis-cap.
         train.py ...
 
 Step 1 samples with sampler.sample_groups, or with --rollout vllm on a colocated vLLM engine per
-rank (infra/vllm_rollout.py) that gets the policy's weights after each step's update.
+rank (harness/vllm_rollout.py) that gets the policy's weights after each step's update.
 
 Distributed data parallel is wired through torchrun's environment variables and is invisible at
 world size 1 (infra/parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a contiguous block of
@@ -34,8 +34,10 @@ import grpo
 import sampler
 import update
 import verifier
-from infra import bookkeeping, flags, parallel, setup
-from infra.rollout import sampling as rollout_context
+from harness import bookkeeping, flags, setup
+from harness.rollout import RoundsAhead, StepDraw
+from harness.rollout import sampling as rollout_context
+from infra import parallel
 
 # ---------------------------------------------------------------------------------------------
 # The command and the loop
@@ -54,32 +56,31 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
     s, state = setup.set_up(args, ranks)
     t_start = time.time()
     if not args.resume:
-        state["acc_before"] = state["acc_after"] = bookkeeping.held_out(s, args, ranks, 0)
-    bar = bookkeeping.progress_bar(args, ranks, state["step"])
+        state.acc_before = state.acc_after = bookkeeping.held_out(s, args, ranks, 0)
+    bar = bookkeeping.progress_bar(args, ranks, state.step)
     for step in bar:
         t0 = time.time()
         # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
-        roll, sstats, rounds, unused = draw_step(s, args, ranks, state["data_pos"])
-        state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
+        drawn = draw_step(s, args, ranks, state.data_pos)
+        state.data_pos += int(drawn.stats["sampling/rounds"]) * args.prompts_per_step
 
         # ---- Step 3: group advantages (and DAPO's overlong filtering of the loss mask) ----
-        advantages, mask = advantages_and_mask(roll, args, ranks)
+        advantages, mask = advantages_and_mask(drawn.roll, args, ranks)
 
         # ---- Step 4: the clipped surrogate, --mini-batches optimizer updates (x --mu passes) ----
-        stats = update_step(s, roll, advantages, mask, args, ranks)
+        stats = update_step(s, drawn.roll, advantages, mask, args, ranks)
 
         # ---- metrics, summed over ranks (perf: the phases' model FLOPs); rank 0's files ----
-        row = bookkeeping.step_row(s, args, ranks, step, roll, stats, sstats, rounds, unused,
-                                   state["samples"], t0)
-        state["samples"], state["step"] = row["samples"], step + 1
+        row = bookkeeping.step_row(s, args, ranks, step, drawn, stats, state.samples, t0)
+        state.samples, state.step = row["samples"], step + 1
         if s.out:
-            bookkeeping.log_step(s, args, step, row, roll)
-        done = state["step"] == args.steps or 0 < args.max_samples <= state["samples"]
-        if state["step"] % args.eval_every == 0 or done:
-            state["acc_after"] = bookkeeping.held_out(s, args, ranks, state["step"])
-        if args.save_every and (state["step"] % args.save_every == 0 or done):
+            bookkeeping.log_step(s, args, step, row, drawn.roll)
+        done = state.step == args.steps or 0 < args.max_samples <= state.samples
+        if state.step % args.eval_every == 0 or done:
+            state.acc_after = bookkeeping.held_out(s, args, ranks, state.step)
+        if args.save_every and (state.step % args.save_every == 0 or done):
             bookkeeping.save_checkpoint(s, args, ranks, state)
-        bookkeeping.show_progress(s, bar, row, state["acc_after"], done)
+        bookkeeping.show_progress(s, bar, row, state.acc_after, done)
         if done:
             break
     return bookkeeping.finish(s, args, ranks, state, time.time() - t_start)
@@ -89,42 +90,23 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
 # Steps 1 + 2: the rollouts and their rewards, in rounds (DAPO's dynamic sampling)
 # ---------------------------------------------------------------------------------------------
 
-def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist, data_pos: int):
+def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist,
+              data_pos: int) -> StepDraw:
     """Steps 1 + 2 of a step from the stream's position `data_pos`: one round of draw_round, or with
-    --dynamic-sampling rounds until the step's groups are filled (dapo.dynamic_sampling). Returns
-    the rollout trained on, the sampling/* metrics, every (rollout, timings) of the rounds used,
-    kept or not, and the rollouts of rounds drawn ahead and not used.
-
-    Dynamic sampling's first rounds are drawn together, as many as the step before used
-    (s.rounds_ahead): one decode loop over their rows costs less than one per round (the built-in
-    model: 1,024 rows 1.3 s, four loops of 256 rows 2.0 s). A round's rollout does not depend on
-    what is drawn with it (each prompt has its own generator), and the rounds are used in order,
-    so the step trains on what drawing round by round gives; a round drawn and not needed is
-    dropped (its time and FLOPs counted, its count in sampling/rounds_unused) and the next step's
-    stream starts at it."""
-    drawn: dict[int, tuple] = {}                          # round -> (rollout, timings)
-
-    def draw(rnd: int):
-        """Round rnd of this step: the prompts from the step's data position + rnd rounds on."""
-        if rnd not in drawn:
-            k = min(s.rounds_ahead if rnd == 0 else 1, args.max_rounds - rnd)
-            first = data_pos + rnd * args.prompts_per_step
-            drawn.update(enumerate(draw_rounds(s.model, s.task, args, ranks, first, k), rnd))
-        return drawn[rnd]
-
+    --dynamic-sampling rounds until the step's groups are filled (dapo.dynamic_sampling), its first
+    rounds drawn together, as many as the step before used (harness.rollout.RoundsAhead)."""
+    draw = RoundsAhead(lambda first, k: draw_rounds(s.model, s.task, args, ranks, first, k),
+                       data_pos, args.prompts_per_step, args.max_rounds,
+                       s.rounds_ahead if args.dynamic_sampling else 1)
     if not args.dynamic_sampling:
-        rounds = [draw(0)]
-        return rounds[0][0], {"sampling/rounds": 1.0}, rounds, []
-    kept, sstats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
-                                                 ranks.gather, ranks.rank)
+        return StepDraw(draw(0)[0], {"sampling/rounds": 1.0}, [draw(0)])
+    kept, stats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
+                                                ranks.gather, ranks.rank)
     first = rounds[0][0]
     roll = sampler.Rollout.cat(kept) if kept else sampler.Rollout.empty(first.G, first.pad_token_id)
-    unused = [drawn[r] for r in sorted(drawn) if r >= len(rounds)]
-    for key in rounds[-1][1]:                         # their time, on the last round used
-        rounds[-1][1][key] += sum(t[key] for _, t in unused)
+    unused = draw.unused(rounds)
     s.rounds_ahead = len(rounds)                             # the same on every rank
-    return (roll, {**sstats, "sampling/rounds_unused": float(len(unused))}, rounds,
-            [r for r, _ in unused])
+    return StepDraw(roll, {**stats, "sampling/rounds_unused": float(len(unused))}, rounds, unused)
 
 
 def draw_rounds(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist, first: int,

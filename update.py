@@ -2,7 +2,7 @@
 
 Article section: "Step 4: PPO Loss 计算" (the clipped surrogate and the KL term, then a gradient
 step); the loss is grpo.policy_loss (surrogate + beta * KL, the surrogate a --loss of
-infra/variants.py or grpo.ppo_loss), the training forward logprobs.py. This module only schedules
+variants.py or grpo.ppo_loss), the training forward logprobs.py. This module only schedules
 it: which responses share an optimizer update (--mini-batches, the DAPO paper's 16 updates per
 step), how many passes (--mu), which forwards run without gradients (old and reference log-probs),
 and the denominators (grpo.token_weights' global counts) that make the summed micro-batch gradients
@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import correction
 import grpo
-from infra import correction, parallel, variants
+import variants
+from infra import parallel
 from logprobs import rollout_logprobs
 from sampler import Rollout
 
@@ -55,7 +57,7 @@ class UpdateStats:
     mismatch_max: float             # max |sampler - old log-prob| over the step's tokens, all ranks
     logprob_s: float                # seconds of the no-grad old and reference log-prob passes
     update_s: float                 # seconds of the gradient passes and optimizer steps after them
-    micro: list[slice] = field(default_factory=list)  # this rank's micro-batches (infra/perf.py)
+    micro: list[slice] = field(default_factory=list)  # this rank's micro-batches (harness/perf.py)
 
 
 def minibatch_rows(roll: Rollout, K: int, ranks: parallel.Dist) -> list[slice]:

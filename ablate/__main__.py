@@ -40,7 +40,7 @@ import shlex
 import train
 from ablate import experiments, rows
 from ablate.measures import Run, load_run
-from infra.curves import plot_panels
+from harness.curves import plot_panels
 
 
 def run_arms(name: str, arms: list[tuple[str, list[str]]], seeds: list[int],

@@ -26,8 +26,8 @@ from ablate.measures import (
     logged,
     over_run,
 )
-from infra import builtin, flags
-from infra.curves import CURVES, curve
+from harness import builtin, flags
+from harness.curves import CURVES, curve
 
 
 def solution(prompt: str) -> int:

@@ -1,5 +1,6 @@
 """Habits: base models for the experiments whose problem the shipped base model is too tidy to show,
-each a short supervised fine-tune of infra/builtin.py's base model on its own kind of demonstrations
+each a short supervised fine-tune of harness/builtin.py's base model on its own kind of
+demonstrations
 with one habit added (`Habit`): a stutter (lines written again, `stuttered`), or several equally
 valid paths to each answer (`path_solution`).
 
@@ -14,7 +15,7 @@ base recipe, so editing it leaves the base model's key and the shipped weights a
 differ slightly from one CPU to another, so the experiments' habits (SHIPPED_HABITS) ship their
 weights as base_model/ does: ablate/habit_models/NAME/ with recipe.json, whose key is the habit_key
 that built them. `habit_model` returns a shipped folder whose key matches, else builds into
-infra/builtin.py's cache on first use (seconds); a test fails while a shipped key is stale.
+harness/builtin.py's cache on first use (seconds); a test fails while a shipped key is stale.
 
     python -m ablate.habits          # find (shipped or cached) or build each shipped habit
     python -m ablate.habits --ship   # build if needed and write them to ablate/habit_models/
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from infra.builtin import (
+from harness.builtin import (
     CACHE_DIR,
     BaseModelConfig,
     base_model,
@@ -45,10 +46,10 @@ from infra.builtin import (
     shortcut_steps,
     write_shipped,
 )
-from infra.builtin import (
+from harness.builtin import (
     signed as _signed,
 )
-from infra.builtin import (
+from harness.builtin import (
     split_linear as _split_linear,
 )
 
@@ -184,7 +185,8 @@ def _source() -> str:
 def habit_key(h: Habit, cfg: BaseModelConfig = SHIPPED, source: str | None = None,
               base_source: str | None = None) -> str:
     """12 hex digits naming a habit's build: the base model's recipe key (builtin.recipe_key of cfg
-    and base_source, infra/builtin.py's text by default), h, and what fine_tune runs (HABIT_ROOTS in
+    and base_source, harness/builtin.py's text by default), h, and what fine_tune runs (HABIT_ROOTS
+    in
     source, this file's text by default)."""
     code = recipe_code(_source() if source is None else source, HABIT_ROOTS)
     recipe = {"base": recipe_key(cfg, base_source), "habit": asdict(h), "code": code}

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infra.metrics import read_metrics
+from harness.metrics import read_metrics
 
 
 @dataclass

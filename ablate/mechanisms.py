@@ -10,7 +10,7 @@ right or all wrong, whose advantages are zero, against the group's accuracy; and
 The numbers come from grpo.clipped_surrogate and the gradient of grpo.ppo_loss,
 dapo.overlong_penalty at train.py's defaults, grpo.token_weights, and grpo.constant_groups
 (= ~dapo.keep_groups) on sampled rewards; the clip ranges and lengths are the ones train.py
-resolves (infra/flags.py, parse_train_args). Writes RESULTS/mechanisms.png (needs matplotlib) and
+resolves (harness/flags.py, parse_train_args). Writes RESULTS/mechanisms.png (needs matplotlib) and
 RESULTS/mechanisms.md (a caption per panel and the key numbers, a table tests/test_mechanisms.py
 checks against these functions). Panel 4's measured points are read from
 RESULTS/mechanisms-measured.jsonl; --measure makes them anew (12 GRPO steps of train.py at G = 4
@@ -32,8 +32,8 @@ import torch
 
 import dapo
 import grpo
-from infra import checkpoint
-from infra.flags import parse_train_args
+from harness import checkpoint
+from harness.flags import parse_train_args
 
 F64 = torch.float64
 PAPER_OVERLONG = (20480, 4096)  # DAPO Sec. 5: L_max 20480 = 16384 expected + a 4096-token cache

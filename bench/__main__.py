@@ -22,7 +22,8 @@ The shared timers and memory probes are in bench/common.py.
     python -m bench               # every section: ~10 min on 2 CPU cores, or CUDA
     python -m bench --threads 0   # torch's default thread count
     python -m bench --only slots  # one section
-    python -m bench --only warmstart --threads 0   # the warm start on all cores (infra/builtin.py)
+    python -m bench --only warmstart --threads 0   # the warm start on all cores
+    (harness/builtin.py)
 
 Every time is the median of --repeats repeats, interleaved (A, B, A, B, ...) so that load from other
 processes falls on both sides alike; ratios are of those medians.

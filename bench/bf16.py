@@ -1,5 +1,5 @@
 """bf16 on the CPU: --bf16 autocast against float32 for Step 1 (sampler.sample_groups, as
-infra/rollout.py runs it) and one Step 4 update (update.update_policy) on a real model, with the
+harness/rollout.py runs it) and one Step 4 update (update.update_policy) on a real model, with the
 matmul probe in both dtypes and what the CPU says it has (AVX512-BF16, AMX).
 
 Not an article section: how fast the loop of "GRPO 训练过程拆解" runs on a laptop's CPU, and whether
@@ -19,7 +19,8 @@ import torch
 
 import update
 from bench.common import timed, update_args
-from infra import parallel, perf
+from harness import perf
+from infra import parallel
 from sampler import sample_groups
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/grpo-dapo/smollm2-135m")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from bench.common import RSS_READABLE, in_fresh_process, rss_now, rss_peak, update_args
-from infra.vllm_rollout import MARGIN
+from harness.vllm_rollout import MARGIN
 from sampler import Rollout
 
 V_QWEN = 151_936
@@ -222,7 +222,7 @@ def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, check
         engine = 1 - resident / (gpu_gb * GIB) - MARGIN
     rollout_peak = resident + engine * gpu_gb * GIB
     if not engine:                                   # the built-in sampler on gathered weights
-        rollout_peak += (P * 2 if fsdp else 0) + 8 * GIB      # bf16 gather, --kv-cache-gb
+        rollout_peak += (P * 2 if fsdp else 0) + 8 * GIB      # bf16 gather, 8 GiB of KV cache
     return dict(states=states / GIB, gathered=gathered / GIB, acts=acts / GIB, engine=engine,
                 backward=backward / GIB, step=step / GIB, update=update_peak / GIB,
                 rollout=rollout_peak / GIB)

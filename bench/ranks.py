@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from bench.common import ROOT
-from infra import builtin
+from harness import builtin
 
 # the built-in default at 16 prompts x G 8, 3 steps, a small held-out set (the update is measured)
 RANKS_FLAGS = ["--prompts-per-step", "16", "--group-size", "8", "--steps", "3", "--eval-every", "3"]
@@ -28,7 +28,7 @@ DRIVER = """
 import os, sys
 sys.path.insert(0, os.getcwd())
 import train
-from infra import data
+from harness import data
 if os.environ["BENCH_LAYOUT"] == "blocks":     # before: rank r drew prompts first + r*b .. + b - 1
     every_wth = data.prompt_rows
     def blocks(rows, seed, start, count, stride=1):

@@ -254,7 +254,7 @@ def bench_engines(device: str, repeats: int, B=8, P=32, G=8, T=64) -> None:
     except ImportError as e:
         return print(f"\n## Rollout engines: skipped, vllm cannot be imported ({e}); see the "
                      f"README's --rollout vllm")
-    from infra import vllm_rollout
+    from harness import vllm_rollout
     model = qwen_39m().eval()
     prompts = torch.randint(2, 32000, (B, P), generator=torch.Generator().manual_seed(0)).tolist()
     with tempfile.TemporaryDirectory() as folder:

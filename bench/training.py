@@ -191,7 +191,7 @@ def _passes(fn, model, roll, mb: int, temperature: float, device: str) -> dict:
 
 
 def bench_forward(device: str, repeats: int) -> None:
-    from infra import builtin, data, models
+    from harness import builtin, data, models
     print("\n## The training forward: each group's prompt once (shared prefix) vs once per "
           "response, seconds")
     cases = []

@@ -93,7 +93,7 @@ def write_model(folder: str, init: str) -> None:
     initialised; folder/train.jsonl: 512 training prompts of the built-in task."""
     from transformers.utils import logging as hf_logging
 
-    from infra import builtin
+    from harness import builtin
     hf_logging.disable_progress_bar()                      # no "Writing model shards" bar per run
     if init == "base":
         shutil.copytree(builtin.base_model(), os.path.join(folder, "model"))

@@ -1,9 +1,9 @@
 """The built-in base model's warm start: one supervised step of demonstrations packed into rows vs
-padded to the longest (here, not in infra/builtin.py: it measures the build, not the loop).
+padded to the longest (here, not in harness/builtin.py: it measures the build, not the loop).
 
-Not an article section: infra/builtin.py's warm start (`warm_start_batches`), timed both ways.
+Not an article section: harness/builtin.py's warm start (`warm_start_batches`), timed both ways.
 
-    python -m bench --only warmstart --threads 0   # on all cores, as infra/builtin.py builds
+    python -m bench --only warmstart --threads 0   # on all cores, as harness/builtin.py builds
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _padded(ids, pos, labels):
 def bench_warm_start(device: str, repeats: int, steps: int = 6) -> None:
     import dataclasses
 
-    from infra import builtin
+    from harness import builtin
     cfg = dataclasses.replace(builtin.BaseModelConfig(), sft_steps=steps * repeats + 2)
     tok = builtin.make_tokenizer()
     model = builtin.make_model(cfg, len(tok)).to(device).train()

@@ -27,8 +27,6 @@ import warnings
 
 import torch
 
-import sampler
-
 # elements (rows x V) of one chunk's float32 logits: 16 MB on CPU (cache-sized), 256 MB on an
 # accelerator (441 rows at V = 151,936: a few hundred launches per pass, not thousands)
 CHUNK_ELEMENTS = {"cpu": 1 << 22}
@@ -36,6 +34,14 @@ CHUNK_ELEMENTS_ACCEL = 1 << 26
 # config fields that transform the logits after the head: the fused path would skip them
 POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 _WARNED: set = set()
+
+
+def nucleus_last(cdf: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus' last index in descending order: cdf [n, V] the running mass of the sorted
+    probabilities -> [n, 1], the first index whose mass reaches top_p of the total (the smallest set
+    holding top_p); the one top-p rule: sampler.sample_token draws under it and nucleus_size
+    recomputes it."""
+    return torch.searchsorted(cdf, top_p * cdf[:, -1:]).clamp_max(cdf.shape[-1] - 1)
 
 
 def chunk_rows(V: int, device: torch.device) -> int:
@@ -127,7 +133,7 @@ def nucleus_size(logp: torch.Tensor, ids: torch.Tensor, top_p: float) -> torch.T
     sampler's rule), raised where needed to hold the token drawn (an engine's nucleus can differ
     from ours at its edge by the kernels' rounding)."""
     cdf = logp.sort(dim=-1, descending=True).values.exp_().cumsum_(-1)    # [c, V]
-    k = sampler.nucleus_last(cdf, top_p).squeeze(-1) + 1                   # [c]
+    k = nucleus_last(cdf, top_p).squeeze(-1) + 1                   # [c]
     rank = (logp > logp.gather(-1, ids[:, None])).sum(-1)                 # [c] tokens ahead of it
     return torch.maximum(k, rank + 1)
 

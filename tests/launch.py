@@ -64,7 +64,7 @@ import builtins, json, os, random, signal, sys, time, traceback
 import torch
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import train
-from infra import models
+from harness import models
 from launch import CutWrites
 # what transformers and torch import on first use: the model, AdamW
 models.load_model(sys.argv[1])

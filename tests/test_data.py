@@ -1,4 +1,5 @@
-"""The task and its data (infra/builtin.py, infra/data.py): the built-in task and tokenizer, data
+"""The task and its data (harness/builtin.py, harness/data.py): the built-in task and tokenizer,
+data
 formats, chat templates, pluggable and TRL-style rewards, clear errors for bad input.
 
     python -m pytest -q tests/test_data.py
@@ -15,13 +16,8 @@ import pytest
 import torch
 
 import dapo
-from infra import (
-    builtin,
-    data,
-    errors,
-    flags,
-    models,
-)
+from harness import builtin, data, flags, models
+from infra import errors
 from test_grpo import (
     has_x,
     one_step,
@@ -37,7 +33,7 @@ from verifier import (
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# infra/builtin.py: the task and the tokenizer round trip
+# harness/builtin.py: the task and the tokenizer round trip
 # ---------------------------------------------------------------------------------------------
 
 def test_builtin_task_solutions_verify_and_split_is_disjoint():
@@ -115,13 +111,13 @@ def test_packed_warm_start_is_exact():
 def test_shipped_base_model_is_this_recipes_build():
     """base_model/ holds the weights the current recipe builds: after changing the recipe
     (BaseModelConfig,
-    the task, the demonstrations, the tokenizer, the warm start), `python -m infra.builtin --ship`
+    the task, the demonstrations, the tokenizer, the warm start), `python -m harness.builtin --ship`
     rebuilds it."""
     with open(os.path.join(builtin.SHIP_DIR, "recipe.json")) as fh:
         recorded = json.load(fh)
     assert recorded["key"] == builtin.recipe_key(), (
         "base_model/ was built by another recipe: rebuild and ship it with "
-        "`python -m infra.builtin --ship`")
+        "`python -m harness.builtin --ship`")
     assert recorded["config"] == dataclasses.asdict(builtin.BaseModelConfig())
     assert builtin.base_model() == builtin.SHIP_DIR
 
@@ -189,43 +185,9 @@ def test_base_model_is_the_shipped_folder_only_for_its_recipe(tmp_path):
     assert model.config.hidden_size == 16 and tok.eos_token_id == 1
 
 
-def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
-    """python -m bench is not run by CI otherwise: its flags (and python -m bench.vs_trl's) must
-    parse, and the warm-start section must run."""
-    from bench import __main__ as bench_main
-    from bench import vs_trl
-    for main in (bench_main.main, vs_trl.main):
-        with pytest.raises(SystemExit) as e:
-            main(["--help"])
-        assert e.value.code == 0
-    bench_main.main(["--only", "warmstart", "--repeats", "1"])
-    out = capsys.readouterr().out
-    assert ("padded to the longest" in out and "packed into rows" in out
-            and "packed / padded time" in out)
-
-
-def test_vs_trl_table_runs_every_configuration_and_prints_its_ratio(capsys, monkeypatch):
-    # TRL is not installed here: each configuration's interleaved run is stubbed by its figures
-    from bench import vs_trl
-    seen = []
-
-    def fake(steps, repeats, init, new_tokens, threads):
-        seen.append((init, new_tokens, threads))
-        return 0.1 * len(seen), 0.4
-    monkeypatch.setattr(vs_trl, "bench_vs_trl", fake)
-    vs_trl.main(["--table", "--repeats", "2"])
-    assert seen == [(i, n, t) for i, n in vs_trl.TABLE for t in vs_trl.TABLE_THREADS]
-    out = capsys.readouterr().out.splitlines()
-    # the header names the children's threads, not this process's one (it only waits)
-    assert "each section's torch threads" in out[0] and "1 torch threads" not in out[0]
-    rows = [x for x in out if x.startswith("| ") and "---" not in x]
-    assert rows[1] == "| built-in base | 4 | 1 | 0.100 | 0.400 | 0.25 |"
-    assert rows[-1] == "| random init | 64 | 2 | 0.600 | 0.400 | 1.50 |" and len(rows) == 7
-
-
 # ---------------------------------------------------------------------------------------------
-# infra/data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for bad
-# input
+# harness/data.py: data formats, chat template, pluggable and TRL-style rewards, clear errors for
+# bad input
 # ---------------------------------------------------------------------------------------------
 
 def test_gsm8k_fields_chat_template_and_reward_plugin(tiny_run_inputs, tmp_path):

@@ -47,7 +47,7 @@ def _at(page: str, text: str, m, what: str | None = None) -> str:
 
 def _packages() -> list[str]:
     """The folders whose modules the pages name: those run as `python -m NAME` (bench, ablate),
-    with a __main__.py, and infra/, a package (`infra.data.load_rows`)."""
+    with a __main__.py, and infra/, a package (`harness.data.load_rows`)."""
     return sorted(n for n in os.listdir(ROOT)
                   if any(os.path.isfile(os.path.join(ROOT, n, f))
                          for f in ("__main__.py", "__init__.py")))

@@ -8,14 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra import (
-    builtin,
-    data,
-    flags,
-    models,
-    rollout,
-    setup,
-)
+from harness import builtin, data, flags, models, setup
 from sampler import sample_groups
 from test_grpo import tiny
 from verifier import (
@@ -29,27 +22,28 @@ from verifier import (
 def test_pass_at_k_equals_enumerating_every_k_subset():
     import itertools
 
-    import evaluate
+    from harness import evaluation
     for n in range(1, 8):
         for c in range(n + 1):
             # samples 0..c-1 are the correct ones; the share of k-subsets holding one
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(range(n), k))
                 want = sum(any(i < c for i in s) for s in subsets) / len(subsets)
-                assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+                assert evaluation.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
 
 
 def test_pass_at_k_large_n_and_bad_input():
-    import evaluate
+    from harness import evaluation
     # one correct of 1000, half drawn
-    assert evaluate.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)
-    assert evaluate.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)  # pass@1 = c / n
-    assert evaluate.pass_at_k(1000, 0, 1000) == 0.0 and evaluate.pass_at_k(1000, 1, 1000) == 1.0
-    assert (evaluate.pass_ks(1) == [1] and evaluate.pass_ks(6) == [1, 2, 4]
-            and evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32])
+    assert evaluation.pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)
+    # pass@1 = c / n
+    assert evaluation.pass_at_k(2000, 10, 1) == pytest.approx(10 / 2000, abs=1e-12)
+    assert evaluation.pass_at_k(1000, 0, 1000) == 0.0 and evaluation.pass_at_k(1000, 1, 1000) == 1.0
+    assert (evaluation.pass_ks(1) == [1] and evaluation.pass_ks(6) == [1, 2, 4]
+            and evaluation.pass_ks(32) == [1, 2, 4, 8, 16, 32])
     for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
         with pytest.raises(ValueError):
-            evaluate.pass_at_k(n, c, k)
+            evaluation.pass_at_k(n, c, k)
 
 
 @pytest.mark.parametrize("answers,want", [
@@ -62,19 +56,19 @@ def test_pass_at_k_large_n_and_bad_input():
     (["7"], "7"),
 ])
 def test_majority_vote_by_hand(answers, want):
-    import evaluate
-    assert evaluate.majority_vote(answers) == want
+    from harness import evaluation
+    assert evaluation.majority_vote(answers) == want
 
 
 def _record(i, responses, scores, lengths=None, truncated=None):
-    import evaluate
+    from harness import evaluation
     n = len(responses)
-    return evaluate.problem_record(i, {"prompt": f"p{i}", "answer": "4"}, responses, scores,
+    return evaluation.problem_record(i, {"prompt": f"p{i}", "answer": "4"}, responses, scores,
                                    lengths or [3] * n, truncated or [False] * n)
 
 
 def test_eval_metrics_by_hand():
-    import evaluate
+    from harness import evaluation
     # problem 0: 2 of 4 right; '4' wins the vote (the first sample's '6' does not): maj right
     # problem 1: none right; Nones never win, and of the tied '3' and '7' the first to appear does:
     # maj wrong
@@ -83,24 +77,24 @@ def test_eval_metrics_by_hand():
     b = _record(1, ["no", "Answer: 3", "x", "Answer: 7"], [0.0] * 4, [6, 6, 6, 6],
                 [True, True, False, False])
     # the right '4' won
-    assert a["majority"] == evaluate.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2
-    assert b["majority"] == evaluate.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
-    ks = evaluate.pass_ks(4)
-    m = evaluate.eval_metrics(evaluate.totals([a, b], ks), 4, ks)
+    assert a["majority"] == evaluation.CREDITED and a["majority_score"] == 1.0 and a["correct"] == 2
+    assert b["majority"] == evaluation.canonical_answer("Answer: 3") and b["majority_score"] == 0.0
+    ks = evaluation.pass_ks(4)
+    m = evaluation.eval_metrics(evaluation.totals([a, b], ks), 4, ks)
     assert m == pytest.approx({
         "eval/mean@4": (0.5 + 0.0) / 2, "eval/mean@4_std": 0.25,  # population std of (0.5, 0.0)
         # problem 0: 1 - C(2,2)/C(4,2); problem 1: 0
         "eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2,
         "eval/pass@4": 0.5, "eval/maj@4": 0.5, "eval/truncated_frac": 2 / 8,
         "eval/len_mean": 36 / 8})
-    g = evaluate.eval_metrics(evaluate.totals([_record(0, ["Answer: 4"], [1.0]),
+    g = evaluation.eval_metrics(evaluation.totals([_record(0, ["Answer: 4"], [1.0]),
                                                _record(1, ["Answer: 5"], [0.0])], [1]), 1, [1])
     # greedy: today's keys
     assert g == {"eval/accuracy": 0.5, "eval/truncated_frac": 0.0, "eval/len_mean": 3.0}
 
 
 def test_majority_vote_counts_what_the_reward_counts():
-    import evaluate
+    from harness import evaluation
 
     def tagged(response, answer):  # a custom --reward that reads a format the verifier does not
         return float(response.strip() == f"<answer>{answer}</answer>")
@@ -108,27 +102,28 @@ def test_majority_vote_counts_what_the_reward_counts():
     # mean@3 says
     responses = ["<answer>4</answer>", "<answer>7</answer>", "<answer>4</answer>"]
     r = _record(0, responses, [tagged(x, "4") for x in responses])
-    assert [s["answer"] for s in r["samples"]] == [None] * 3 and r["majority"] == evaluate.CREDITED
+    assert [s["answer"] for s in r["samples"]] == [None] * 3
+    assert r["majority"] == evaluation.CREDITED
     assert r["majority_score"] == 1.0
     # wrong answers the verifier reads still outvote one right answer; the right one wins a tie
     # drawn first
     r = _record(1, ["<answer>4</answer>", "Answer: 6", "6"], [1.0, 0.0, 0.0])
     assert r["majority"] == canonical("6") and r["majority_score"] == 0.0
     r = _record(2, ["<answer>4</answer>", "Answer: 6"], [1.0, 0.0])
-    assert r["majority"] == evaluate.CREDITED and r["majority_score"] == 1.0
+    assert r["majority"] == evaluation.CREDITED and r["majority_score"] == 1.0
     # the default verifier: a credited answer is the reference's, so this is the vote by canonical
     # answers
     responses = ["Answer: 6", "\\boxed{4}", "4", "Answer: 6", "x = 4"]
     scores = [verify(x, "4") for x in responses]
-    plain = evaluate.majority_vote([canonical_answer(x) for x in responses])
-    assert plain == canonical("4") and evaluate.majority_vote(evaluate.votes(
-        [canonical_answer(x) for x in responses], scores)) == evaluate.CREDITED
+    plain = evaluation.majority_vote([canonical_answer(x) for x in responses])
+    assert plain == canonical("4") and evaluation.majority_vote(evaluation.votes(
+        [canonical_answer(x) for x in responses], scores)) == evaluation.CREDITED
     # never a canonical text
-    assert canonical_answer("Answer: " + evaluate.CREDITED) != evaluate.CREDITED
+    assert canonical_answer("Answer: " + evaluation.CREDITED) != evaluation.CREDITED
 
 
 def test_majority_vote_merges_one_answer_written_three_ways():
-    import evaluate
+    from harness import evaluation
     # 2 of 5 samples right (4); three wrong ones give 1/2 as 0.5, \frac{1}{2} and 1/2: one answer,
     # so it has the majority (3 votes to 2), maj@5 is 0. Voted as written, they would split 1-1-1
     # and the right 4 would win.
@@ -141,7 +136,7 @@ def test_majority_vote_merges_one_answer_written_three_ways():
     half, four = canonical("1/2"), canonical("4")
     assert [s["answer"] for s in r["samples"]] == [four, half, half, four, half]
     assert r["majority"] == canonical("1/2") and r["majority_score"] == 0.0 and r["correct"] == 2
-    m = evaluate.eval_metrics(evaluate.totals([r], [1]), 5, [1])
+    m = evaluation.eval_metrics(evaluation.totals([r], [1]), 5, [1])
     assert m["eval/maj@5"] == 0.0 and m["eval/mean@5"] == pytest.approx(0.4)
 
 
@@ -174,10 +169,10 @@ def _has_9(response, answer):
 
 
 def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs):
-    import evaluate
+    from harness import evaluation
     args, tok, model, rows = _eval_setup(tiny_run_inputs)
     reward = _has_9
-    m, records = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
+    m, records = evaluation.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
     # one greedy answer per problem, scored here: sums of reward, truncation, length
     encode, eos = data.PromptFormatter(tok), models.end_ids(tok, model)
     roll = sample_groups(model, [encode(r["prompt"]) for r in rows], 1, 10, eos, tok.pad_token_id,
@@ -190,23 +185,23 @@ def test_greedy_evaluation_equals_greedy_rollouts_scored_by_hand(tiny_run_inputs
                  "eval/truncated_frac": roll.truncated.sum().item() / len(rows),
                  "eval/len_mean": roll.lengths.sum().item() / len(rows)}
     assert [s["response"] for r in records for s in r["samples"]] == texts
-    assert evaluate.headline(1) == "eval/accuracy" and evaluate.headline(8) == "eval/mean@8"
+    assert evaluation.headline(1) == "eval/accuracy" and evaluation.headline(8) == "eval/mean@8"
 
 
 def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkeypatch):
-    import evaluate
+    from harness import evaluation
     # 2 problems per batch: each rank batches other problems together
-    monkeypatch.setattr(evaluate, "EVAL_BATCH", 8)
+    monkeypatch.setattr(evaluation, "EVAL_BATCH", 8)
     args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
                                          "0.9")
     reward = _has_9
-    m1, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
-    parts = [evaluate.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1]
+    m1, r1 = evaluation.evaluate_model(model, tok, rows, args, _Rank(0, 1), reward)
+    parts = [evaluation.evaluate_model(model, tok, rows, args, _Rank(k, 3), reward)[1]
              for k in range(3)]
     # same samples, scores, votes
     assert sorted((r for p in parts for r in p), key=lambda r: r["index"]) == r1
-    ks = evaluate.pass_ks(4)
-    assert evaluate.eval_metrics(sum(evaluate.totals(p, ks) for p in parts), 4,
+    ks = evaluation.pass_ks(4)
+    assert evaluation.eval_metrics(sum(evaluation.totals(p, ks) for p in parts), 4,
                                  ks) == pytest.approx(m1, abs=1e-12)
     scores = [[s["score"] for s in r["samples"]] for r in r1]
     assert (m1["eval/mean@4"] == pytest.approx(sum(map(sum, scores)) / 48)
@@ -219,9 +214,9 @@ def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkey
 
 def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
 
-    import evaluate
     import sampler
     import train
+    from harness import evaluation
     seen = []
 
     def recording(*a, max_num_seqs=None, **k):
@@ -234,16 +229,13 @@ def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, mon
                       decode=lambda r, i: "",
                       reward_fn=data.as_reward(lambda t, a: 0.0), eos=[1], pad=0)
     one = type("One", (), {"rank": 0, "world": 1})()
-    for extra, want in (([], rollout.num_seqs_within(model, [[5, 6, 7]], 8, 40, 8.0)),
-                        (["--max-num-seqs", "16"], 16)):
+    for extra, want in (([], None), (["--max-num-seqs", "16"], 16)):
         args = flags.parse_train_args(["--prompts-per-step", "4", *extra])
         train.draw_round(model, task, args, one, 0)
         assert seen.pop() == want
     args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
                                          "0.9")
-    _, r1 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    _, r1 = evaluation.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
     args.max_num_seqs = 5                      # one problem's 4 samples at a time: the same samples
-    _, r2 = evaluate.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
-    prompts = [data.PromptFormatter(tok)(r["prompt"]) for r in rows]
-    assert (r1 == r2 and seen[-1] == 5 and seen[0] == rollout.num_seqs_within(model, prompts, 4, 10,
-                                                                              8.0) >= 48)
+    _, r2 = evaluation.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    assert r1 == r2 and seen[-1] == 5 and seen[0] is None

@@ -1,4 +1,4 @@
-"""The flags (infra/flags.py): a bad flag in one line, --help's groups, the --max-num-seqs checks.
+"""The flags (harness/flags.py): a bad flag in one line, --help's groups, the --max-num-seqs checks.
 
     python -m pytest -q tests/test_flags.py
 """
@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra import (
-    flags,
-)
+from harness import flags
 
 
 def test_bad_flags_exit_with_one_line(capsys):
@@ -57,9 +55,8 @@ def test_train_help_shows_args_sections_as_groups_with_every_flag_once(capsys, m
 def test_max_num_seqs_flags_are_checked(capsys):
     import evaluate
     assert (flags.parse_train_args(["--max-num-seqs", "8"]).max_num_seqs == 8
-            and flags.parse_train_args([]).kv_cache_gb == 8.0)
+            and flags.parse_train_args([]).max_num_seqs is None)
     for parse, bad in ((flags.parse_train_args, ["--max-num-seqs", "4"]),
-                       (flags.parse_train_args, ["--kv-cache-gb", "0"]),
                        (evaluate.main, ["--eval-samples", "4", "--max-num-seqs", "2"])):
         with pytest.raises(SystemExit) as e:
             parse(bad)

@@ -145,7 +145,7 @@ def test_gpu_vllm_wakes_after_an_update_and_decodes_the_new_weights(tiny_run_inp
     # the engine sleeps (level 2) for an update, the cache is emptied, it wakes and takes the
     # pushed weights: greedy decoding then equals HF's on them (untested on hardware here)
     pytest.importorskip("vllm")
-    from infra import models, vllm_rollout
+    from harness import models, vllm_rollout
     path = str(tiny_run_inputs / "model")
     _, tok, model = models.load_model(path)
     model = model.cuda()

@@ -1,4 +1,4 @@
-"""The loss family's unit tests (infra/variants.py): GSPO, CISPO, the KL estimators, the entropy
+"""The loss family's unit tests (variants.py): GSPO, CISPO, the KL estimators, the entropy
 bonus, truncated importance sampling, each against its formula and the references' forms.
 
     python -m pytest -q tests/test_losses.py
@@ -11,13 +11,11 @@ import os
 import pytest
 import torch
 
+import correction
 import grpo
 import update
-from infra import (
-    correction,
-    flags,
-    variants,
-)
+import variants
+from harness import flags
 from test_grpo import (
     read_file,
     reduce_by_hand,
@@ -26,7 +24,7 @@ from test_grpo import (
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# infra/variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
+# variants.py: GSPO, CISPO, KL estimators, entropy bonus, truncated importance sampling
 #
 # The references below restate the formulas of verl 0.9.1 (verl/trainer/ppo/core_algos.py, read on
 # PyPI's verl==0.9.1): compute_policy_loss_gspo, compute_policy_loss_cispo, kl_penalty and agg_loss.
@@ -363,7 +361,7 @@ def test_policy_loss_weights_multiply_the_surrogate_not_the_kl():
 
 
 # ---------------------------------------------------------------------------------------------
-# infra/correction.py: the rollout corrections, each against its anchor's formula
+# correction.py: the rollout corrections, each against its anchor's formula
 # ---------------------------------------------------------------------------------------------
 
 def _mismatched_batch():

@@ -268,7 +268,7 @@ def test_fp32_lm_head_computes_the_heads_logits_in_float32_under_bf16(monkeypatc
     # and evaluation's forward) and their gradients are the float32 head's on the trunk's hidden
     # states, to float32 rounding; without it they are bf16's, ~1e-2 away
     import logprobs
-    from infra import setup
+    from harness import setup
     V = 300
     model = tiny_qwen(V)
     roll = rollout_of(V, 4, 16)
@@ -303,7 +303,7 @@ def test_fp32_lm_head_computes_the_heads_logits_in_float32_under_bf16(monkeypatc
     seen = {}
     monkeypatch.setattr(lm_head, "run_in_fp32", lambda m: seen.setdefault("model", m))
     monkeypatch.setattr(setup.models, "load_model", lambda *a: ("p", None, model))
-    from infra import flags
+    from harness import flags
     setup.load_policy(flags.parse_train_args(["--fp32-lm-head", "--device", "cpu"], ""),
                       types.SimpleNamespace(world=1, device="cpu", master=True))
     assert seen["model"] is model
@@ -312,7 +312,7 @@ def test_fp32_lm_head_computes_the_heads_logits_in_float32_under_bf16(monkeypatc
 def test_the_engine_runs_its_head_in_float32_with_the_flag(monkeypatch):
     import sys
 
-    from infra import vllm_rollout
+    from harness import vllm_rollout
     seen = {}
     fake = types.SimpleNamespace(LLM=lambda **kw: seen.update(kw))
     monkeypatch.setitem(sys.modules, "vllm", fake)

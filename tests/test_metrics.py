@@ -1,4 +1,5 @@
-"""What is measured (infra/perf.py, infra/metrics.py) and the optional integrations (infra/lora.py):
+"""What is measured (harness/perf.py, harness/metrics.py) and the optional integrations
+(harness/lora.py):
 model FLOPs and MFU, the no-signal warning, --report-to, LoRA.
 
     python -m pytest -q tests/test_metrics.py
@@ -13,14 +14,9 @@ import time
 import pytest
 import torch
 
+import sampler
 import update
-from infra import (
-    builtin,
-    data,
-    flags,
-    metrics,
-    models,
-)
+from harness import builtin, data, flags, metrics, models
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from test_grpo import (
@@ -36,7 +32,7 @@ from test_grpo import (
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# infra/perf.py: model FLOPs by hand and as torch's FLOP counter sees the code run, the peak, MFU
+# harness/perf.py: model FLOPs by hand and as torch's FLOP counter sees the code run, the peak, MFU
 # rows
 # ---------------------------------------------------------------------------------------------
 
@@ -60,7 +56,7 @@ def _hand_rollout() -> Rollout:
 
 
 def test_flops_of_a_tiny_qwen2_with_gqa_and_lora_by_hand():
-    from infra import perf
+    from harness import perf
     sh = perf.model_shape(_tiny_qwen2())
     # a layer's matmuls (multiply-accumulates a token): q 16x16, k and v 16x(2 KV heads x 4), o,
     # gate, up, down 16x24; the LM head is the tied embedding, 16 x 50; d_attn 4 heads x 4
@@ -90,7 +86,7 @@ def test_flops_of_a_tiny_qwen2_with_gqa_and_lora_by_hand():
     # and the tied head frozen: 2x their forward (activation gradients), the adapters and attention
     # 3x; the reference pass runs without the adapters
     pytest.importorskip("peft", reason="LoRA needs peft")
-    from infra import lora
+    from harness import lora
     model = _tiny_qwen2()
     lora.add_adapters(model, 2, 4.0, "q_proj,v_proj", "tiny")
     ad = 2 * (16 * 2 + 2 * 16 + 16 * 2 + 2 * 8)
@@ -108,7 +104,7 @@ def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
     # for the prefill, whose causal mask hides half of the p x p scores it computes
     from torch.utils.flop_counter import FlopCounterMode
 
-    from infra import perf
+    from harness import perf
     model = _tiny_qwen2(attn_implementation="eager")
     sh, p = perf.model_shape(model), len(LONG_PROMPTS[0])
     prompts = [INSTRUCTION + [5, 6, 7], INSTRUCTION + [8, 9, 10]]
@@ -151,7 +147,7 @@ def test_flop_count_is_what_the_sampler_and_the_training_forward_run():
 
 
 def test_peak_from_the_device_name_a_cpu_probe_or_peak_tflops():
-    from infra import perf
+    from harness import perf
     assert [perf.peak_tflops_of(n) for n in (
         "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
         "NVIDIA A100 80GB PCIe", "NVIDIA A10", "NVIDIA L40S")] == [989.4, 756.5, 989.4, 312.0,
@@ -184,7 +180,7 @@ def test_a_run_logs_mfu_per_phase_and_tokens_per_s(tiny_run_inputs, tmp_path, mo
     # one step of train.py in this process, with an old-policy pass (--mu 2), a reference pass
     # (beta), 2 mini-batches in micro-batches of 3 rows (groups of 4 split) and --peak-tflops: the
     # row's FLOPs are the step's counts, its MFU those over the phase's seconds and that peak
-    from infra import perf
+    from harness import perf
     updates = spy_on(monkeypatch, update, "update_policy")
     peak = 0.02e12
     row = one_step(tiny_run_inputs, tmp_path / "run", "--peak-tflops", "0.02", "--mu", "2",
@@ -235,15 +231,15 @@ def test_mfu_counts_every_round_drawn_and_the_reference_without_adapters(tiny_ru
     # groups are all wrong under x_if_even: dropped, and more drawn); with LoRA and beta > 0 the
     # reference pass runs with the adapters off, and perf:logprob counts it so. Each count differs
     # from the other one (the kept rows alone; the adapters in), so the check can fail.
-    from infra import perf, setup
-    draws = spy_on(monkeypatch, setup.Task, "draw")
+    from harness import perf
+    draws = spy_on(monkeypatch, sampler, "sample_groups")
     counted = spy_on(monkeypatch, perf.Meter, "flops")
     import train
     run = tiny_flags(tiny_run_inputs, tmp_path / "ds")
     run[run.index("test_grpo:has_x")] = "test_metrics:x_if_even"    # --reward takes several
     train.main([*run, "--steps", "1", "--eval-every", "5", "--algo", "dapo", "--max-rounds", "6"])
     (meter, roll, *_), got = counted.pop()
-    drawn = [r for _, r in draws]
+    drawn = [r for a, r in draws if a[2] > 1]          # G > 1: the training rounds, not evaluation
     rows = sum(r.response_ids.shape[0] for r in drawn)
     assert len(drawn) > 1 and rows > roll.response_ids.shape[0], (len(drawn), rows)
     every = sum(perf.forward_flops(meter.shape, perf.rollout_work(r)) for r in drawn)
@@ -260,7 +256,8 @@ def test_mfu_counts_every_round_drawn_and_the_reference_without_adapters(tiny_ru
 
 
 # ---------------------------------------------------------------------------------------------
-# infra/metrics.py, infra/lora.py and the optional integrations: the no-signal warning, --report-to,
+# harness/metrics.py, harness/lora.py and the optional integrations: the no-signal warning,
+# --report-to,
 # LoRA
 # ---------------------------------------------------------------------------------------------
 
@@ -366,7 +363,7 @@ def test_report_to_a_missing_package_is_one_line(tiny_run_inputs, tmp_path, monk
 def _lora_model(d, r=4):
     """The tiny model with rank-r adapters whose B is random (peft starts B at 0: the adapters would
     be a no-op)."""
-    from infra import lora
+    from harness import lora
     path, tok, model = models.load_model(str(d / "model"))
     config = lora.add_adapters(model, r, 2.0 * r, lora.TARGETS, path)
     g = torch.Generator().manual_seed(0)
@@ -379,7 +376,7 @@ def _lora_model(d, r=4):
 
 def test_lora_trains_only_adapters_and_its_reference_is_the_base_model(tiny_run_inputs):
     pytest.importorskip("peft", reason="--lora-r needs peft")
-    from infra import lora
+    from harness import lora
     tok, model, _ = _lora_model(tiny_run_inputs)
     _, _, base = models.load_model(str(tiny_run_inputs / "model"))
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -420,7 +417,8 @@ def test_lora_freezes_the_base_itself_and_an_update_moves_only_the_adapters(tiny
     import contextlib
     from types import SimpleNamespace
 
-    from infra import lora, parallel
+    from harness import lora
+    from infra import parallel
     peft = pytest.importorskip("peft", reason="--lora-r needs peft")
     inject = peft.inject_adapter_in_model
 
@@ -463,7 +461,7 @@ def test_lora_merged_final_is_base_plus_adapter_and_the_adapter_loads_alone(tiny
     peft = pytest.importorskip("peft", reason="--lora-r needs peft")
     from transformers import AutoModelForCausalLM
 
-    from infra import lora
+    from harness import lora
     tok, model, config = _lora_model(tiny_run_inputs)
     model.save_pretrained(tmp_path / "final", state_dict=lora.merged_state_dict(model))
     lora.save_adapter(model, config, str(tmp_path / "adapter"))

@@ -1,4 +1,5 @@
-"""Ranks and disk (infra/checkpoint.py, infra/models.py, infra/parallel.py): resume, atomic saves,
+"""Ranks and disk (harness/checkpoint.py, harness/models.py, infra/parallel.py): resume, atomic
+saves,
 the run lock, a kill at any byte; DDP, FSDP and gradient checkpointing.
 
     python -m pytest -q tests/test_ranks_checkpoints.py
@@ -14,12 +15,8 @@ import pytest
 import torch
 
 import update
-from infra import (
-    checkpoint,
-    errors,
-    metrics,
-    models,
-)
+from harness import checkpoint, metrics, models
+from infra import errors
 from launch import CutWrites
 from logprobs import rollout_logprobs
 from sampler import sample_groups
@@ -33,7 +30,8 @@ from test_grpo import (
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 # ---------------------------------------------------------------------------------------------
-# infra/checkpoint.py, infra/parallel.py: resume, atomic saves, the run lock; DDP, FSDP and gradient
+# harness/checkpoint.py, infra/parallel.py: resume, atomic saves, the run lock; DDP, FSDP and
+# gradient
 # checkpointing
 # ---------------------------------------------------------------------------------------------
 
@@ -54,7 +52,7 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
     assert calls == [("set_device", "cuda:1"), ("init", "nccl", {"timeout": hour})]
     # --dist-timeout-min reaches the group through train.py's session
     calls.clear()
-    from infra import flags, setup
+    from harness import flags, setup
     monkeypatch.setattr(setup.checkpoint, "lock_folder", lambda out, ranks: None)
     with setup.session(flags.parse_train_args(["--device", "cuda", "--dist-timeout-min", "90"])):
         pass
@@ -74,7 +72,8 @@ def test_dist_on_cuda_uses_the_local_rank_and_nccl(monkeypatch):
 def test_adamw_is_fused_on_the_cpu_and_left_to_torch_on_cuda():
     # the CPU's default AdamW loops over parameters op by op (5x slower on SmolLM2-135M); CUDA keeps
     # foreach, the form the GPU memory model counts. The same step either way.
-    from infra import flags, parallel, setup
+    from harness import flags, setup
+    from infra import parallel
     args = flags.parse_train_args(["--lr", "1e-2"])
     models = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -469,7 +468,7 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
 
 
 def test_unreadable_checkpoint_gets_one_clear_line(tiny_run_inputs, tmp_path, capsys):
-    """errors.CheckpointError (infra/checkpoint.py raises its own, not errors.InputError) reaches
+    """errors.CheckpointError (harness/checkpoint.py raises its own, not errors.InputError) reaches
     the
     same one line."""
     import train

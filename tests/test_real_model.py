@@ -34,7 +34,7 @@ import torch
 
 import evaluate
 import verifier
-from infra import data, models
+from harness import data, models
 from logprobs import rollout_logprobs
 from sampler import sample_groups
 
@@ -374,7 +374,7 @@ def real_engine(real_model_dir):
     pytest.importorskip(
         "vllm", reason="vllm cannot be imported (install: see the README's --rollout vllm)"
     )
-    from infra import vllm_rollout
+    from harness import vllm_rollout
 
     old = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default is 30% of memory

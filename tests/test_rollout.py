@@ -1,4 +1,4 @@
-"""How Step 1 runs (infra/rollout.py, infra/kv_cache.py, infra/packed.py): the --kv-cache-gb sizing
+"""How Step 1 runs (harness/rollout.py, infra/kv_cache.py, infra/packed.py): the KV cache's bytes
 against the buffers allocated, every slot count's rollout against all rows at once, packed weights
 against plain ones.
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra import kv_cache, rollout
+from infra import kv_cache
 from sampler import sample_groups
 from test_grpo import MIXED_PROMPTS, tiny, tiny_gpt2_sampler
 
 
-def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch):
+def test_the_kv_cache_allocated_is_the_formula_of_max_num_seqs_rows(monkeypatch):
     made, make = [], kv_cache.make_cache
     monkeypatch.setattr(kv_cache, "make_cache", lambda *a, **k: made.append(make(*a, **k))
                         or made[-1])
@@ -23,14 +23,6 @@ def test_num_seqs_within_is_the_kv_formula_of_the_buffers_allocated(monkeypatch)
         # layers x KV heads x head_dim x 2 (K, V) x 4 bytes: Qwen2 2 x 2 x 8, GPT-2 2 x 4 (all
         # heads) x 8; per row: the longest of MIXED_PROMPTS, 6, + T = 20
         per_row = per_pos * (6 + 20)
-        # a multiple of G
-        assert rollout.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 10.5 * per_row / 2**30) == 9
-        # at least G
-        assert rollout.num_seqs_within(model, MIXED_PROMPTS, 3, 20, 1e-9) == 3
-        # bf16 keys: half the bytes, twice the rows
-        with torch.autocast("cpu", torch.bfloat16):
-            assert rollout.num_seqs_within(model, MIXED_PROMPTS, 3, 20,
-                                           10.5 * per_row / 2**30) == 21
         made.clear()
         sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0, generator=torch.Generator().manual_seed(0),
                       max_num_seqs=9)
@@ -119,7 +111,7 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
         rollout(7, 1.0)
     assert made == []
     pytest.importorskip("peft", reason="LoRA needs peft")
-    from infra import lora
+    from harness import lora
     lora.add_adapters(model, 2, 4.0, "q_proj,v_proj", "tiny")
     adapters = [m.weight for m in packed.linears(model) if 2 in m.weight.shape]   # A [2, 32], B
     assert len(adapters) == 2 * 2 * 2                       # 2 layers x q, v x A, B

@@ -1,5 +1,5 @@
 """What a run at the recipes' scale checks instead of quietly doing something else
-(infra/rollout.py, infra/vllm_rollout.py, infra/data.py): the model's context against prompt +
+(harness/rollout.py, harness/vllm_rollout.py, harness/data.py): the model's context against prompt +
 --max-new-tokens in both commands and in the engine, duplicated evaluation rows.
 
     python -m pytest -q tests/test_scale.py
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from infra import rollout
+from harness import rollout
 from infra.errors import InputError
 
 
@@ -53,7 +53,7 @@ def test_context_check_counts_the_longest_prompt_and_warns_where_rope_is_scaled(
 def test_the_vllm_engine_is_told_the_models_context(monkeypatch):
     # a stand-in for vllm.LLM records what the engine is built with: max_model_len is the model's
     # context (vLLM would otherwise cap the responses at its own limit, silently "truncated")
-    from infra import vllm_rollout
+    from harness import vllm_rollout
     seen = {}
     fake = types.SimpleNamespace(LLM=lambda **kw: seen.update(kw))
     monkeypatch.setitem(sys.modules, "vllm", fake)
@@ -68,7 +68,7 @@ def test_duplicated_evaluation_rows_are_said_and_evaluated_once(tmp_path):
     # data with repeats (kept, said once); a file without repeats says nothing
     import json
 
-    from infra import data
+    from harness import data
 
     def rows_file(name, rows):
         path = tmp_path / name
@@ -107,7 +107,7 @@ def test_final_is_saved_in_the_dtype_the_model_came_in(tmp_path, tiny_run_inputs
     import torch
     from transformers import AutoModelForCausalLM
 
-    from infra import models
+    from harness import models
     _, tok, fp32 = models.load_model(str(tiny_run_inputs / "model"))
     src = tmp_path / "bf16"
     fp32.to(torch.bfloat16).save_pretrained(src)
@@ -130,7 +130,7 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     # (the real one: tests/test_vllm.py) draws with the built-in sampler, so the scores equal the
     # hf path's
     import evaluate
-    from infra import vllm_rollout
+    from harness import vllm_rollout
     from sampler import sample_groups
     made = []
 
@@ -160,7 +160,7 @@ def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys,
     # TRL's max_prompt_length: the end of the prompt (the question and the generation prompt)
     # stays; said on the first cut; the flag reaches both commands' encoders
     import evaluate
-    from infra import builtin, data
+    from harness import builtin, data
     tok = builtin.make_tokenizer()
     fmt = data.PromptFormatter(tok, max_tokens=5)
     full = data.PromptFormatter(tok)("2x + 3 = 11")
@@ -184,7 +184,7 @@ def test_the_engines_memory_share_defaults_to_what_the_trainer_leaves(monkeypatc
     # an eighth; a GPU the trainer nearly fills is refused in one line
     import torch
 
-    from infra import vllm_rollout as vr
+    from harness import vllm_rollout as vr
     GIB = 2**30
     model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10, bias=False))
     model[1].requires_grad_(False)                      # a frozen part: no AdamW moments
@@ -243,7 +243,7 @@ def test_tensor_parallel_engines_sample_the_groups_prompts_together(monkeypatch)
     # own (TP 1) draws for its prompts with their seeds
     import torch
 
-    from infra import vllm_rollout as vr
+    from harness import vllm_rollout as vr
     fake = types.SimpleNamespace(LLM=_GroupLLM,
                                  SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
     monkeypatch.setitem(sys.modules, "vllm", fake)
@@ -282,7 +282,7 @@ def test_train_hands_the_engine_its_tensor_parallel_size_and_the_trainers_share(
     # reference, a quarter of (weights + reference + AdamW) as what the trainer keeps
     import torch
 
-    from infra import flags, setup, vllm_rollout
+    from harness import flags, setup, vllm_rollout
     seen = []
     monkeypatch.setattr(vllm_rollout, "engine_for", lambda *a: seen.append(a))
     args = flags.parse_train_args(["--rollout", "vllm", "--vllm-tensor-parallel-size", "2",

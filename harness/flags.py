@@ -2,7 +2,7 @@
 
 Article section: the settings of "GRPO 训练过程拆解" and "DAPO：四项修正": --algo fills in either
 paper's (ALGO_DEFAULTS: beta, the clip range, the loss reduction, dynamic sampling, the overlong
-filter and penalty, the wrong answer's reward), --loss the clip range of infra/variants.py's
+filter and penalty, the wrong answer's reward), --loss the clip range of variants.py's
 objectives (LOSS_DEFAULTS); a flag given on the command line wins.
 
 A flag is a dataclass field (`flag`: its default and help text); `add_flags` turns a flag dataclass
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 import dapo
-from infra import lora, variants
+import variants
+from harness import lora
 
 # ---------------------------------------------------------------------------------------------
 # Flags as dataclass fields, and argparse from them
@@ -69,11 +70,10 @@ class EvalArgs:
                                   "max_prompt_length; 0: no limit, the model's context is checked "
                                   "either way)")
     max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; "
-                                    "continuous batching): the KV cache holds N x (P + T) "
-                                    "positions (default: as many as --kv-cache-gb holds)")
-    kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: "
-                              "layers x KV heads x head_dim x 2 x bytes x N x (P + T) <= this, N a "
-                              "multiple of G and at least G")
+                                    "continuous batching): the built-in sampler's KV cache holds "
+                                    "N x (P + T) positions, layers x KV heads x head_dim x 2 x "
+                                    "bytes each (default: every row of the round at once; set it "
+                                    "on a GPU, docs/memory.md). A vLLM engine keeps its own")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
     eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy "
                              "(eval/accuracy); n > 1 logs mean@n, pass@k, maj@n")
@@ -83,7 +83,7 @@ class EvalArgs:
                              "0.7)")
     rollout: str = flag("hf", "rollout engine: hf (sampler.py, read beside the article) or vllm (a "
                         "colocated vLLM engine per rank, in evaluate.py one per model, "
-                        "infra/vllm_rollout.py; needs vLLM installed)",
+                        "harness/vllm_rollout.py; needs vLLM installed)",
                         ["hf", "vllm"])
     vllm_gpu_memory_utilization: float | None = flag(
         None, "--rollout vllm: fraction of GPU memory the engine may take for its weights and KV "
@@ -170,7 +170,6 @@ def resolve(ns, error, builtin: bool) -> None:
         (ns.eval_samples >= 1, "--eval-samples must be >= 1"),
         (ns.eval_temperature > 0, "--eval-temperature must be > 0"),
         (0 < ns.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
-        (ns.kv_cache_gb > 0, "--kv-cache-gb must be > 0"),
         (ns.vllm_gpu_memory_utilization is None or 0 < ns.vllm_gpu_memory_utilization <= 1,
          "--vllm-gpu-memory-utilization must be in (0, 1]"),
         (ns.max_num_seqs is None or ns.max_num_seqs >= ns.eval_samples,
@@ -289,7 +288,7 @@ class TrainArgs(EvalArgs):
     clip_c: float = flag(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: "
                          "off; verl 3, DAPO recipe 10)")
     loss: str = flag("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, "
-                     "gspo-token, cispo, dppo, sapo (infra/variants.py)",
+                     "gspo-token, cispo, dppo, sapo (variants.py)",
                      ["ppo", "gspo", "gspo-token", "cispo", "dppo", "sapo"])
     kl: str = flag("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 "
                    "(DeepSeekMath)", ["k1", "k2", "k3"])
@@ -302,7 +301,7 @@ class TrainArgs(EvalArgs):
                                           "must divide the number of ranks")
     tis_cap: float | None = flag(None, "rollout correction: the upper bound C on the ratio "
                                  "w = pi_old / pi_sampler that weights each token's surrogate "
-                                 "(infra/correction.py; 0: off; default: 2 with --rollout vllm, "
+                                 "(correction.py; 0: off; default: 2 with --rollout vllm, "
                                  "verl's token-level truncation, else 0)")
     is_level: str = flag("token", "rollout correction: the ratio per token, per sequence (the "
                          "product of its tokens', TRL's sequence modes) or their geometric mean",

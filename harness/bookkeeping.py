@@ -6,16 +6,18 @@ the bookkeeping a real run needs).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
 
 from tqdm import tqdm
 
-import evaluate
 import update
-from infra import checkpoint, curves, flags, lora, metrics, models, parallel
-from infra.setup import Setup
+from harness import checkpoint, curves, evaluation, flags, lora, metrics, models
+from harness.rollout import StepDraw
+from harness.setup import RunState, Setup
+from infra import parallel
 
 
 def progress_bar(args: flags.TrainArgs, ranks: parallel.Dist, first: int):
@@ -26,13 +28,13 @@ def progress_bar(args: flags.TrainArgs, ranks: parallel.Dist, first: int):
     return steps
 
 
-def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, roll,
-             stats: update.UpdateStats, sstats: dict[str, float], rounds: list, unused: list,
-             samples: int, t0: float) -> dict:
+def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, draw: StepDraw,
+             stats: update.UpdateStats, samples: int, t0: float) -> dict:
     """The step's metrics.jsonl row: the drawn rollouts' sums and the update's `stats` (both over
     all ranks) as metrics.step_metrics, the learning rate, the run's samples so far (`samples`
     before this step, plus its own), the sampling/*, time/*, memory/* and perf/* keys (Step 1's
-    FLOPs over the rounds used and those drawn ahead and not used, `unused`)."""
+    FLOPs over the rounds used and those drawn ahead and not used)."""
+    roll, sstats, rounds, unused = draw.roll, draw.stats, draw.rounds, draw.unused
     drawn = [r for r, _ in rounds]
     d = ranks.sum_named({**metrics.drawn_sums(drawn),
                          **s.perf.flops(roll, drawn + unused, stats, args, ranks)})
@@ -60,27 +62,30 @@ def log_step(s: Setup, args: flags.TrainArgs, step: int, row: dict, roll) -> Non
 
 
 def held_out(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int) -> float | None:
-    """Held-out metrics (evaluate.py; split over ranks) logged; returns accuracy, or mean@n."""
+    """Held-out metrics (harness/evaluation.py; split over ranks) logged; returns accuracy, or
+    mean@n."""
     if not s.eval_rows:
         return None
     with parallel.unsharded(None if s.engine else s.model):  # --fsdp: gathered once for all
-        m, _ = evaluate.evaluate_model(s.model, s.tokenizer, s.eval_rows, args, ranks,
+        m, _ = evaluation.evaluate_model(s.model, s.tokenizer, s.eval_rows, args, ranks,
                                        s.task.reward_fn, s.task.sample)
     if s.out:
         s.out.log({"step": step, **m})
-    return m[evaluate.headline(args.eval_samples)]
+    return m[evaluation.headline(args.eval_samples)]
 
 
-def save_checkpoint(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: dict) -> None:
+def save_checkpoint(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist,
+                    state: RunState) -> None:
     """--save-every: the logs synced to disk first (a checkpoint never runs ahead of them), then
     OUT/checkpoint.pt from rank 0, or with --fsdp every rank's shards under OUT/checkpoint/."""
     if s.out:
         s.out.sync()
+    counters = dataclasses.asdict(state)
     if args.fsdp:
-        checkpoint.save_sharded(s.ckpt_path, s.model, s.learner.opt, s.sched, state, ranks)
+        checkpoint.save_sharded(s.ckpt_path, s.model, s.learner.opt, s.sched, counters, ranks)
     elif ranks.master:
         checkpoint.save(s.ckpt_path, s.model, s.learner.opt, s.sched,
-                        {**state, "world_size": ranks.world})
+                        {**counters, "world_size": ranks.world})
 
 
 def show_progress(s: Setup, bar, row: dict, acc: float | None, done: bool = False) -> None:
@@ -100,7 +105,7 @@ def show_progress(s: Setup, bar, row: dict, acc: float | None, done: bool = Fals
         bar.close()
 
 
-def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: dict,
+def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: RunState,
            elapsed: float) -> dict:
     """The end: the whole model saved to OUT/final by rank 0 (FSDP2: gathered; LoRA's adapters
     merged, and OUT/adapter alone), the summary line, --plot's OUT/curves.png."""
@@ -115,15 +120,15 @@ def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: dict,
         s.out.close()
         what = "greedy accuracy" if args.eval_samples == 1 else f"mean@{args.eval_samples}"
         acc = ""
-        if s.eval_rows and state["acc_before"] is not None:
-            acc = (f"held-out {what} {state['acc_before']:.3f} -> {state['acc_after']:.3f} "
+        if s.eval_rows and state.acc_before is not None:
+            acc = (f"held-out {what} {state.acc_before:.3f} -> {state.acc_after:.3f} "
                    f"({len(s.eval_rows)} problems); ")
-        print(f"{acc}{state['step']} steps, {state['samples']} samples in {elapsed:.0f}s; "
+        print(f"{acc}{state.step} steps, {state.samples} samples in {elapsed:.0f}s; "
               f"model saved to {final}")
         if args.plot:
             png = os.path.join(args.out, "curves.png")
             if curves.plot_runs({args.algo: [metrics.read_metrics(s.out.metrics_path)]}, png):
                 print(f"curves: {png}")
-    return {"acc_before": state["acc_before"], "acc_after": state["acc_after"], "seconds": elapsed}
+    return {"acc_before": state.acc_before, "acc_after": state.acc_after, "seconds": elapsed}
 
 

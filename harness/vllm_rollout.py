@@ -40,7 +40,7 @@ import sys
 import torch
 
 import sampler
-from infra import lora
+from harness import lora
 from infra.errors import InputError
 from sampler import Rollout
 
@@ -105,7 +105,7 @@ def engine_for(path: str, model, args, device: str, resident_bytes: int,
     """--rollout vllm's engine for the model loaded from `path` (train.py's set-up, evaluate.py per
     --model): the run's --bf16, --seed, --vllm-gpu-memory-utilization (or its default from the
     trainer's `resident_bytes`) and --max-num-seqs, and the model's context as max_model_len."""
-    from infra.rollout import context_limit
+    from harness.rollout import context_limit
     share = args.vllm_gpu_memory_utilization
     if share is None:
         share = default_memory_utilization(resident_bytes, device)

@@ -1,4 +1,5 @@
-"""Checkpoints on disk: everything an exact resume needs, written atomically (infra/models.py loads
+"""Checkpoints on disk: everything an exact resume needs, written atomically (harness/models.py
+loads
 --model and writes the final model through `atomic`).
 
 Not an article section: the run's bookkeeping, written so that a SIGKILL at any byte (the OOM
@@ -8,7 +9,7 @@ name, fsync, os.replace), so a crash in the middle of a save leaves the previous
 `load` reads it back with `weights_only=True` (no pickled code is ever executed). `recover` and
 `loadable` find the whole copy of a folder whose atomic replacement a kill cut (OUT/final.old).
 
-The logs (metrics.jsonl, completions.jsonl) are infra/metrics.py's: appended to line by line, read
+The logs (metrics.jsonl, completions.jsonl) are harness/metrics.py's: appended to line by line, read
 back without a last line a kill cut (metrics.read_metrics), rewritten by --resume through
 `write_text`.
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpo
-from infra import checkpoint
+from harness import checkpoint
 from infra.errors import CheckpointError, InputError
 from sampler import Rollout
 
 if TYPE_CHECKING:
-    from infra.flags import TrainArgs
+    from harness.flags import TrainArgs
     from update import UpdateStats
 
 # ---------------------------------------------------------------------------------------------

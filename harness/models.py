@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from infra.checkpoint import atomic, loadable
+from harness.checkpoint import atomic, loadable
 from infra.errors import InputError
 
 
@@ -50,7 +50,7 @@ def load_model(spec: str, trust_remote_code: bool = False):
     hf_logging.disable_progress_bar()
     path = loadable(spec)  # OUT/final.old where a save was killed half way
     if spec == "builtin":
-        from infra import builtin
+        from harness import builtin
         path = builtin.base_model()
     elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise InputError(f"--model {path}: no such folder")  # a path, not a hub id
