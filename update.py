@@ -28,7 +28,7 @@ from logprobs import rollout_logprobs
 from sampler import Rollout
 
 # --loss: grpo.policy_loss's surrogate, (logp, old_logp, advantages, mask, weights) -> (loss, m)
-LOSSES = {"ppo": grpo.ppo_loss, "gspo": variants.gspo_loss, "gspo-token": variants.gspo_token_loss,
+LOSSES = {"ppo": grpo.ppo_loss, "gspo": variants.gspo_loss,
           "cispo": variants.cispo_loss, "dppo": variants.dppo_loss, "sapo": variants.sapo_loss}
 KL_ESTIMATORS = {"k1": grpo.kl_k1, "k2": grpo.kl_k2, "k3": grpo.kl_k3}  # --kl
 UPDATE_SUMS = ("loss", "kl", "entropy", "entropy_tokens", "tokens", "clip/low_frac",

@@ -9,9 +9,8 @@ returning (loss to minimise, metrics). grpo.policy_loss adds beta * KL (grpo.kl_
 
 - GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per response,
   s_i = exp(mean_t (logp - old_logp)), clipped per response with tiny bounds (paper: 3e-4 / 4e-4):
-  `gspo_loss`. GSPO-token carries sg[s_i] * pi(t) / sg[pi(t)] on each token so that
-  per-token advantages can be used; with one advantage per response it has the same value and
-  gradient: `gspo_token_loss`.
+  `gspo_loss`. (The paper's GSPO-token, for per-token advantages, has GSPO's value and gradient
+  with one advantage per response, which is all this project computes: not kept as a second name.)
 - CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(ratio)) * A * logp, so a clipped token keeps
   its gradient (only its weight is bounded): `cispo_loss`.
 - DPPO (arXiv 2602.04879): the trust region on the probability difference pi - pi_old, not on
@@ -77,33 +76,6 @@ def gspo_loss(
     loss = (per_token * weights).sum()
     with torch.no_grad():
         metrics = grpo.clip_metrics(s, low, high, mask)
-    return loss, metrics
-
-
-def gspo_token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    weights: torch.Tensor,
-    eps_low: float = GSPO_EPS_LOW,
-    eps_high: float = GSPO_EPS_HIGH,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO-token (arXiv 2507.18071): GSPO with per-token advantages [N, T] (or [N]).
-
-    Token ratio s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]: its value is s_i, its
-    gradient that of logp_t scaled by s_i. Per token: -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t}).
-    With one advantage per response, value and gradient equal `gspo_loss` (as the paper shows).
-    """
-    adv = grpo.advantage_column(advantages, mask, True).to(logp.dtype)  # [N, 1] or [N, T]
-    mask = mask.to(logp.dtype)                                                # [N, T]
-    log_s = _seq_log_ratio(logp, old_logp, mask)                              # [N, 1]
-    log_s = log_s.detach().clamp(-grpo.LOG_RATIO_CLAMP, grpo.LOG_RATIO_CLAMP)  # [N, 1], sg[log s_i]
-    s_t = torch.exp(log_s + logp - logp.detach())                             # [N, T], value s_i
-    per_token, low, high = grpo.clipped_surrogate(s_t, adv, eps_low, eps_high)  # [N, T] each
-    loss = (per_token * weights).sum()
-    with torch.no_grad():
-        metrics = grpo.clip_metrics(s_t, low, high, mask)
     return loss, metrics
 
 

@@ -39,8 +39,8 @@ import shlex
 
 import train
 from ablate import experiments, rows
+from ablate.curves import plot_panels
 from ablate.measures import Run, load_run
-from harness.curves import plot_panels
 
 
 def run_arms(name: str, arms: list[tuple[str, list[str]]], seeds: list[int],

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import dapo
 import verifier
 from ablate import habits
+from ablate.curves import CURVES, curve
 from ablate.measures import (
     Run,
     at_samples,
@@ -27,7 +28,6 @@ from ablate.measures import (
     over_run,
 )
 from harness import builtin, flags
-from harness.curves import CURVES, curve
 
 
 def solution(prompt: str) -> int:

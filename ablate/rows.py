@@ -11,8 +11,8 @@ import shlex
 import statistics
 
 import dapo
+from ablate.curves import curve, runs_panels
 from ablate.measures import at_samples, fmt, fmt_difference
-from harness.curves import curve, runs_panels
 
 ROWS = [  # (name, flags added by this row, the paper's AIME24 avg@32 for the row)
     ("naive GRPO", ["--algo", "grpo", "--beta", "0", "--wrong-reward", "-1"], 30),

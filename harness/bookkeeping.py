@@ -1,5 +1,5 @@
 """After each step's update: the metrics row, rank 0's files, held-out evaluation, checkpoints, the
-progress bar, and the end of the run (the final model, the summary line, the curves).
+progress bar, and the end of the run (the final model, the summary line).
 
 Not an article section: what train.run does around Steps 1-4 (train.py reads as the article; this is
 the bookkeeping a real run needs).
@@ -7,14 +7,13 @@ the bookkeeping a real run needs).
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
 from tqdm import tqdm
 
 import update
-from harness import checkpoint, curves, evaluation, flags, lora, metrics, models
+from harness import checkpoint, evaluation, flags, lora, metrics, models
 from harness.rollout import StepDraw
 from harness.setup import RunState, Setup
 from infra import parallel
@@ -108,7 +107,7 @@ def show_progress(s: Setup, bar, row: dict, acc: float | None, done: bool = Fals
 def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: RunState,
            elapsed: float) -> dict:
     """The end: the whole model saved to OUT/final by rank 0 (FSDP2: gathered; LoRA's adapters
-    merged, and OUT/adapter alone), the summary line, --plot's OUT/curves.png."""
+    merged, and OUT/adapter alone), and the summary line."""
     weights = lora.merged_state_dict(s.model) if args.lora_r else parallel.full_state_dict(s.model)
     if s.engine:
         s.engine.close()
@@ -125,10 +124,6 @@ def finish(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, state: RunStat
                    f"({len(s.eval_rows)} problems); ")
         print(f"{acc}{state.step} steps, {state.samples} samples in {elapsed:.0f}s; "
               f"model saved to {final}")
-        if args.plot:
-            png = os.path.join(args.out, "curves.png")
-            if curves.plot_runs({args.algo: [metrics.read_metrics(s.out.metrics_path)]}, png):
-                print(f"curves: {png}")
     return {"acc_before": state.acc_before, "acc_after": state.acc_after, "seconds": elapsed}
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -288,8 +287,7 @@ class TrainArgs(EvalArgs):
     clip_c: float = flag(0.0, "dual-clip bound for negative advantages, loss <= -clip_c * A (0: "
                          "off; verl 3, DAPO recipe 10)")
     loss: str = flag("ppo", "objective: ppo (the clipped surrogate of GRPO/DAPO), gspo, "
-                     "gspo-token, cispo, dppo, sapo (variants.py)",
-                     ["ppo", "gspo", "gspo-token", "cispo", "dppo", "sapo"])
+                     "cispo, dppo, sapo (variants.py)", ["ppo", "gspo", "cispo", "dppo", "sapo"])
     kl: str = flag("k3", "KL estimator of the beta term: k1, k2 (its gradient is KL's), k3 "
                    "(DeepSeekMath)", ["k1", "k2", "k3"])
     entropy_coef: float = flag(0.0, "subtract this times the mean token entropy from the loss (0: "
@@ -335,13 +333,10 @@ class TrainArgs(EvalArgs):
                            "steps (0: only the final model)")
     resume: bool = flag(False, "continue from OUT/checkpoint.pt or OUT/checkpoint/ (same flags; "
                         "--steps is the total)")
-    plot: bool = flag(False, "draw OUT/curves.png (accuracy, entropy, length, truncation; needs "
-                      "matplotlib)")
     report_to: str = flag("none", "also send every metrics.jsonl row to wandb or tensorboard "
-                          "(OUT/tensorboard/RUN_NAME) as it is written (rank 0)",
+                          "(OUT/tensorboard/NAME) as it is written (rank 0), the run named after "
+                          "the --out folder",
                           ["none", "wandb", "tensorboard"])
-    run_name: str | None = flag(None, "the run's name for --report-to (default: the name of the "
-                                "--out folder)")
     log_completions: int = flag(2, "append this many sampled completions per step (prompt, "
                                 "response, reward) to OUT/completions.jsonl (0: off)")
     peak_tflops: float | None = flag(None, "peak TFLOP/s of one device, what perf/mfu divides by "
@@ -358,7 +353,6 @@ ALGO_DEFAULTS = {  # the papers' settings; a flag given on the command line wins
 }
 LOSS_DEFAULTS = {  # the papers' clip ranges, over --algo's (a flag given on the command line wins)
     "gspo": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
-    "gspo-token": dict(eps_low=variants.GSPO_EPS_LOW, eps_high=variants.GSPO_EPS_HIGH),
     "cispo": dict(eps_low=variants.CISPO_EPS_LOW, eps_high=variants.CISPO_EPS_HIGH),
     "dppo": dict(eps_low=variants.DPPO_DELTA, eps_high=variants.DPPO_DELTA),
 }
@@ -402,8 +396,6 @@ def parse_train_args(argv=None, description: str | None = None) -> TrainArgs:
         ns.overlong_cache = max(1, ns.max_new_tokens // 5)
     if ns.lora_alpha is None:
         ns.lora_alpha = 2.0 * ns.lora_r
-    if ns.run_name is None:
-        ns.run_name = os.path.basename(os.path.abspath(ns.out))
     if ns.eval_data is None and ns.data == "builtin":
         ns.eval_data = "builtin"
     checks = [  # (holds, the one-line error if not)

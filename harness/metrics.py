@@ -149,7 +149,7 @@ class SignalCheck:
 
 
 # ---------------------------------------------------------------------------------------------
-# The run's files: written as it goes, read back (--plot, python -m ablate, --resume)
+# The run's files: written as it goes, read back (python -m ablate, --resume)
 # ---------------------------------------------------------------------------------------------
 
 class LiveCurves:
@@ -205,7 +205,8 @@ class RunLog:
         checkpoint.write_text(os.path.join(args.out, "config.json"), json.dumps(config, indent=1))
         self.live = None
         if args.report_to != "none":
-            self.live = LiveCurves(args.report_to, args.run_name, args.out, config)
+            name = os.path.basename(os.path.abspath(args.out))      # the run's name: its folder's
+            self.live = LiveCurves(args.report_to, name, args.out, config)
         self.metrics_path = os.path.join(args.out, "metrics.jsonl")
         completions_path = os.path.join(args.out, "completions.jsonl")
         if resume_step is not None:
@@ -256,8 +257,8 @@ def sampled_completions(roll: Rollout, tokenizer, k: int) -> list[dict]:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The rows of a run's JSONL log (metrics.jsonl, completions.jsonl; what --plot and
-    `python -m ablate` read). A run killed while writing leaves its last line cut (no newline):
+    """The rows of a run's JSONL log (metrics.jsonl, completions.jsonl; what `python -m ablate`
+    reads). A run killed while writing leaves its last line cut (no newline):
     that line is dropped with a one-line notice. Any other bad line is corruption, not a kill:
     CheckpointError naming file:line."""
     return [row for _, row in _jsonl_lines(path)]

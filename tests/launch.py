@@ -129,7 +129,7 @@ def run_record(out):
         return [{k: v for k, v in json.loads(x).items() if not _clocked(k)}
                 for x in (out / name).read_text().splitlines()]
     config = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
-              if k not in ("out", "run_name", "resume")}
+              if k not in ("out", "resume")}
     final = {p.name: p.read_bytes() for p in sorted((out / "final").iterdir())}
     return {"metrics": rows("metrics.jsonl"), "completions": rows("completions.jsonl"),
             "final": final, "config": config, "files": sorted(os.listdir(out))}

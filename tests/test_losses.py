@@ -139,28 +139,14 @@ def _check_gspo_against_verl(seed, reduction, mode, eps_low, eps_high):
     wt = grpo.token_weights(mask, reduction)                                  # [N, T]
     want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask,
                                                       eps_low, eps_high, mode), logp)
-    for fn in (variants.gspo_loss, variants.gspo_token_loss):
-        got, g_got = _value_and_grad(
-            lambda: fn(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)  # noqa: B023
-        assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
-    # per-token advantages: only the token form takes them
-    adv_tok = torch.randn_like(mask)
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
-                                                      mode), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt,
-                                                                  eps_low,
-                                                                 eps_high)[0], logp)
+    got, g_got = _value_and_grad(
+        lambda: variants.gspo_loss(logp, old, adv, mask, wt, eps_low, eps_high)[0], logp)
     assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
+    # per-token advantages: refused (one ratio per response takes one advantage per response)
     with pytest.raises(ValueError):
-        variants.gspo_loss(logp, old, adv_tok, mask, wt)
+        variants.gspo_loss(logp, old, torch.randn_like(mask), mask, wt)
     # truncated IS weights multiply each token's loss, as verl's rollout_is_weights do
     w = correction.is_weights(old, old + 0.5 * torch.randn_like(old), mask, 2.0)[0]
-    want, g_want = _value_and_grad(lambda: _verl_gspo(old, logp, adv_tok, mask, eps_low, eps_high,
-                                                      mode, w), logp)
-    got, g_got = _value_and_grad(lambda: variants.gspo_token_loss(logp, old, adv_tok, mask, wt * w,
-                                                                  eps_low,
-                                                                 eps_high)[0], logp)
-    assert torch.allclose(got, want, atol=1e-10) and torch.allclose(g_got, g_want, atol=1e-10)
     want = _verl_gspo(old, logp, adv[:, None].expand_as(mask), mask, eps_low, eps_high, mode, w)
     assert torch.allclose(variants.gspo_loss(logp, old, adv, mask, wt * w, eps_low, eps_high)[0],
                           want)
@@ -178,19 +164,14 @@ def test_gspo_equals_verl_gspo_values_and_gradients(reduction, mode):
     _check_gspo_against_verl(0, reduction, mode, variants.GSPO_EPS_LOW, variants.GSPO_EPS_HIGH)
 
 
-def test_gspo_on_policy_gradient_equals_gspo_token_and_the_sequence_policy_gradient():
+def test_gspo_on_policy_gradient_is_the_sequence_policy_gradient():
     # mu = 1: old = current, s_i = 1, nothing clipped (even with the paper's 3e-4 / 4e-4). The
-    # gradient of each token is -A_i / |y_i| / N: the sequence-mean policy gradient, as GSPO-token
-    # with A_i on each token.
+    # gradient of each token is -A_i / |y_i| / N: the sequence-mean policy gradient.
     logp, _, adv, mask = _random_policy_batch(3, 0.0)
     old = logp.detach().clone()
     # [N, T], sequence mean
     wt = grpo.token_weights(mask)
     loss, g_seq = _value_and_grad(lambda: variants.gspo_loss(logp, old, adv, mask, wt)[0], logp)
-    _, g_tok = _value_and_grad(
-        lambda: variants.gspo_token_loss(logp, old, adv[:, None].expand_as(mask), mask, wt)[0],
-        logp)
-    assert torch.allclose(g_seq, g_tok, atol=1e-12)
     want = -adv[:, None] / mask.sum(-1, keepdim=True) / mask.shape[0] * mask
     assert torch.allclose(g_seq, want, atol=1e-12) and abs(loss.item() + adv.mean().item()) < 1e-12
 
@@ -260,8 +241,6 @@ def test_token_weights_reduce_as_the_formulas_and_kl_term_splits_off():
 @pytest.mark.parametrize("name,fn", [
     ("gspo", lambda lp, old, adv, mask, w: variants.gspo_loss(lp, old, adv, mask, w, 0.02,
                                                               0.03)[0]),
-    ("gspo-token", lambda lp, old, adv, mask,
-     w: variants.gspo_token_loss(lp, old, adv, mask, w, 0.02, 0.03)[0]),
     ("cispo", lambda lp, old, adv, mask,
      w: variants.cispo_loss(lp, old, adv, mask, w, 0.2, 0.28)[0]),
     ("dppo", lambda lp, old, adv, mask, w: variants.dppo_loss(lp, old, adv, mask, w, 0.01,
@@ -338,7 +317,7 @@ def test_mismatch_metrics_by_hand():
 
 
 def test_loss_flags_choose_functions_and_the_papers_clip_ranges():
-    assert (set(update.LOSSES) == {"ppo", "gspo", "gspo-token", "cispo", "dppo", "sapo"}
+    assert (set(update.LOSSES) == {"ppo", "gspo", "cispo", "dppo", "sapo"}
             and set(update.KL_ESTIMATORS) == {"k1", "k2", "k3"})
     a = flags.parse_train_args(["--loss", "gspo"])
     assert (a.eps_low, a.eps_high, a.kl, a.entropy_coef, a.tis_cap) == (3e-4, 4e-4, "k3", 0.0, 0.0)

@@ -337,8 +337,8 @@ def test_report_to_wandb_logs_each_row_at_its_step(tiny_run_inputs, tmp_path, mo
         return Run()
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
-    out = tmp_path / "run"
-    one_step(tiny_run_inputs, out, "--report-to", "wandb", "--run-name", "w")
+    out = tmp_path / "w"                              # the run is named after its folder
+    one_step(tiny_run_inputs, out, "--report-to", "wandb")
     (_, kw), *logs, finish = calls
     assert kw == {"project": "grpo-dapo", "name": "w", "dir": str(out),
                   "config": json.loads((out / "config.json").read_text())} and finish == ("finish",)

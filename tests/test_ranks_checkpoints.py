@@ -709,7 +709,7 @@ def test_runlog_trims_both_logs_on_resume_and_a_fresh_run_starts_them(tmp_path, 
     logged once. A fresh run (no --resume) in that folder starts both logs (and config.json) anew,
     and without --log-completions leaves no completions.jsonl of the run before."""
     from types import SimpleNamespace
-    args = SimpleNamespace(out=str(tmp_path), report_to="none", run_name="r", log_completions=2)
+    args = SimpleNamespace(out=str(tmp_path), report_to="none", log_completions=2)
 
     def steps(log, todo):
         for s in todo:

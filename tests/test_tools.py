@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from harness import builtin, curves, data, flags, models
+from ablate import curves
+from harness import builtin, data, flags, models
 from test_grpo import tiny_flags
 from verifier import verify
 
@@ -179,7 +180,7 @@ def test_figures_read_alone(tmp_path):
     assert not ax.collections and len(ax.lines) == 9
     assert sorted(tuple(ln.get_ydata()[:1]) for ln in ax.lines if ln.get_linestyle() == "--") == \
         pytest.approx([(0.0,)] * 3 + [(0.4,)] * 3)
-    # train.py --plot's figure: one run, the four CURVES with their units
+    # one run's figure: the four CURVES with their units
     run = [{"step": 0, "eval/accuracy": 0.5},
            *({"step": s, "loss": 0, "samples": 64 * s, "entropy": 0.1, "len/mean": 30.0,
               "len/truncated_frac": 0.1} for s in range(1, 6)), {"step": 5, "eval/accuracy": 0.9}]

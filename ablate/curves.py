@@ -1,5 +1,5 @@
 """A run's curves drawn (-> PNG): accuracy, entropy, length and truncation against the responses
-sampled, for train.py --plot and `python -m ablate`'s figures (whose measures of a run are in
+sampled, for `python -m ablate`'s figures (whose measures of a run are in
 ablate/measures.py). The rows they are drawn from are harness/metrics.py's (metrics.read_metrics).
 
 Every figure reads alone: each panel has its x and y labels (with units), one legend is shared by
