@@ -341,34 +341,34 @@ def _clipped_high_tries(t):  # the one-seed clip-higher tries that kept the poli
 # list of cells (row, column[, n]) or a function of the table). A figure must equal the value read,
 # rounded to the figure's decimals; the one-seed tries are the table of results/README.md itself.
 DOC_FIGURES = [
-    # README.md's table of the article's claims
-    (P1, "[0.61] of the sampled groups at the end; with the fix [15.9] vs [9.6] of 16 groups", _DS,
+    # results/README.md's table of the article's claims
+    (P2, "[0.61] of the sampled groups at the end; with the fix [15.9] vs [9.6] of 16 groups", _DS,
      [("all wrong, last 5", "off"), ("with a gradient", ON), ("with a gradient", "off")]),
-    (P1, "per update no gain (sampled accuracy [0.850] vs [0.839], within noise) at [2.4]x the "
+    (P2, "per update no gain (sampled accuracy [0.850] vs [0.839], within noise) at [2.4]x the "
      "responses, and behind at equal responses ([0.721] vs [0.885], beyond noise)", _DS,
      lambda t: t.read(("last 5 updates", ON)) + t.read(("last 5 updates", "off"))
      + _responses_ratio(t) + t.read(("1,024 responses", ON)) + t.read(("1,024 responses", "off"))),
-    (P1, "the rows' only fix that lifts the end accuracy at an equal budget ([+0.039] ± [0.009])",
+    (P2, "the rows' only fix that lifts the end accuracy at an equal budget ([+0.039] ± [0.009])",
      _AB, [(_above(DAPO_ROW), AT_END, 2)]),
-    (P1, "[0.90] of the truncated responses are the start of a right solution", _OS,
+    (P2, "[0.90] of the truncated responses are the start of a right solution", _OS,
      [("on the way", HARD)]),
-    (P1, "held-out accuracy ends equal ([0.948] hard, [0.951] filter, [0.951] filter + penalty, "
+    (P2, "held-out accuracy ends equal ([0.948] hard, [0.951] filter, [0.951] filter + penalty, "
      "[0.953] penalty alone)", _OS, [("held-out", c) for c in (HARD, "filter", SOFT, ALONE)]),
-    (P1, "the filter keeps more responses truncated ([0.010] vs [0.001] in the rows, beyond noise)",
+    (P2, "the filter keeps more responses truncated ([0.010] vs [0.001] in the rows, beyond noise)",
      _AB, [(FIXES[0], TRUNC), (NAIVE, TRUNC)]),
-    (P1, "wrong responses end [44.2] vs [35.9] tokens, [0.54] vs [0.30] repeating a line", _TL,
+    (P2, "wrong responses end [44.2] vs [35.9] tokens, [0.54] vs [0.30] repeating a line", _TL,
      [("length of wrong", "sequence"), ("length of wrong", "token"), ("repeat a line", "sequence"),
       ("repeat a line", "token")]),
-    (P1, "the token-level row's end accuracy is within noise of the row above ([-0.003] ± [0.025]",
+    (P2, "the token-level row's end accuracy is within noise of the row above ([-0.003] ± [0.025]",
      _AB, [(_above(FIXES[3]), AT_END, 2)]),
-    (P1, "entropy [0.056] vs [0.055] (clip-higher.md)", _CH, [("entropy", E2), ("entropy", E28)]),
-    (P1, "random reward [0.105] vs [0.114]", _CHR, [("entropy", E2), ("entropy", E28)]),
-    (P1, "rows [+0.0005] ± [0.0009]", _AB, [(_above(FIXES[1]), ENT, 2)]),
-    (P1, "several valid paths per answer ([0.331] nats/token at the start), 12 seeds: [0.266] vs "
+    (P2, "entropy [0.056] vs [0.055] (clip-higher.md)", _CH, [("entropy", E2), ("entropy", E28)]),
+    (P2, "random reward [0.105] vs [0.114]", _CHR, [("entropy", E2), ("entropy", E28)]),
+    (P2, "rows [+0.0005] ± [0.0009]", _AB, [(_above(FIXES[1]), ENT, 2)]),
+    (P2, "several valid paths per answer ([0.331] nats/token at the start), 12 seeds: [0.266] vs "
      "[0.280] over the last 5 steps ([+0.015] ± [0.049], within noise", _CHP,
      [("entropy at step 1", E2), ("entropy, last 5", E2), ("entropy, last 5", E28),
       ("entropy, last 5", D28, 2)]),
-    (P1, "clipped at the upper bound is at most [0.001] in any of them", _CHR,
+    (P2, "clipped at the upper bound is at most [0.001] in any of them", _CHR,
      lambda t: [max(t.read(("upper bound", E2)) + t.read(("upper bound", E28)))]),
     # results/README.md: dynamic sampling
     (P2, "to [0.61] ± [0.02] over the last 5 steps, as sampled accuracy goes from 0.55 "
@@ -550,13 +550,13 @@ def test_docs_quote_the_figures_of_the_results_tables():
     results = {name: read_file(os.path.join(ROOT, "results", name)) for name in names}
     assert _figure_problems(pages, results) == []
     # an edited page, an edited table: each is caught
-    edited = {**pages, P1: pages[P1].replace("with the fix 15.9 vs", "with the fix 15.8 vs")}
+    edited = {**pages, P2: pages[P2].replace("with the fix 15.9 vs", "with the fix 15.8 vs")}
     assert _figure_problems(edited, results) == [
-        "README.md no longer says '0.61 of the sampled groups at the end; with the fix 15.9 vs 9.6 "
-        "of 16 groups'"]
+        "results/README.md no longer says '0.61 of the sampled groups at the end; with the fix "
+        "15.9 vs 9.6 of 16 groups'"]
     table = results[_DS].replace("| 9.646 ± 0.157 |", "| 9.746 ± 0.157 |")
     assert _figure_problems(pages, {**results, _DS: table}) == [
-        "README.md: '0.61 of the sampled groups at the end; with the fix 15.9 vs 9.6 of 16 "
+        "results/README.md: '0.61 of the sampled groups at the end; with the fix 15.9 vs 9.6 of 16 "
         "groups': 9.6 but results/dynamic-sampling.md gives 9.746",
         "results/README.md: 'trains on 9.6 ± 0.2 groups': 9.6 but results/dynamic-sampling.md "
         "gives 9.746"]
