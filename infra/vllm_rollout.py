@@ -74,15 +74,18 @@ GIB = 2**30
 
 
 def trainer_resident_bytes(model, world_share: int = 1, optimizer: bool = True,
-                           reference: bool = False) -> int:
+                           reference: bool = False, ddp: bool = False) -> int:
     """Bytes per GPU the trainer keeps while the engine samples: the policy's weights, AdamW's two
     moments of each trained parameter (in its dtype), a frozen reference copy (beta > 0 without
-    LoRA); each divided by `world_share` under --fsdp. The gradients are freed after each update
+    LoRA); each divided by `world_share` under --fsdp; under DDP (`ddp`) its gradient buckets, one
+    gradient's size of the trained parameters, which stay allocated between updates
+    (parallel.wrap: the gradients are views into them). The gradients are freed after each update
     (update.py), and the activations live only while the engine sleeps."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    moments = sum(2 * p.numel() * p.element_size() for p in model.parameters()
-                  if p.requires_grad) if optimizer else 0
-    return (params * (2 if reference else 1) + moments) // world_share
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    moments = 2 * trained if optimizer else 0
+    buckets = trained if ddp else 0
+    return (params * (2 if reference else 1) + moments) // world_share + buckets
 
 
 def default_memory_utilization(resident_bytes: int, device: str) -> float:

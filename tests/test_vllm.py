@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -119,6 +120,89 @@ def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda, monk
     engine.llm.reset_prefix_cache = lambda: False
     with pytest.raises(RuntimeError, match="prefix cache"):
         engine.push(model)
+
+
+def test_ddp_gradients_are_its_buckets_and_no_buffer_is_broadcast(monkeypatch):
+    # DDP's all-reduce buckets hold one gradient's size of the trained parameters for the whole run;
+    # by default the gradients are a second copy beside them (4 B a parameter more at the update's
+    # peak, which the engine's share did not leave room for). parallel.wrap asks for the gradients
+    # as views into the buckets, and no buffer broadcast in each forward: on a real DDP (a one-rank
+    # gloo group here) every gradient after a backward lies in one of its buckets
+    import torch.distributed as dist
+
+    from infra import parallel
+    model = tiny("qwen2", torch.float32)
+    built, real = [], torch.nn.parallel.DistributedDataParallel
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel",
+                        lambda m, **kw: built.append(kw) or real(m, **kw))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = parallel.wrap(model, types.SimpleNamespace(world=2, device="cpu"), fsdp=False)
+        assert built == [{"gradient_as_bucket_view": True, parallel.DDP_BUFFER_SYNC: False}]
+        assert not ddp.will_sync_module_buffers() and len(list(model.buffers())) > 0
+        for _ in range(2):                    # the buckets are rebuilt after the first backward
+            model.zero_grad(set_to_none=True)
+            ddp(input_ids=torch.tensor([[3, 4, 5]])).logits.square().mean().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert len(storages) <= 2 and storages.isdisjoint(
+            {p.untyped_storage().data_ptr() for p in model.parameters()})
+        bucket_bytes = sum(p.grad.untyped_storage().nbytes() for p in
+                           {p.grad.untyped_storage().data_ptr(): p for p in
+                            model.parameters()}.values())
+        assert bucket_bytes == sum(4 * p.numel() for p in model.parameters())
+        del ddp
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adamw_state_exists_before_the_engine_takes_its_share(tiny_run_inputs, tmp_path,
+                                                              monkeypatch):
+    # set_up builds the learner (DDP's buckets, AdamW's moments made now: setup.allocate_state)
+    # before the engine sizes its share of what the trainer leaves; AdamW made its state lazily in
+    # the first update, inside the memory the engine had been given
+    from infra import parallel, setup, vllm_rollout
+    learners, seen = [], []
+    real_learner = setup.make_learner
+    monkeypatch.setattr(setup, "make_learner",
+                        lambda *a: learners.append(real_learner(*a)) or learners[-1])
+
+    def engine_for(path, model, args, device, resident, tp=1):
+        opt = learners[0][0].opt if learners else None
+        trained = [p for p in model.parameters() if p.requires_grad]
+        seen.append(opt is not None and all(
+            opt.state[p]["exp_avg"].shape == p.shape and opt.state[p]["exp_avg_sq"].shape
+            == p.shape for p in trained))
+        return types.SimpleNamespace(sample_groups=None, push=lambda m: seen.append("push"))
+    monkeypatch.setattr(vllm_rollout, "engine_for", engine_for)
+    args = flags.parse_train_args([*tiny_flags(tiny_run_inputs, tmp_path / "run"), "--rollout",
+                                   "vllm"])
+    setup.set_up(args, parallel.Dist("cpu"))
+    assert seen == [True, "push"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_state_made_at_set_up_gives_the_steps_of_a_fresh_adamw(fused):
+    # setup.allocate_state's step at lr 0 on zero gradients leaves the weights (weight decay
+    # included) and the moments as they were and its step count at 0: three real steps after it
+    # are bit for bit those of an AdamW that made its state in its first step
+    from infra import setup
+    models = [tiny("qwen2", torch.float32) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+            for m in models]
+    setup.allocate_state(opts[0])
+    assert len(opts[0].state) == len(list(models[0].parameters())) and not opts[1].state
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                 models[1].parameters()))
+    for model, opt in zip(models, opts):
+        for k in range(3):
+            model(input_ids=torch.tensor([[3, 4, 5 + k]])).logits.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                 models[1].parameters()))
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        a, b = opts[0].state[p], opts[1].state[q]
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
 @pytest.fixture(scope="session")
