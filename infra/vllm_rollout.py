@@ -228,9 +228,8 @@ class Engine:
             # engine wakes into what PyTorch's caching allocator still holds
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-        if lora.has_adapters(model):              # --lora-r: the merged weights, as TRL pushes
-            merged = lora.merged_state_dict(model)
-            weights = ((n, t.detach().to(self.dtype)) for n, t in merged.items())
+        if lora.has_adapters(model):  # --lora-r: the merged weights, as TRL pushes, one at a time
+            weights = lora.merged_weights(model, self.dtype)
         else:
             weights = full_weights(model, self.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from infra import builtin, data, flags
 from launch import ROOT, run_train, torchrun
@@ -458,6 +459,55 @@ def test_engine_takes_the_merged_weights_of_a_lora_policy():
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(pushed[q], model.state_dict()[q.replace(".weight",
                                                                    ".base_layer.weight")])
+
+
+class _WeakLLM(_RecordingLLM):
+    """A recording stand-in engine that keeps only weak references to the memory (the storages) of
+    the merged weights it is handed (as vLLM copies each into its own and drops it), and notes how
+    many were still alive when the next one came and when its KV cache woke up."""
+
+    def __init__(self, merged: set[str]):
+        super().__init__()
+        self.merged, self.refs, self.alive_at_next, self.got = merged, [], [], {}
+
+    def collective_rpc(self, method, kwargs):
+        for n, t in kwargs["weights_iterator"]:
+            if n in self.merged:
+                self.alive_at_next.append(sum(not r.expired() for r in self.refs))
+                self.refs.append(StorageWeakRef(t.untyped_storage()))
+            self.got[n] = t.clone()
+
+    def wake_up(self, tags=None):
+        super().wake_up(tags)
+        if tags == ["kv_cache"]:
+            self.calls.append(("alive", sum(not r.expired() for r in self.refs)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_push_streams_one_merged_weight_at_a_time_in_the_engines_dtype(dtype, monkeypatch):
+    # --lora-r with --rollout vllm: push built every merged weight at once and kept them alive
+    # through the KV cache's wake-up (~26 GB at 7B, r 64); now each comes when the engine reads it,
+    # in the engine's dtype, and none is left when the KV cache wakes
+    pytest.importorskip("peft")
+    from infra import lora, vllm_rollout
+    model = tiny("qwen2", torch.float32)
+    lora.add_adapters(model, 4, 8.0, "q_proj,v_proj,down_proj", "tiny")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    merged = {n for n in lora.merged_state_dict(model) if n.endswith(("q_proj.weight",
+                                                                       "v_proj.weight",
+                                                                       "down_proj.weight"))}
+    engine = object.__new__(vllm_rollout.Engine)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine.llm, engine.cuda, engine.dtype, engine.asleep = _WeakLLM(merged), True, dtype, True
+    engine.push(model)
+    want = lora.merged_state_dict(model)
+    assert len(merged) == 6 and engine.llm.alive_at_next == [0] * 6
+    assert engine.llm.calls[-3:-1] == [("wake_up", ["kv_cache"]), ("alive", 0)]
+    assert list(engine.llm.got) == list(want) and all(
+        t.dtype == dtype and torch.equal(t, want[n].to(dtype)) for n, t in engine.llm.got.items())
 
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
