@@ -70,7 +70,9 @@ class EvalArgs:
                                   "either way)")
     max_num_seqs: int | None = flag(None, "at most N sequences decode at once (vLLM's name; "
                                     "continuous batching): the KV cache holds N x (P + T) "
-                                    "positions (default: as many as --kv-cache-gb holds)")
+                                    "positions (default: as many as --kv-cache-gb holds; "
+                                    "--rollout vllm: the engine's own, the flag caps it only "
+                                    "when given)")
     kv_cache_gb: float = flag(8.0, "KV cache budget that sets --max-num-seqs when it is not given: "
                               "layers x KV heads x head_dim x 2 x bytes x N x (P + T) <= this, N a "
                               "multiple of G and at least G")

@@ -206,6 +206,51 @@ def test_adamw_state_made_at_set_up_gives_the_steps_of_a_fresh_adamw(fused):
         assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
+def _doc_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(page, the flags after `script`) of each command running it in the bash blocks of README.md
+    and docs/*.md (continued lines joined, comments dropped)."""
+    import re
+    import shlex
+    pages = ["README.md", *(f"docs/{n}" for n in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                            if n.endswith(".md"))]
+    out = []
+    for page in pages:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+            text = fh.read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            command = ""
+            for line in block.splitlines():
+                command += line + "\n"
+                if line.endswith("\\") or command.count('"') % 2:     # continued, or in quotes
+                    continue
+                words = shlex.split(command.replace("\\\n", " "), comments=True)
+                if script in words:
+                    out.append((page, words[words.index(script) + 1:]))
+                command = ""
+    return out
+
+
+def test_the_engine_decides_its_own_concurrency_unless_the_flag_is_given(monkeypatch):
+    # --max-num-seqs is handed to vLLM as max_num_seqs only when given: the recipes' engines are
+    # not capped (the DAPO-Math recipe passed 16, sized for the built-in sampler's KV cache: 16
+    # sequences per GPU for vLLM, about a tenth of its concurrency); a user's value still is
+    from infra import vllm_rollout as vr
+    built = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        LLM=lambda **kw: built.append(kw)))
+    model = tiny("qwen2", torch.float32)
+    recipes = [(page, parse(argv)) for script, parse in (("train.py", flags.parse_train_args),
+                                                         ("evaluate.py", flags.parse_eval_args))
+               for page, argv in _doc_commands(script) if "vllm" in argv]
+    assert len(recipes) >= 4, recipes              # real-models.md's two, evaluation.md's, ...
+    for page, args in recipes:
+        vr.engine_for("m", model, args, "cpu", 0)
+        assert "max_num_seqs" not in built[-1], (page, built[-1]["max_num_seqs"])
+    vr.engine_for("m", model, flags.parse_train_args(["--rollout", "vllm", "--max-num-seqs",
+                                                      "64"]), "cpu", 0)
+    assert built[-1]["max_num_seqs"] == 64
+
+
 @pytest.fixture(scope="session")
 def vllm_env():
     """Skips where vllm cannot be imported; a 1 GiB KV cache per engine on CPU (the default is 30%
