@@ -34,6 +34,7 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -104,10 +105,12 @@ def default_memory_utilization(resident_bytes: int, device: str) -> float:
 
 
 def engine_for(path: str, model, args, device: str, resident_bytes: int,
-               tensor_parallel_size: int = 1) -> Engine:
+               tensor_parallel_size: int = 1, sleep_mode: bool = True) -> Engine:
     """--rollout vllm's engine for the model loaded from `path` (train.py's set-up, evaluate.py per
     --model): the run's --bf16, --seed, --vllm-gpu-memory-utilization (or its default from the
-    trainer's `resident_bytes`) and --max-num-seqs, and the model's context as max_model_len."""
+    trainer's `resident_bytes`) and --max-num-seqs, and the model's context as max_model_len.
+    sleep_mode False: an engine that never sleeps (evaluate.py, which builds one per model in one
+    process, and vLLM's sleep mode allows one engine per process)."""
     from infra.rollout import context_limit
     share = args.vllm_gpu_memory_utilization
     if share is None:
@@ -116,7 +119,8 @@ def engine_for(path: str, model, args, device: str, resident_bytes: int,
             print(f"vLLM engine: {share:.2f} of the GPU (the trainer keeps "
                   f"{resident_bytes / GIB:.1f} GiB while it samples)", file=sys.stderr)
     return Engine(path, device, args.bf16, args.seed, share, args.max_num_seqs,
-                  context_limit(model)[0], tensor_parallel_size, args.fp32_lm_head)
+                  context_limit(model)[0], tensor_parallel_size, args.fp32_lm_head,
+                  sleep_mode=sleep_mode)
 
 
 def _group_gather(tp: int):
@@ -139,7 +143,7 @@ class Engine:
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, fp32_head: bool = False):
+                 tensor_parallel_size: int = 1, fp32_head: bool = False, sleep_mode: bool = True):
         # the engine core in this process (weight sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -162,7 +166,7 @@ class Engine:
             seed=seed, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             distributed_executor_backend="external_launcher" if world > 1 else None,
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda and sleep_mode,
             enforce_eager=not self.cuda,
             **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}),
             # --fp32-lm-head: the engine's lm_head in float32 too (vLLM's head_dtype override)
@@ -246,5 +250,12 @@ class Engine:
 
     def close(self) -> None:
         """Shut the engine down while the process group it joined still exists (vLLM then destroys
-        its groups and the world; left to exit, its clean-up would find them gone)."""
+        its groups and the world; left to exit, its clean-up would find them gone), and free its
+        memory now (its objects hold reference cycles: collected, not just dropped; on CUDA the
+        cached blocks handed back), so that the next engine of the process (evaluate.py's next
+        --model) finds the device as it was."""
         self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()

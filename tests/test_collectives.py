@@ -100,3 +100,54 @@ def test_a_rank_without_a_group_joins_the_others_collectives_under_fsdp_top_p(en
     # while rank 0 went on to its training forward: gloo failed on the mismatched sizes. With an
     # engine's rollout (no Rollout.kept) rank 0 must gather, and rank 1, without rows, with it
     _run_ranks(_update_with_an_empty_rank, 2, engine)
+
+
+class _EchoLLM:
+    """Stands in for vllm.LLM: each request's response is two tokens of its prompt and the first
+    end id."""
+
+    def generate(self, requests, params, use_tqdm=False):
+        outs = []
+        for r, p in zip(requests, params):
+            ids = [*r["prompt_token_ids"][:2], p.stop_token_ids[0]]
+            lps = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps)]))
+        return outs
+
+
+def test_evaluation_on_a_tensor_parallel_engine_gathers_as_often_on_every_rank(monkeypatch):
+    # --vllm-tensor-parallel-size 2: the engine's 2 ranks gather their prompts in every batch
+    # (all_gather_object over the group). 5 held-out rows at 2 a batch give rank 0 rows 0, 2, 4
+    # (2 batches) and rank 1 rows 1, 3 (1 batch): rank 0 waited in its second gather while rank 1
+    # had gone on. Every rank now runs rank 0's count, the one out of rows asking for none; the
+    # scores are those of one rank
+    import evaluate
+    from infra import flags, models, vllm_rollout
+    monkeypatch.setattr(evaluate, "EVAL_BATCH", 2)
+    _, tokenizer, model = models.load_model("builtin")
+    rows = [{"prompt": f"{a}x+{b}={a * 3 + b}", "answer": "3"} for a, b in
+            [(2, 1), (3, 4), (5, 2), (4, 4), (2, 9)]]
+    args = flags.parse_eval_args(["--model", "builtin", "--max-new-tokens", "8"])
+
+    class Rank:
+        def __init__(self, rank):
+            self.rank, self.world = rank, 2
+
+        def sum(self, x):
+            return x.detach().double().clone()
+
+    gathers, scored = {0: 0, 1: 0}, {}
+    for r in (0, 1):
+        engine = object.__new__(vllm_rollout.Engine)
+        engine.llm, engine.tp, engine.group_rank = _EchoLLM(), 2, r
+        engine.vllm = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw))
+
+        def gather(items, r=r):  # the other rank's share left out: each rank draws its own
+            gathers[r] += 1
+            return [items, []] if r == 0 else [[], items]
+        engine.gather = gather
+        _, records = evaluate.evaluate_model(model, tokenizer, rows, args, Rank(r),
+                                             sample=engine.sample_groups)
+        scored[r] = [rec["index"] for rec in records]
+    assert gathers == {0: 2, 1: 2}
+    assert scored == {0: [0, 2, 4], 1: [1, 3]}

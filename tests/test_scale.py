@@ -136,9 +136,10 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
 
     class Engine:
         def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len, tp,
-                     fp32_head):
+                     fp32_head, sleep_mode):
             made.append({"path": path, "max_model_len": max_model_len, "calls": 0,
-                         "closed": False, "max_num_seqs": max_num_seqs, "util": util, "tp": tp})
+                         "closed": False, "max_num_seqs": max_num_seqs, "util": util, "tp": tp,
+                         "sleep_mode": sleep_mode})
 
         def sample_groups(self, model, *a, **kw):
             made[-1]["calls"] += 1
@@ -153,7 +154,8 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     assert vllm == hf and len(made) == 1
     assert made[0]["calls"] >= 1 and made[0]["closed"] and made[0]["max_model_len"] == 256
     assert made[0]["max_num_seqs"] == 8 and made[0]["path"].endswith("base_model")
-    assert (made[0]["util"], made[0]["tp"]) == (vllm_rollout.CPU_MEMORY_UTILIZATION, 1)
+    assert (made[0]["util"], made[0]["tp"], made[0]["sleep_mode"]) == (
+        vllm_rollout.CPU_MEMORY_UTILIZATION, 1, False)
 
 
 def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys, monkeypatch):

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -249,6 +250,64 @@ def test_the_engine_decides_its_own_concurrency_unless_the_flag_is_given(monkeyp
     vr.engine_for("m", model, flags.parse_train_args(["--rollout", "vllm", "--max-num-seqs",
                                                       "64"]), "cpu", 0)
     assert built[-1]["max_num_seqs"] == 64
+
+
+class _CyclicLLM:
+    """Stands in for vllm.LLM: holds a reference cycle, as vLLM's objects do (freed only by the
+    cycle collector), answers each request with two prompt tokens and an end id, and notes, when
+    built, whether every engine built before it was shut down and freed."""
+    made: list = []
+
+    def __init__(self, **kw):
+        self.kw, self.me, self.down = kw, self, False          # self.me: the cycle
+        self.before = [(r() is None, down) for r, down in _CyclicLLM.made]
+        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
+            shutdown=lambda: _CyclicLLM.made.__setitem__(index, (_CyclicLLM.made[index][0], True))))
+        index = len(_CyclicLLM.made)
+        _CyclicLLM.made.append((weakref.ref(self), False))
+        _CyclicLLM.seen.append((kw, self.before))
+
+    def generate(self, requests, params, use_tqdm=False):
+        outs = []
+        for r, p in zip(requests, params):
+            ids = [*r["prompt_token_ids"][:2], p.stop_token_ids[0]]
+            lps = [{t: types.SimpleNamespace(logprob=-0.5)} for t in ids]
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids,
+                                                                              logprobs=lps)]))
+        return outs
+
+
+def test_evaluate_shuts_each_models_engine_down_and_frees_it_before_the_next(monkeypatch):
+    # evaluate.py --rollout vllm with several --model builds one engine per model in one process:
+    # vLLM's sleep mode allows one instance per process (its CuMem allocator must be empty when
+    # the next engine loads its weights), so evaluate.py's engines run without it (they never
+    # sleep), and each is shut down and its memory collected before the next is built (its
+    # objects hold reference cycles: dropping the last name did not free them)
+    import gc
+
+    import evaluate
+    from infra import vllm_rollout
+    _CyclicLLM.made, _CyclicLLM.seen = [], []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        LLM=_CyclicLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    asked, real = [], vllm_rollout.engine_for
+    monkeypatch.setattr(vllm_rollout, "engine_for",
+                        lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    gc.collect()
+    gc.disable()                                # only an explicit collection frees a cycle
+    try:
+        evaluate.main(["--model", "builtin", "builtin", "--eval-size", "4", "--max-new-tokens",
+                       "8", "--rollout", "vllm"])
+    finally:
+        gc.enable()
+    assert [before for _, before in _CyclicLLM.seen] == [[], [(True, True)]]
+    assert asked == [{"sleep_mode": False}] * 2
+    # on CUDA: the engine evaluate.py asks for has no sleep mode; train.py's has
+    for sleep_mode in (False, True):
+        vllm_rollout.Engine("m", "cuda:0", bf16=True, seed=0, gpu_memory_utilization=0.5,
+                            sleep_mode=sleep_mode)
+        assert _CyclicLLM.seen[-1][0]["enable_sleep_mode"] is sleep_mode
 
 
 @pytest.fixture(scope="session")
