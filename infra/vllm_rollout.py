@@ -14,8 +14,8 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
   for the group's prompts together (gathered in rank order) and each keep their own responses.
 - --vllm-gpu-memory-utilization defaults to what the trainer leaves while the engine samples
   (`default_memory_utilization`): the engine sleeps through the update, so its share is the GPU
-  less what the trainer keeps resident between updates (weights, AdamW, reference; the gradients
-  are freed) less a margin.
+  less what the trainer keeps resident between updates (weights, AdamW, reference, DDP's gradient
+  buckets; the gradients are freed) less a margin.
 - `Engine.sample_groups` takes sample_groups' arguments and returns the same Rollout. A prompt's G
   responses are G requests, the i-th seeded with s + i, s drawn from the prompt's own generator
   (vLLM seeds the children of an n = G request the same way): a prompt's samples depend on (seed,
