@@ -11,7 +11,6 @@ import socket
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -55,51 +54,52 @@ def _tiny_llama():
                                         num_key_value_heads=2)).eval()
 
 
-def _update_with_an_empty_rank(rank: int, world: int, port: int, engine: bool) -> None:
+def _update_with_an_empty_rank(rank: int, world: int, port: int) -> None:
     """Step 4 under --fsdp at --top-p 0.9 where dynamic sampling left rank 1 no group
     (Rollout.empty, no Rollout.kept) and rank 0 two groups sampled by sampler.py (with
-    Rollout.kept), or by an engine (without: the policy finds it, all ranks gathered for it)."""
+    Rollout.kept), then by an engine (without: the policy finds it, all ranks gathered for it);
+    both in the same two processes (a spawn costs more than the updates)."""
     import update
     from infra import parallel
     from sampler import Rollout, sample_groups
     ranks = _init_rank(rank, world, port)
     try:
-        model, G = _tiny_llama(), 4
-        roll = Rollout.empty(G, 0)
-        if rank == 0:
-            roll = sample_groups(model, [[3, 4, 5], [6, 7]], G, 6, eos_token_id=1, pad_token_id=0,
-                                 temperature=1.0, top_p=0.9,
-                                 generator=torch.Generator().manual_seed(0))
-            assert roll.kept is not None
-            roll = dataclasses.replace(roll, index=torch.arange(2).repeat_interleave(G),
-                                       kept=None if engine else roll.kept)
-        parallel.wrap(model, ranks, fsdp=True)
-        learner = update.Learner(model, model, None,
-                                 torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                 contextlib.nullcontext)
-        args = SimpleNamespace(micro_batch_size=4, micro_batch_tokens=10**6, mini_batches=1, mu=1,
-                               temperature=1.0, top_p=0.9, reduction="token", loss="ppo",
-                               fsdp=True, gradient_checkpointing=False, max_new_tokens=6,
-                               eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
-                               off_policy_mask=0.0, entropy_coef=0.0, beta=0.0, kl="k3",
-                               grad_clip=1.0)
-        N = roll.response_ids.shape[0]
-        stats = update.update_policy(learner, roll, torch.linspace(-1, 1, N), roll.mask, args,
-                                     ranks)
-        assert stats.first["updates"] == 1.0          # one optimizer step, counted by rank 0
-        # both ranks end with the same collectives behind them: one more matches
-        assert ranks.sum(torch.ones(1)).item() == world
+        for engine in (False, True):
+            model, G = _tiny_llama(), 4
+            roll = Rollout.empty(G, 0)
+            if rank == 0:
+                roll = sample_groups(model, [[3, 4, 5], [6, 7]], G, 6, eos_token_id=1,
+                                     pad_token_id=0, temperature=1.0, top_p=0.9,
+                                     generator=torch.Generator().manual_seed(0))
+                assert roll.kept is not None
+                roll = dataclasses.replace(roll, index=torch.arange(2).repeat_interleave(G),
+                                           kept=None if engine else roll.kept)
+            parallel.wrap(model, ranks, fsdp=True)
+            learner = update.Learner(model, model, None,
+                                     torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     contextlib.nullcontext)
+            args = SimpleNamespace(micro_batch_size=4, micro_batch_tokens=10**6, mini_batches=1,
+                                   mu=1, temperature=1.0, top_p=0.9, reduction="token",
+                                   loss="ppo", fsdp=True, gradient_checkpointing=False,
+                                   max_new_tokens=6, eps_low=0.2, eps_high=0.28, clip_c=0.0,
+                                   tis_cap=0.0, off_policy_mask=0.0, entropy_coef=0.0, beta=0.0,
+                                   kl="k3", grad_clip=1.0)
+            N = roll.response_ids.shape[0]
+            stats = update.update_policy(learner, roll, torch.linspace(-1, 1, N), roll.mask,
+                                         args, ranks)
+            assert stats.first["updates"] == 1.0          # one optimizer step, counted by rank 0
+            # both ranks end with the same collectives behind them: one more matches
+            assert ranks.sum(torch.ones(1)).item() == world
     finally:
         ranks.close()
 
 
-@pytest.mark.parametrize("engine", [False, True], ids=["sampler", "engine"])
-def test_a_rank_without_a_group_joins_the_others_collectives_under_fsdp_top_p(engine):
+def test_a_rank_without_a_group_joins_the_others_collectives_under_fsdp_top_p():
     # update.keep_sampling_mask decided from this rank's Rollout.kept: sampler.py's rollouts have
     # it, Rollout.empty has not, so rank 1 alone all-gathered the sharded model (parallel.unsharded)
     # while rank 0 went on to its training forward: gloo failed on the mismatched sizes. With an
     # engine's rollout (no Rollout.kept) rank 0 must gather, and rank 1, without rows, with it
-    _run_ranks(_update_with_an_empty_rank, 2, engine)
+    _run_ranks(_update_with_an_empty_rank, 2)
 
 
 class _EchoLLM:
