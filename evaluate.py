@@ -43,7 +43,8 @@ def main(argv=None) -> list[tuple[str, dict]]:
                 check_context(model, [[0]], args.max_new_tokens)
                 engine = vllm_rollout.engine_for(  # beside the model's weights alone
                     path, model, args, args.device,
-                    vllm_rollout.trainer_resident_bytes(model, optimizer=False))
+                    vllm_rollout.trainer_resident_bytes(model, optimizer=False),
+                    sleep_mode=False)               # one engine per --model, in sequence
             try:
                 m, records = evaluate_model(model.to(args.device), tokenizer, rows, args,
                                             OneProcess(), reward_fn,

@@ -102,7 +102,7 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     minibatches = plan_minibatches(roll, mask, args, ranks)
     several = args.mu * len(minibatches) > 1       # more than one update: old != current policy
     t0 = time.time()
-    roll = keep_sampling_mask(learner, roll, minibatches, args)
+    roll = keep_sampling_mask(learner, roll, minibatches, args, ranks)
     old_logp, ref_logp = fixed_logprobs(learner, roll, minibatches, args, ranks, several)
     batch = StepBatch(roll, advantages, mask, old_logp, ref_logp)
     t_logprob, t0 = time.time() - t0, time.time()
@@ -239,14 +239,23 @@ def fixed_logprobs(learner: Learner, roll: Rollout, minibatches: list[Minibatch]
 
 
 def keep_sampling_mask(learner: Learner, roll: Rollout, minibatches: list[Minibatch],
-                       args) -> Rollout:
+                       args, ranks: parallel.Dist) -> Rollout:
     """The rollout with Rollout.kept, the nucleus each token was drawn from at --top-p < 1, so that
     the old, reference and new log-probs are all under it: sampler.py records it; an engine's
     rollout (--rollout vllm) has none, and the policy that sampled finds it
-    (correction.nucleus_sizes)."""
-    if roll.kept is not None or args.top_p >= 1 or args.temperature == 0:
+    (correction.nucleus_sizes).
+
+    Whether to gather the sharded policy for it (--fsdp: a collective) is decided by all ranks
+    together: a rank that dynamic sampling left no group (Rollout.empty) has no Rollout.kept either,
+    and deciding on that alone it entered the all-gather while the others did not."""
+    if args.top_p >= 1 or args.temperature == 0:
+        return roll
+    missing = roll.kept is None and roll.response_ids.shape[0] > 0  # an engine's rows
+    if not ranks.max(int(missing)):                                 # none on any rank
         return roll
     with learner.amp(), parallel.unsharded(learner.model):
+        if not missing:
+            return roll
         kept = correction.nucleus_sizes(learner.model, roll, forward_passes(minibatches),
                                         args.temperature, args.top_p)
     return dataclasses.replace(roll, kept=kept)

@@ -170,9 +170,15 @@ def evaluate_model(model, tokenizer, rows: list[dict], args, ranks, reward_fn=No
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     mine = list(range(ranks.rank, len(rows), ranks.world))
     per = max(1, EVAL_BATCH // n)
+    # as many batches on every rank as rank 0 (the most rows) has: an engine sharded over ranks
+    # (--vllm-tensor-parallel-size) gathers its group's prompts in each batch, a collective, so a
+    # rank out of rows still samples (none); sampler.py's batches are the rank's own
+    batches = math.ceil(math.ceil(len(rows) / ranks.world) / per)
     records = []
-    for start in range(0, len(mine), per):
+    for start in range(0, batches * per, per):
         idx = mine[start:start + per]
+        if not idx and sample is None:
+            continue
         prompts = [encode(rows[i]["prompt"]) for i in idx]
         generators = None if greedy else [eval_generator(args.seed, i) for i in idx]
         roll = sample_rollout(model, prompts, n, temperature, top_p, generators, eos,

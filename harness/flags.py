@@ -72,7 +72,8 @@ class EvalArgs:
                                     "continuous batching): the built-in sampler's KV cache holds "
                                     "N x (P + T) positions, layers x KV heads x head_dim x 2 x "
                                     "bytes each (default: every row of the round at once; set it "
-                                    "on a GPU, docs/memory.md). A vLLM engine keeps its own")
+                                    "on a GPU, docs/memory.md); --rollout vllm: the engine's own, "
+                                    "the flag caps it only when given")
     eval_size: int = flag(256, "held-out problems evaluated (the first eval_size rows)")
     eval_samples: int = flag(1, "n, responses sampled per held-out problem: 1 is greedy "
                              "(eval/accuracy); n > 1 logs mean@n, pass@k, maj@n")

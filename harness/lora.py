@@ -89,17 +89,26 @@ def has_adapters(model) -> bool:
     return any(".lora_" in n for n, _ in model.named_parameters())
 
 
+def merged_weights(model, dtype: torch.dtype | None = None):
+    """(name, tensor) for each entry of the base model's state dict, lazily, one at a time, each
+    adapted weight W + (alpha / r) B A (summed in W's dtype), in `dtype` (None: as they are). An
+    engine reading the stream (--rollout vllm's push) holds one merged weight at a time, never all
+    of them (a 7B model at r 64: ~26 GB). The model itself is left as it is."""
+    layers = _layers(model)
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:
+            continue
+        name = k.removesuffix(".base_layer.weight")
+        if name != k and name in layers:
+            with torch.no_grad():
+                v = v + layers[name].get_delta_weight(ADAPTER).to(v.dtype)   # [out, in]
+        yield k.replace(".base_layer.", "."), v.detach() if dtype is None else v.detach().to(dtype)
+
+
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The base model's state dict with each adapted weight replaced by W + (alpha / r) B A: what
-    AutoModelForCausalLM loads as a plain model. The model itself is left as it is."""
-    sd = model.state_dict()
-    out = {k.replace(".base_layer.", "."): v for k, v in sd.items() if ".lora_" not in k}
-    with torch.no_grad():
-        for name, m in _layers(model).items():
-            out[f"{name}.weight"] = (sd[f"{name}.base_layer.weight"]
-                                     + m.get_delta_weight(ADAPTER).to(
-                                         sd[f"{name}.base_layer.weight"].dtype))
-    return out
+    AutoModelForCausalLM loads as a plain model (merged_weights, all at once)."""
+    return dict(merged_weights(model))
 
 
 def save_adapter(model, config, folder: str) -> None:

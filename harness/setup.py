@@ -116,10 +116,11 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, RunState
     meter = perf.Meter.start(model, args, ranks)  # --peak-tflops, a GPU's by name, or a probe
     task = make_task(args, tokenizer, model, train_rows, eval_rows, reward_fn)
     ref = make_reference(args, model, ranks)
+    # DDP's buckets and AdamW's state allocated before the engine takes its share of what is left
+    learner, sched = make_learner(args, model, ref, ranks)
     engine = start_engine(args, path, model, ranks)
     if engine:
         task.sample = engine.sample_groups  # Step 1 on the engine instead of sampler.py
-    learner, sched = make_learner(args, model, ref, ranks)
     state = RunState()
     if args.resume:
         state = resume_state(args, ckpt_path, model, learner, sched, ranks)
@@ -206,15 +207,16 @@ def start_engine(args: flags.TrainArgs, path: str, model, ranks: parallel.Dist):
     if args.rollout != "vllm":
         return None
     resident = vllm_rollout.trainer_resident_bytes(
-        model, ranks.world if args.fsdp else 1, reference=args.beta > 0 and not args.lora_r)
+        model, ranks.world if args.fsdp else 1, reference=args.beta > 0 and not args.lora_r,
+        ddp=ranks.world > 1 and not args.fsdp)
     return vllm_rollout.engine_for(path, model, args, ranks.device, resident,
                                    args.vllm_tensor_parallel_size)
 
 
 def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):
     """(update.Learner, the lr schedule): the policy wrapped for DDP or FSDP2, AdamW on its
-    trainable parameters (fused on the CPU), --bf16's autocast, the linear --warmup-steps
-    schedule."""
+    trainable parameters (fused on the CPU) with its state allocated (allocate_state), --bf16's
+    autocast, the linear --warmup-steps schedule."""
     device_type = torch.device(ranks.device).type
     amp = lambda: torch.autocast(device_type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
     policy = parallel.wrap(model, ranks, args.fsdp)  # FSDP2 shards `model` in place: policy is it
@@ -224,10 +226,33 @@ def make_learner(args: flags.TrainArgs, model, ref, ranks: parallel.Dist):
     # (foreach), the form the GPU memory model counts
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True if device_type == "cpu" else None)
+    allocate_state(opt)
     warmup = lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0  # noqa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     as_reference = (lambda: lora.adapters_off(model)) if args.lora_r else contextlib.nullcontext
     return update.Learner(policy, model, ref, opt, amp, as_reference), sched
+
+
+def allocate_state(opt: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state now (AdamW's two moments and step count, in the dtype, device and
+    layout the optimizer itself picks), not lazily inside the first update: set-up then holds what
+    the run holds, before a vLLM engine sizes its share of the GPU from what is left. One step with
+    zero gradients at lr 0 (the moments stay 0, no weight moves, weight decay included), then
+    the step counts back to 0, so the first real step is the one a fresh optimizer takes."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if opt.state or not params:
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+        opt.state[p]["step"].zero_()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
 
 
 def resume_state(args: flags.TrainArgs, ckpt_path: str, model, learner: update.Learner, sched,

@@ -14,8 +14,8 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
   for the group's prompts together (gathered in rank order) and each keep their own responses.
 - --vllm-gpu-memory-utilization defaults to what the trainer leaves while the engine samples
   (`default_memory_utilization`): the engine sleeps through the update, so its share is the GPU
-  less what the trainer keeps resident between updates (weights, AdamW, reference; the gradients
-  are freed) less a margin.
+  less what the trainer keeps resident between updates (weights, AdamW, reference, DDP's gradient
+  buckets; the gradients are freed) less a margin.
 - `Engine.sample_groups` takes sample_groups' arguments and returns the same Rollout. A prompt's G
   responses are G requests, the i-th seeded with s + i, s drawn from the prompt's own generator
   (vLLM seeds the children of an n = G request the same way): a prompt's samples depend on (seed,
@@ -34,6 +34,7 @@ batching, CUDA graphs), as TRL (`vllm_mode="colocate"`), verl and OpenRLHF do:
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -74,15 +75,18 @@ GIB = 2**30
 
 
 def trainer_resident_bytes(model, world_share: int = 1, optimizer: bool = True,
-                           reference: bool = False) -> int:
+                           reference: bool = False, ddp: bool = False) -> int:
     """Bytes per GPU the trainer keeps while the engine samples: the policy's weights, AdamW's two
     moments of each trained parameter (in its dtype), a frozen reference copy (beta > 0 without
-    LoRA); each divided by `world_share` under --fsdp. The gradients are freed after each update
+    LoRA); each divided by `world_share` under --fsdp; under DDP (`ddp`) its gradient buckets, one
+    gradient's size of the trained parameters, which stay allocated between updates
+    (parallel.wrap: the gradients are views into them). The gradients are freed after each update
     (update.py), and the activations live only while the engine sleeps."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    moments = sum(2 * p.numel() * p.element_size() for p in model.parameters()
-                  if p.requires_grad) if optimizer else 0
-    return (params * (2 if reference else 1) + moments) // world_share
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    moments = 2 * trained if optimizer else 0
+    buckets = trained if ddp else 0
+    return (params * (2 if reference else 1) + moments) // world_share + buckets
 
 
 def default_memory_utilization(resident_bytes: int, device: str) -> float:
@@ -101,10 +105,12 @@ def default_memory_utilization(resident_bytes: int, device: str) -> float:
 
 
 def engine_for(path: str, model, args, device: str, resident_bytes: int,
-               tensor_parallel_size: int = 1) -> Engine:
+               tensor_parallel_size: int = 1, sleep_mode: bool = True) -> Engine:
     """--rollout vllm's engine for the model loaded from `path` (train.py's set-up, evaluate.py per
     --model): the run's --bf16, --seed, --vllm-gpu-memory-utilization (or its default from the
-    trainer's `resident_bytes`) and --max-num-seqs, and the model's context as max_model_len."""
+    trainer's `resident_bytes`) and --max-num-seqs, and the model's context as max_model_len.
+    sleep_mode False: an engine that never sleeps (evaluate.py, which builds one per model in one
+    process, and vLLM's sleep mode allows one engine per process)."""
     from harness.rollout import context_limit
     share = args.vllm_gpu_memory_utilization
     if share is None:
@@ -113,7 +119,8 @@ def engine_for(path: str, model, args, device: str, resident_bytes: int,
             print(f"vLLM engine: {share:.2f} of the GPU (the trainer keeps "
                   f"{resident_bytes / GIB:.1f} GiB while it samples)", file=sys.stderr)
     return Engine(path, device, args.bf16, args.seed, share, args.max_num_seqs,
-                  context_limit(model)[0], tensor_parallel_size, args.fp32_lm_head)
+                  context_limit(model)[0], tensor_parallel_size, args.fp32_lm_head,
+                  sleep_mode=sleep_mode)
 
 
 def _group_gather(tp: int):
@@ -136,7 +143,7 @@ class Engine:
 
     def __init__(self, path: str, device: str, bf16: bool, seed: int, gpu_memory_utilization: float,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, fp32_head: bool = False):
+                 tensor_parallel_size: int = 1, fp32_head: bool = False, sleep_mode: bool = True):
         # the engine core in this process (weight sync)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -159,7 +166,7 @@ class Engine:
             seed=seed, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             distributed_executor_backend="external_launcher" if world > 1 else None,
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda and sleep_mode,
             enforce_eager=not self.cuda,
             **({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}),
             # --fp32-lm-head: the engine's lm_head in float32 too (vLLM's head_dtype override)
@@ -225,9 +232,8 @@ class Engine:
             # engine wakes into what PyTorch's caching allocator still holds
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-        if lora.has_adapters(model):              # --lora-r: the merged weights, as TRL pushes
-            merged = lora.merged_state_dict(model)
-            weights = ((n, t.detach().to(self.dtype)) for n, t in merged.items())
+        if lora.has_adapters(model):  # --lora-r: the merged weights, as TRL pushes, one at a time
+            weights = lora.merged_weights(model, self.dtype)
         else:
             weights = full_weights(model, self.dtype)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -244,5 +250,12 @@ class Engine:
 
     def close(self) -> None:
         """Shut the engine down while the process group it joined still exists (vLLM then destroys
-        its groups and the world; left to exit, its clean-up would find them gone)."""
+        its groups and the world; left to exit, its clean-up would find them gone), and free its
+        memory now (its objects hold reference cycles: collected, not just dropped; on CUDA the
+        cached blocks handed back), so that the next engine of the process (evaluate.py's next
+        --model) finds the device as it was."""
         self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()

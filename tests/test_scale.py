@@ -136,9 +136,10 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
 
     class Engine:
         def __init__(self, path, device, bf16, seed, util, max_num_seqs, max_model_len, tp,
-                     fp32_head):
+                     fp32_head, sleep_mode):
             made.append({"path": path, "max_model_len": max_model_len, "calls": 0,
-                         "closed": False, "max_num_seqs": max_num_seqs, "util": util, "tp": tp})
+                         "closed": False, "max_num_seqs": max_num_seqs, "util": util, "tp": tp,
+                         "sleep_mode": sleep_mode})
 
         def sample_groups(self, model, *a, **kw):
             made[-1]["calls"] += 1
@@ -153,7 +154,8 @@ def test_evaluate_samples_with_a_vllm_engine_per_model(monkeypatch, capsys):
     assert vllm == hf and len(made) == 1
     assert made[0]["calls"] >= 1 and made[0]["closed"] and made[0]["max_model_len"] == 256
     assert made[0]["max_num_seqs"] == 8 and made[0]["path"].endswith("base_model")
-    assert (made[0]["util"], made[0]["tp"]) == (vllm_rollout.CPU_MEMORY_UTILIZATION, 1)
+    assert (made[0]["util"], made[0]["tp"], made[0]["sleep_mode"]) == (
+        vllm_rollout.CPU_MEMORY_UTILIZATION, 1, False)
 
 
 def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys, monkeypatch):
@@ -178,10 +180,11 @@ def test_a_prompt_past_max_prompt_tokens_keeps_its_last_tokens_said_once(capsys,
 
 def test_the_engines_memory_share_defaults_to_what_the_trainer_leaves(monkeypatch):
     # The engine sleeps through the update, so while it samples the trainer holds its weights,
-    # AdamW's two moments and the reference (gradients freed): on an 80 GiB GPU a 1.5B policy in
-    # float32 under DDP with a reference keeps 1.5e9 x (4 + 8 + 4) B = 22.4 GiB, leaving the engine
-    # 1 - 22.4 / 80 - 0.1 = 0.62 of it (0.3, TRL's, was the fixed default); under --fsdp on 8 ranks
-    # an eighth; a GPU the trainer nearly fills is refused in one line
+    # AdamW's two moments, the reference and under DDP its gradient buckets (gradients freed): on
+    # an 80 GiB GPU a 1.5B policy in float32 under DDP with a reference keeps 1.5e9 x (4 + 8 + 4 +
+    # 4) B = 27.9 GiB, leaving the engine 1 - 27.9 / 80 - 0.1 = 0.55 of it (0.3, TRL's, was the
+    # fixed default); under --fsdp on 8 ranks an eighth of all but the buckets (it has none); a GPU
+    # the trainer nearly fills is refused in one line
     import torch
 
     from harness import vllm_rollout as vr
@@ -192,12 +195,14 @@ def test_the_engines_memory_share_defaults_to_what_the_trainer_leaves(monkeypatc
     assert vr.trainer_resident_bytes(model) == 4 * n + 8 * trained
     assert vr.trainer_resident_bytes(model, 2, reference=True) == (8 * n + 8 * trained) // 2
     assert vr.trainer_resident_bytes(model, optimizer=False) == 4 * n      # evaluate.py
+    # DDP's gradient buckets (one float32 gradient of the trained parameters) stay allocated
+    assert vr.trainer_resident_bytes(model, ddp=True) == 4 * n + 12 * trained
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=80 * GIB))
-    ddp = 1.5e9 * (4 + 8 + 4)
+    ddp, fsdp = 1.5e9 * (4 + 8 + 4 + 4), 1.5e9 * (4 + 8 + 4) / 8
     assert vr.default_memory_utilization(ddp, "cuda:0") == pytest.approx(1 - ddp / 80 / GIB - 0.1)
-    assert vr.default_memory_utilization(ddp, "cuda:0") == pytest.approx(0.621, abs=1e-3)
-    assert vr.default_memory_utilization(ddp / 8, "cuda:3") == pytest.approx(0.865, abs=1e-3)
+    assert vr.default_memory_utilization(ddp, "cuda:0") == pytest.approx(0.551, abs=1e-3)
+    assert vr.default_memory_utilization(fsdp, "cuda:3") == pytest.approx(0.865, abs=1e-3)
     assert vr.default_memory_utilization(0, "cuda") == 0.9
     assert vr.default_memory_utilization(ddp, "cpu") == vr.CPU_MEMORY_UTILIZATION
     with pytest.raises(InputError, match="leaves the engine no room"):
@@ -209,7 +214,7 @@ def test_the_engines_memory_share_defaults_to_what_the_trainer_leaves(monkeypatc
     args = types.SimpleNamespace(bf16=True, seed=0, vllm_gpu_memory_utilization=None,
                                  max_num_seqs=None, fp32_lm_head=False)
     vr.engine_for("some/model", model, args, "cuda:0", int(ddp))
-    assert seen["gpu_memory_utilization"] == pytest.approx(0.621, abs=1e-3)
+    assert seen["gpu_memory_utilization"] == pytest.approx(0.551, abs=1e-3)
     args.vllm_gpu_memory_utilization = 0.45
     vr.engine_for("some/model", model, args, "cuda:0", int(ddp))
     assert seen["gpu_memory_utilization"] == 0.45
@@ -290,3 +295,7 @@ def test_train_hands_the_engine_its_tensor_parallel_size_and_the_trainers_share(
     model = torch.nn.Linear(10, 10)                                     # 110 float32 parameters
     setup.start_engine(args, "m", model, types.SimpleNamespace(world=4, device="cuda:1"))
     assert seen[0][3:] == ("cuda:1", 110 * (4 + 4 + 8) // 4, 2)
+    # under DDP the whole of each, and DDP's gradient buckets
+    args.fsdp = False
+    setup.start_engine(args, "m", model, types.SimpleNamespace(world=4, device="cuda:1"))
+    assert seen[1][3:] == ("cuda:1", 110 * (4 + 4 + 8 + 4), 2)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
+import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from harness import builtin, data, flags
 from launch import ROOT, run_train, torchrun
@@ -120,6 +123,193 @@ def test_engine_sleeps_for_the_update_and_wakes_weights_then_kv_cache(cuda, monk
     engine.llm.reset_prefix_cache = lambda: False
     with pytest.raises(RuntimeError, match="prefix cache"):
         engine.push(model)
+
+
+def test_ddp_gradients_are_its_buckets_and_no_buffer_is_broadcast(monkeypatch):
+    # DDP's all-reduce buckets hold one gradient's size of the trained parameters for the whole run;
+    # by default the gradients are a second copy beside them (4 B a parameter more at the update's
+    # peak, which the engine's share did not leave room for). parallel.wrap asks for the gradients
+    # as views into the buckets, and no buffer broadcast in each forward: on a real DDP (a one-rank
+    # gloo group here) every gradient after a backward lies in one of its buckets
+    import torch.distributed as dist
+
+    from infra import parallel
+    model = tiny("qwen2", torch.float32)
+    built, real = [], torch.nn.parallel.DistributedDataParallel
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel",
+                        lambda m, **kw: built.append(kw) or real(m, **kw))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = parallel.wrap(model, types.SimpleNamespace(world=2, device="cpu"), fsdp=False)
+        assert built == [{"gradient_as_bucket_view": True, parallel.DDP_BUFFER_SYNC: False}]
+        assert not ddp.will_sync_module_buffers() and len(list(model.buffers())) > 0
+        for _ in range(2):                    # the buckets are rebuilt after the first backward
+            model.zero_grad(set_to_none=True)
+            ddp(input_ids=torch.tensor([[3, 4, 5]])).logits.square().mean().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert len(storages) <= 2 and storages.isdisjoint(
+            {p.untyped_storage().data_ptr() for p in model.parameters()})
+        bucket_bytes = sum(p.grad.untyped_storage().nbytes() for p in
+                           {p.grad.untyped_storage().data_ptr(): p for p in
+                            model.parameters()}.values())
+        assert bucket_bytes == sum(4 * p.numel() for p in model.parameters())
+        del ddp
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adamw_state_exists_before_the_engine_takes_its_share(tiny_run_inputs, tmp_path,
+                                                              monkeypatch):
+    # set_up builds the learner (DDP's buckets, AdamW's moments made now: setup.allocate_state)
+    # before the engine sizes its share of what the trainer leaves; AdamW made its state lazily in
+    # the first update, inside the memory the engine had been given
+    from harness import setup, vllm_rollout
+    from infra import parallel
+    learners, seen = [], []
+    real_learner = setup.make_learner
+    monkeypatch.setattr(setup, "make_learner",
+                        lambda *a: learners.append(real_learner(*a)) or learners[-1])
+
+    def engine_for(path, model, args, device, resident, tp=1):
+        opt = learners[0][0].opt if learners else None
+        trained = [p for p in model.parameters() if p.requires_grad]
+        seen.append(opt is not None and all(
+            opt.state[p]["exp_avg"].shape == p.shape and opt.state[p]["exp_avg_sq"].shape
+            == p.shape for p in trained))
+        return types.SimpleNamespace(sample_groups=None, push=lambda m: seen.append("push"))
+    monkeypatch.setattr(vllm_rollout, "engine_for", engine_for)
+    args = flags.parse_train_args([*tiny_flags(tiny_run_inputs, tmp_path / "run"), "--rollout",
+                                   "vllm"])
+    setup.set_up(args, parallel.Dist("cpu"))
+    assert seen == [True, "push"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_state_made_at_set_up_gives_the_steps_of_a_fresh_adamw(fused):
+    # setup.allocate_state's step at lr 0 on zero gradients leaves the weights (weight decay
+    # included) and the moments as they were and its step count at 0: three real steps after it
+    # are bit for bit those of an AdamW that made its state in its first step
+    from harness import setup
+    models = [tiny("qwen2", torch.float32) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+            for m in models]
+    setup.allocate_state(opts[0])
+    assert len(opts[0].state) == len(list(models[0].parameters())) and not opts[1].state
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                 models[1].parameters()))
+    for model, opt in zip(models, opts):
+        for k in range(3):
+            model(input_ids=torch.tensor([[3, 4, 5 + k]])).logits.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                 models[1].parameters()))
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        a, b = opts[0].state[p], opts[1].state[q]
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def _doc_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(page, the flags after `script`) of each command running it in the bash blocks of README.md
+    and docs/*.md (continued lines joined, comments dropped)."""
+    import re
+    import shlex
+    pages = ["README.md", *(f"docs/{n}" for n in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                            if n.endswith(".md"))]
+    out = []
+    for page in pages:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+            text = fh.read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            command = ""
+            for line in block.splitlines():
+                command += line + "\n"
+                if line.endswith("\\") or command.count('"') % 2:     # continued, or in quotes
+                    continue
+                words = shlex.split(command.replace("\\\n", " "), comments=True)
+                if script in words:
+                    out.append((page, words[words.index(script) + 1:]))
+                command = ""
+    return out
+
+
+def test_the_engine_decides_its_own_concurrency_unless_the_flag_is_given(monkeypatch):
+    # --max-num-seqs is handed to vLLM as max_num_seqs only when given: the recipes' engines are
+    # not capped (the DAPO-Math recipe passed 16, sized for the built-in sampler's KV cache: 16
+    # sequences per GPU for vLLM, about a tenth of its concurrency); a user's value still is
+    from harness import vllm_rollout as vr
+    built = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        LLM=lambda **kw: built.append(kw)))
+    model = tiny("qwen2", torch.float32)
+    recipes = [(page, parse(argv)) for script, parse in (("train.py", flags.parse_train_args),
+                                                         ("evaluate.py", flags.parse_eval_args))
+               for page, argv in _doc_commands(script) if "vllm" in argv]
+    assert len(recipes) >= 4, recipes              # real-models.md's two, evaluation.md's, ...
+    for page, args in recipes:
+        vr.engine_for("m", model, args, "cpu", 0)
+        assert "max_num_seqs" not in built[-1], (page, built[-1]["max_num_seqs"])
+    vr.engine_for("m", model, flags.parse_train_args(["--rollout", "vllm", "--max-num-seqs",
+                                                      "64"]), "cpu", 0)
+    assert built[-1]["max_num_seqs"] == 64
+
+
+class _CyclicLLM:
+    """Stands in for vllm.LLM: holds a reference cycle, as vLLM's objects do (freed only by the
+    cycle collector), answers each request with two prompt tokens and an end id, and notes, when
+    built, whether every engine built before it was shut down and freed."""
+    made: list = []
+
+    def __init__(self, **kw):
+        self.kw, self.me, self.down = kw, self, False          # self.me: the cycle
+        self.before = [(r() is None, down) for r, down in _CyclicLLM.made]
+        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
+            shutdown=lambda: _CyclicLLM.made.__setitem__(index, (_CyclicLLM.made[index][0], True))))
+        index = len(_CyclicLLM.made)
+        _CyclicLLM.made.append((weakref.ref(self), False))
+        _CyclicLLM.seen.append((kw, self.before))
+
+    def generate(self, requests, params, use_tqdm=False):
+        outs = []
+        for r, p in zip(requests, params):
+            ids = [*r["prompt_token_ids"][:2], p.stop_token_ids[0]]
+            lps = [{t: types.SimpleNamespace(logprob=-0.5)} for t in ids]
+            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids,
+                                                                              logprobs=lps)]))
+        return outs
+
+
+def test_evaluate_shuts_each_models_engine_down_and_frees_it_before_the_next(monkeypatch):
+    # evaluate.py --rollout vllm with several --model builds one engine per model in one process:
+    # vLLM's sleep mode allows one instance per process (its CuMem allocator must be empty when
+    # the next engine loads its weights), so evaluate.py's engines run without it (they never
+    # sleep), and each is shut down and its memory collected before the next is built (its
+    # objects hold reference cycles: dropping the last name did not free them)
+    import gc
+
+    import evaluate
+    from harness import vllm_rollout
+    _CyclicLLM.made, _CyclicLLM.seen = [], []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        LLM=_CyclicLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    asked, real = [], vllm_rollout.engine_for
+    monkeypatch.setattr(vllm_rollout, "engine_for",
+                        lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    gc.collect()
+    gc.disable()                                # only an explicit collection frees a cycle
+    try:
+        evaluate.main(["--model", "builtin", "builtin", "--eval-size", "4", "--max-new-tokens",
+                       "8", "--rollout", "vllm"])
+    finally:
+        gc.enable()
+    assert [before for _, before in _CyclicLLM.seen] == [[], [(True, True)]]
+    assert asked == [{"sleep_mode": False}] * 2
+    # on CUDA: the engine evaluate.py asks for has no sleep mode; train.py's has
+    for sleep_mode in (False, True):
+        vllm_rollout.Engine("m", "cuda:0", bf16=True, seed=0, gpu_memory_utilization=0.5,
+                            sleep_mode=sleep_mode)
+        assert _CyclicLLM.seen[-1][0]["enable_sleep_mode"] is sleep_mode
 
 
 @pytest.fixture(scope="session")
@@ -376,6 +566,55 @@ def test_engine_takes_the_merged_weights_of_a_lora_policy():
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(pushed[q], model.state_dict()[q.replace(".weight",
                                                                    ".base_layer.weight")])
+
+
+class _WeakLLM(_RecordingLLM):
+    """A recording stand-in engine that keeps only weak references to the memory (the storages) of
+    the merged weights it is handed (as vLLM copies each into its own and drops it), and notes how
+    many were still alive when the next one came and when its KV cache woke up."""
+
+    def __init__(self, merged: set[str]):
+        super().__init__()
+        self.merged, self.refs, self.alive_at_next, self.got = merged, [], [], {}
+
+    def collective_rpc(self, method, kwargs):
+        for n, t in kwargs["weights_iterator"]:
+            if n in self.merged:
+                self.alive_at_next.append(sum(not r.expired() for r in self.refs))
+                self.refs.append(StorageWeakRef(t.untyped_storage()))
+            self.got[n] = t.clone()
+
+    def wake_up(self, tags=None):
+        super().wake_up(tags)
+        if tags == ["kv_cache"]:
+            self.calls.append(("alive", sum(not r.expired() for r in self.refs)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_push_streams_one_merged_weight_at_a_time_in_the_engines_dtype(dtype, monkeypatch):
+    # --lora-r with --rollout vllm: push built every merged weight at once and kept them alive
+    # through the KV cache's wake-up (~26 GB at 7B, r 64); now each comes when the engine reads it,
+    # in the engine's dtype, and none is left when the KV cache wakes
+    pytest.importorskip("peft")
+    from harness import lora, vllm_rollout
+    model = tiny("qwen2", torch.float32)
+    lora.add_adapters(model, 4, 8.0, "q_proj,v_proj,down_proj", "tiny")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    merged = {n for n in lora.merged_state_dict(model) if n.endswith(("q_proj.weight",
+                                                                       "v_proj.weight",
+                                                                       "down_proj.weight"))}
+    engine = object.__new__(vllm_rollout.Engine)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine.llm, engine.cuda, engine.dtype, engine.asleep = _WeakLLM(merged), True, dtype, True
+    engine.push(model)
+    want = lora.merged_state_dict(model)
+    assert len(merged) == 6 and engine.llm.alive_at_next == [0] * 6
+    assert engine.llm.calls[-3:-1] == [("wake_up", ["kv_cache"]), ("alive", 0)]
+    assert list(engine.llm.got) == list(want) and all(
+        t.dtype == dtype and torch.equal(t, want[n].to(dtype)) for n, t in engine.llm.got.items())
 
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
