@@ -121,9 +121,8 @@ def test_evaluation_on_a_tensor_parallel_engine_gathers_as_often_on_every_rank(m
     # (2 batches) and rank 1 rows 1, 3 (1 batch): rank 0 waited in its second gather while rank 1
     # had gone on. Every rank now runs rank 0's count, the one out of rows asking for none; the
     # scores are those of one rank
-    import evaluate
-    from harness import flags, models, vllm_rollout
-    monkeypatch.setattr(evaluate, "EVAL_BATCH", 2)
+    from harness import evaluation, flags, models, vllm_rollout
+    monkeypatch.setattr(evaluation, "EVAL_BATCH", 2)
     _, tokenizer, model = models.load_model("builtin")
     rows = [{"prompt": f"{a}x+{b}={a * 3 + b}", "answer": "3"} for a, b in
             [(2, 1), (3, 4), (5, 2), (4, 4), (2, 9)]]
@@ -146,7 +145,7 @@ def test_evaluation_on_a_tensor_parallel_engine_gathers_as_often_on_every_rank(m
             gathers[r] += 1
             return [items, []] if r == 0 else [[], items]
         engine.gather = gather
-        _, records = evaluate.evaluate_model(model, tokenizer, rows, args, Rank(r),
+        _, records = evaluation.evaluate_model(model, tokenizer, rows, args, Rank(r),
                                              sample=engine.sample_groups)
         scored[r] = [rec["index"] for rec in records]
     assert gathers == {0: 2, 1: 2}
