@@ -1,16 +1,82 @@
 """Launchers for the end-to-end tests (not collected): train.py in a subprocess, a script under
 torchrun on CPU ranks (gloo), the gloo-thread-counting driver and the SIGKILL driver, each run with
-the repo root (ROOT) as cwd so that `--reward test_grpo:NAME` and `import train` resolve."""
+the repo root (ROOT) as cwd so that `--reward test_grpo:NAME` and `import train` resolve. A launch
+that times out ends with every process it started (`run_tree`): torchrun starts each worker in a
+session of its own, so ending torchrun, or its process group, left the workers running."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 from test_grpo import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is pid (from /proc; [] where there is none)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:   # "pid (comm) state ppid ...": comm may
+                    fields = fh.read().rsplit(")", 1)[1].split()  # hold spaces and parentheses
+            except OSError:                                # it ended while listed
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to pid, every process below it (in any session: torchrun's workers start their own)
+    and its process group. The tree is stopped top-down first (SIGSTOP), so nothing in it forks
+    while it is walked or is reparented away before its kill."""
+    stopped, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        stopped.append(p)
+        todo += _children(p)
+    for p in stopped:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+PIPE_GRACE_S = 10  # run_tree: how long the output may stay open after the kill
+
+
+def run_tree(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs), the command
+    in a new session; when it times out (or the test is interrupted) the whole tree it started is
+    killed (kill_tree) before subprocess.TimeoutExpired is raised, so no worker outlives its test
+    holding its ports."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as e:
+            kill_tree(proc.pid)
+            try:          # the pipes close when the last process holding them ends: the tree's
+                out, err = proc.communicate(timeout=PIPE_GRACE_S)
+            except subprocess.TimeoutExpired:        # one outside it holds them: give up on them
+                out, err = "", f"(the output was still held open {PIPE_GRACE_S} s after the kill)"
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_train(d, out, *extra):
@@ -20,8 +86,7 @@ def run_train(d, out, *extra):
         del flags[flags.index("--reward"):flags.index("--reward") + 2]
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--steps", "2", "--eval-every",
            "1", *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(d)})
+    res = run_tree(cmd, 300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(d)})
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -32,8 +97,8 @@ def torchrun(nproc, script, *flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(script), *flags]
     # a rank that aborts prints its stack
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+    res = run_tree(cmd, 300, cwd=ROOT,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
 
 
