@@ -2,7 +2,9 @@
 torchrun on CPU ranks (gloo), the gloo-thread-counting driver and the SIGKILL driver, each run with
 the repo root (ROOT) as cwd so that `--reward test_grpo:NAME` and `import train` resolve. A launch
 that times out ends with every process it started (`run_tree`): torchrun starts each worker in a
-session of its own, so ending torchrun, or its process group, left the workers running."""
+session of its own, so ending torchrun, or its process group, left the workers running. And, for
+the fast tier, ranks as threads of this process (`on_thread_ranks`): collectives over values that
+differ from rank to rank, without a process group."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+
+import torch
 
 from test_grpo import tiny_flags
 
@@ -77,6 +82,71 @@ def run_tree(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
                 raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class ThreadGroup:
+    """W ranks as W threads of this process: each collective is an exchange of one value per rank
+    (write, wait for all, read all, wait until all have read)."""
+
+    def __init__(self, world):
+        self.world, self.slots = world, [None] * world
+        self.barrier = threading.Barrier(world, timeout=120)   # a rank that never comes: fails
+
+    def exchange(self, rank, x):
+        self.slots[rank] = x
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+class ThreadRank:
+    """Dist of rank `rank` of a ThreadGroup: sums, maxima and gathers over the ranks' own values,
+    which differ (test_ranks_checkpoints' _Twin adds a rank to itself), so a per-rank count used
+    where the global one belongs shows."""
+    device = "cpu"
+
+    def __init__(self, group, rank):
+        self.group, self.rank, self.world, self.master = group, rank, group.world, rank == 0
+
+    def sum(self, x):
+        return sum(self.group.exchange(self.rank, x.detach().to(torch.float64).clone()))
+
+    def sum_named(self, sums):
+        keys = sorted(sums)
+        total = self.sum(torch.tensor([float(sums[k]) for k in keys]))
+        return dict(zip(keys, total.tolist()))
+
+    def max(self, n):
+        return max(self.group.exchange(self.rank, n))
+
+    def gather(self, x):
+        return [y.clone() for y in self.group.exchange(self.rank, x)]
+
+
+def on_thread_ranks(world: int, fn) -> list:
+    """[fn(ThreadRank(group, r)) for r in range(world)], each rank on a thread of its own (their
+    collectives meet); an exception on one rank breaks the others' waits and is raised."""
+    group, out = ThreadGroup(world), [None] * world
+
+    def main(r):
+        try:
+            out[r] = fn(ThreadRank(group, r))
+        except BaseException as e:
+            out[r] = e
+            group.barrier.abort()
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in out:
+        if isinstance(o, BaseException) and not isinstance(o, threading.BrokenBarrierError):
+            raise o
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
 
 
 def run_train(d, out, *extra):

@@ -20,7 +20,7 @@ from infra import (
     metrics,
     models,
 )
-from launch import CutWrites
+from launch import CutWrites, on_thread_ranks
 from logprobs import rollout_logprobs
 from sampler import sample_groups
 from test_grpo import (
@@ -869,47 +869,6 @@ def test_update_policy_backwards_world_times_the_loss_for_ddps_mean(tiny_model):
     assert torch.allclose(moves[1], 2 * moves[0], atol=1e-6, rtol=1e-4)  # float32, weights ~1
 
 
-class _ThreadGroup:
-    """W ranks as W threads of this process: each collective is an exchange of one value per rank
-    (write, wait for all, read all, wait until all have read)."""
-
-    def __init__(self, world):
-        import threading
-        self.world, self.slots = world, [None] * world
-        self.barrier = threading.Barrier(world, timeout=120)
-
-    def exchange(self, rank, x):
-        self.slots[rank] = x
-        self.barrier.wait()
-        out = list(self.slots)
-        self.barrier.wait()
-        return out
-
-
-class _ThreadRank:
-    """Dist of rank `rank` of a _ThreadGroup: sums, maxima and gathers over the ranks' own values,
-    which differ (unlike _Twin's, whose peer holds what it holds), so a per-rank count used where
-    the global one belongs shows."""
-    device = "cpu"
-
-    def __init__(self, group, rank):
-        self.group, self.rank, self.world, self.master = group, rank, group.world, rank == 0
-
-    def sum(self, x):
-        return sum(self.group.exchange(self.rank, x.detach().to(torch.float64).clone()))
-
-    def sum_named(self, sums):
-        keys = sorted(sums)
-        total = self.sum(torch.tensor([float(sums[k]) for k in keys]))
-        return dict(zip(keys, total.tolist()))
-
-    def max(self, n):
-        return max(self.group.exchange(self.rank, n))
-
-    def gather(self, x):
-        return [y.clone() for y in self.group.exchange(self.rank, x)]
-
-
 class _MeanGradSGD(torch.optim.SGD):
     """SGD whose step first averages each gradient over the thread ranks, as DDP's all-reduce does
     (so the ranks' weights stay equal through several updates)."""
@@ -937,7 +896,6 @@ def test_two_thread_ranks_update_as_one_process_on_all_rows(tiny_model, reductio
     # num_seqs): a rank's own count scales its gradient otherwise.
     import contextlib
     import copy
-    import threading
 
     from infra import parallel
     roll = mixed_rollout(tiny_model, 1.0)
@@ -959,22 +917,7 @@ def test_two_thread_ranks_update_as_one_process_on_all_rows(tiny_model, reductio
     parts = [roll.select_groups(torch.tensor(k)) for k in ([True, False, True],
                                                            [False, True, False])]
     assert parts[0].mask.sum() != parts[1].mask.sum()
-    group, out = _ThreadGroup(2), [None, None]
-
-    def rank_main(i):
-        try:
-            out[i] = run(parts[i], _ThreadRank(group, i))
-        except BaseException as e:                                   # the other rank times out
-            out[i] = e
-            group.barrier.abort()
-    threads = [threading.Thread(target=rank_main, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for o in out:
-        if isinstance(o, BaseException):
-            raise o
+    out = on_thread_ranks(2, lambda ranks: run(parts[ranks.rank], ranks))
     (w0, s0), (w1, s1) = out
     start = torch.cat([p.detach().view(-1) for p in tiny_model.parameters()])
     assert (one - start).abs().max() > 1e-3
