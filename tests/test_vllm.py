@@ -284,8 +284,7 @@ def test_an_engine_rollout_at_top_p_gets_its_nucleus_from_the_policy(fused, monk
     assert gap(got, want) <= 1e-6 and gap(full, want) > 1e-4, (gap(got, want), gap(full, want))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_an_engine_rollout_at_top_p_keeps_old_and_reference_under_the_nucleus(fused, monkeypatch):
+def test_an_engine_rollout_at_top_p_keeps_old_and_reference_under_the_nucleus():
     # --mu 2, --mini-batches 2, --beta 0.1 (four updates; old and reference log-probs from no-grad
     # passes before the first): an engine's rollout (no Rollout.kept) updates the weights as the
     # sampler's rollout (kept recorded) does, so old and reference log-probs are under the nucleus
@@ -298,10 +297,8 @@ def test_an_engine_rollout_at_top_p_keeps_old_and_reference_under_the_nucleus(fu
     from types import SimpleNamespace
 
     import update
-    from infra import lm_head, parallel
-    if not fused:
-        monkeypatch.setattr(lm_head, "fusable", lambda m: "a test's plain head")
-    model, G, t = tiny("qwen2", torch.float32), 4, 0.9
+    from infra import parallel
+    model, G, t = tiny("qwen2", torch.float32), 4, 0.9       # (the heads: the test above)
     roll = sample_groups(model, [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]], G, 8, 1, 0,
                          temperature=t, top_p=0.8,
                          generator=[torch.Generator().manual_seed(s) for s in (7, 8, 9)])
