@@ -409,3 +409,22 @@ def test_peaked_rows_at_top_p_are_scored_as_drawn_over_many_chunks(fused, monkey
                                                                    (lp - roll.logprobs).abs().max())
         full = logprobs.rollout_logprobs(model, dataclasses.replace(roll, kept=None), every, t)[0]
     assert (roll.logprobs - full)[ones].max() > 1e-3
+
+
+def test_top_p_rows_in_length_buckets_are_scored_under_their_own_nuclei():
+    # 5 prompts x G = 3 at top-p 0.8 whose responses end at 1-12 tokens: the shared-prefix forward
+    # runs them in several length buckets, each row in its bucket scored under its own nucleus
+    # sizes (Rollout.kept of that row), not those of the slice's first rows
+    import warnings
+
+    import logprobs
+    from test_grpo import MIXED_PROMPTS
+    model = tiny("qwen2", torch.float32)
+    roll = sample_groups(model, MIXED_PROMPTS, 3, 12, [1, 2, 3, 4, 5, 6], 0, temperature=0.9,
+                         top_p=0.8, generator=[torch.Generator().manual_seed(20 + i)
+                                               for i in range(5)])
+    assert len(logprobs.length_buckets(roll.lengths)) > 2
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lp = logprobs.rollout_logprobs(model, roll, slice(0, 15), 0.9)[0] * roll.mask  # [N, T]
+    assert torch.allclose(lp, roll.logprobs, atol=1e-5), (lp - roll.logprobs).abs().max()
