@@ -1,16 +1,152 @@
 """Launchers for the end-to-end tests (not collected): train.py in a subprocess, a script under
 torchrun on CPU ranks (gloo), the gloo-thread-counting driver and the SIGKILL driver, each run with
-the repo root (ROOT) as cwd so that `--reward test_grpo:NAME` and `import train` resolve."""
+the repo root (ROOT) as cwd so that `--reward test_grpo:NAME` and `import train` resolve. A launch
+that times out ends with every process it started (`run_tree`): torchrun starts each worker in a
+session of its own, so ending torchrun, or its process group, left the workers running. And, for
+the fast tier, ranks as threads of this process (`on_thread_ranks`): collectives over values that
+differ from rank to rank, without a process group."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+
+import torch
 
 from test_grpo import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is pid (from /proc; [] where there is none)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:   # "pid (comm) state ppid ...": comm may
+                    fields = fh.read().rsplit(")", 1)[1].split()  # hold spaces and parentheses
+            except OSError:                                # it ended while listed
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to pid, every process below it (in any session: torchrun's workers start their own)
+    and its process group. The tree is stopped top-down first (SIGSTOP), so nothing in it forks
+    while it is walked or is reparented away before its kill."""
+    stopped, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        stopped.append(p)
+        todo += _children(p)
+    for p in stopped:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+PIPE_GRACE_S = 10  # run_tree: how long the output may stay open after the kill
+
+
+def run_tree(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs), the command
+    in a new session; when it times out (or the test is interrupted) the whole tree it started is
+    killed (kill_tree) before subprocess.TimeoutExpired is raised, so no worker outlives its test
+    holding its ports."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as e:
+            kill_tree(proc.pid)
+            try:          # the pipes close when the last process holding them ends: the tree's
+                out, err = proc.communicate(timeout=PIPE_GRACE_S)
+            except subprocess.TimeoutExpired:        # one outside it holds them: give up on them
+                out, err = "", f"(the output was still held open {PIPE_GRACE_S} s after the kill)"
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class ThreadGroup:
+    """W ranks as W threads of this process: each collective is an exchange of one value per rank
+    (write, wait for all, read all, wait until all have read)."""
+
+    def __init__(self, world):
+        self.world, self.slots = world, [None] * world
+        self.barrier = threading.Barrier(world, timeout=120)   # a rank that never comes: fails
+
+    def exchange(self, rank, x):
+        self.slots[rank] = x
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+class ThreadRank:
+    """Dist of rank `rank` of a ThreadGroup: sums, maxima and gathers over the ranks' own values,
+    which differ (test_ranks_checkpoints' _Twin adds a rank to itself), so a per-rank count used
+    where the global one belongs shows."""
+    device = "cpu"
+
+    def __init__(self, group, rank):
+        self.group, self.rank, self.world, self.master = group, rank, group.world, rank == 0
+
+    def sum(self, x):
+        return sum(self.group.exchange(self.rank, x.detach().to(torch.float64).clone()))
+
+    def sum_named(self, sums):
+        keys = sorted(sums)
+        total = self.sum(torch.tensor([float(sums[k]) for k in keys]))
+        return dict(zip(keys, total.tolist()))
+
+    def max(self, n):
+        return max(self.group.exchange(self.rank, n))
+
+    def gather(self, x):
+        return [y.clone() for y in self.group.exchange(self.rank, x)]
+
+
+def on_thread_ranks(world: int, fn) -> list:
+    """[fn(ThreadRank(group, r)) for r in range(world)], each rank on a thread of its own (their
+    collectives meet); an exception on one rank breaks the others' waits and is raised."""
+    group, out = ThreadGroup(world), [None] * world
+
+    def main(r):
+        try:
+            out[r] = fn(ThreadRank(group, r))
+        except BaseException as e:
+            out[r] = e
+            group.barrier.abort()
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in out:
+        if isinstance(o, BaseException) and not isinstance(o, threading.BrokenBarrierError):
+            raise o
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
 
 
 def run_train(d, out, *extra):
@@ -20,8 +156,7 @@ def run_train(d, out, *extra):
         del flags[flags.index("--reward"):flags.index("--reward") + 2]
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--steps", "2", "--eval-every",
            "1", *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(d)})
+    res = run_tree(cmd, 300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(d)})
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -32,8 +167,8 @@ def torchrun(nproc, script, *flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(script), *flags]
     # a rank that aborts prints its stack
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+    res = run_tree(cmd, 300, cwd=ROOT,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
 
 

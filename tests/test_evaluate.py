@@ -212,6 +212,25 @@ def test_sampled_evaluation_is_the_same_split_over_ranks(tiny_run_inputs, monkey
     assert len({s["response"] for s in r1[0]["samples"]}) > 1                   # and within one
 
 
+def test_each_rank_reports_the_metrics_of_all_ranks_problems(tiny_run_inputs):
+    # 3 ranks as threads (their sums meet; _Rank's see one rank alone): every rank's metrics are
+    # those of one process on all 12 problems, not of its own 4, and its records its own problems
+    import copy
+
+    from harness import evaluation
+    from launch import on_thread_ranks
+    args, tok, model, rows = _eval_setup(tiny_run_inputs, "--eval-samples", "4", "--eval-top-p",
+                                         "0.9")
+    m1, r1 = evaluation.evaluate_model(model, tok, rows, args, _Rank(0, 1), _has_9)
+    models_ = [copy.deepcopy(model) for _ in range(3)]       # a rank's own copy, as on its process
+    out = on_thread_ranks(3, lambda ranks: evaluation.evaluate_model(
+        models_[ranks.rank], tok, rows, args, ranks, _has_9))
+    assert 0 < m1["eval/mean@4"] < 1
+    for rank, (m, records) in enumerate(out):
+        assert m == pytest.approx(m1, abs=1e-12), rank
+        assert records == [r for r in r1 if r["index"] % 3 == rank]
+
+
 def test_draw_round_and_evaluation_sample_with_max_num_seqs(tiny_run_inputs, monkeypatch):
 
     import sampler

@@ -516,6 +516,23 @@ def test_dppo_and_sapo_equal_verls_values_and_gradients(reduction, mode):
     assert flags.parse_train_args(["--loss", "dppo"], "").eps_high == variants.DPPO_DELTA
 
 
+def test_dppo_caps_the_weight_of_a_token_whose_probability_rose_past_the_cap():
+    # rare tokens, where DPPO's band (p - p_old <= 0.2) lets the ratio grow far: p_old 0.001 -> p
+    # 0.03 (ratio 30, p - p_old 0.029: inside the band), 0.004 -> 0.04 (ratio 10), 0.6 -> 0.9
+    # (past the band: masked). A > 0, token reduction over 3 tokens: each token's gradient is
+    # -A * min(ratio, DPPO_RATIO_CAP = 20) / 3, so the first is capped at 20, not 30
+    old = torch.tensor([[0.001, 0.004, 0.6]], dtype=torch.float64).log()
+    logp = torch.tensor([[0.03, 0.04, 0.9]], dtype=torch.float64).log().requires_grad_(True)
+    mask, adv = torch.ones(1, 3, dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64)
+    loss, m = variants.dppo_loss(logp, old, adv, mask, grpo.token_weights(mask, "token"))
+    g = torch.autograd.grad(loss, logp)[0]
+    assert torch.allclose(g, torch.tensor([[-2.0 * 20 / 3, -2.0 * 10 / 3, 0.0]],
+                                          dtype=torch.float64))
+    assert m["clip/high_frac"] == pytest.approx(1 / 3)
+    assert _verl_dppo_tv(old, logp, adv[:, None].expand(1, 3), mask, 0.2, 0.2,
+                         "token-mean").item() == pytest.approx(loss.item())
+
+
 @pytest.mark.parametrize("loss", ["dppo", "sapo"])
 def test_dppo_and_sapo_run_through_train(tiny_run_inputs, tmp_path, loss):
     from test_grpo import one_step

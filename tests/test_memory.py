@@ -69,6 +69,118 @@ def test_fused_head_under_bf16_autocast_matches_the_autocast_head():
         assert torch.allclose(a, b, atol=3e-2 * b.abs().max())
 
 
+def _nucleus_naive(z, ids, kept):
+    """The nucleus objective written out: logits z [n, V], ids [n], kept [n] (0: all of V) ->
+    log softmax(z)[id] - log(mass of the kept[i] most probable tokens), by a full sort, so autograd
+    gives its gradient."""
+    logp = torch.log_softmax(z, -1)                                          # [n, V]
+    top = logp.sort(-1, descending=True).values                              # [n, V]
+    k = torch.where(kept > 0, kept, torch.full_like(kept, z.shape[-1]))      # [n]
+    inside = torch.arange(z.shape[-1])[None] < k[:, None]                    # [n, V] sorted
+    mass = top.masked_fill(~inside, float("-inf")).logsumexp(-1)             # [n]
+    return logp.gather(-1, ids[:, None]).squeeze(-1) - mass
+
+
+def _nucleus_case(n, V, H, seed):
+    """Hidden states h [n, H], a head W [V, H] and b [V], drawn tokens ids [n] and nucleus sizes
+    kept [n] at the shapes where the head's bugs bite: every third row peaked (a one-token nucleus:
+    the top token drawn, kept 1, as a confident model at top-p 0.9 gives), the others a nucleus
+    of rank(id) + 1 + 0..5 tokens (so sizes differ from chunk to chunk), one in 7 the full
+    vocabulary (0)."""
+    g = torch.Generator().manual_seed(seed)
+    h, W = torch.randn(n, H, generator=g), torch.randn(V, H, generator=g)
+    b = torch.randn(V, generator=g)
+    z = h @ W.t() + b                                                        # [n, V]
+    ids = torch.randint(0, V, (n,), generator=g)
+    rank = (z > z.gather(-1, ids[:, None])).sum(-1)                          # [n]
+    kept = (rank + 1 + torch.randint(0, 6, (n,), generator=g)).clamp_max(V - 1)
+    peaked = torch.arange(n) % 3 == 0
+    ids, kept = torch.where(peaked, z.argmax(-1), ids), torch.where(peaked, 1, kept)
+    kept[torch.arange(n) % 7 == 5] = 0
+    return h, W, b, ids, kept
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_fused_head_at_top_p_over_many_chunks_is_the_nucleus_objective(entropy_grad,
+                                                                       monkeypatch):
+    # 2 x 11 positions at 3 rows a chunk (8 chunks, as 27-row chunks cut a real forward at
+    # V = 151,936): each row's log-prob is under its own nucleus, never the first chunk's sizes, in
+    # the forward and the backward; one-token nuclei (kept 1: the top token alone reaches top-p)
+    # give log-prob 0 and no gradient, as the sampler reported, not the full log p
+    V, H, t = 40, 8, 0.7
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
+    h, W, b, ids, kept = _nucleus_case(22, V, H, seed=3)
+    h, W, b = (x.clone().requires_grad_(True) for x in (h * t, W, b * t))  # z / t as drawn above
+    w1, w2 = torch.randn(22), torch.randn(22)
+    out = lm_head._FusedHead.apply(h.view(2, 11, H), W, b, ids.view(2, 11), kept.view(2, 11),
+                                   1 / t, True, entropy_grad, False).view(22, 2)
+    z = (h @ W.t() + b) / t                                                  # [22, V]
+    want = _nucleus_naive(z, ids, kept)
+    logp_all = torch.log_softmax(z, -1)
+    want_ent = -(logp_all.exp() * logp_all).sum(-1)                          # the full entropy
+    assert torch.allclose(out[:, 0], want, atol=1e-5), (out[:, 0] - want).abs().max()
+    assert torch.allclose(out[:, 1], want_ent, atol=1e-5)
+    assert (out[kept == 1, 0] == 0).all() and (want[kept > 1] < -1e-3).all()
+    got = torch.autograd.grad((out[:, 0] * w1 + out[:, 1] * w2).sum(), (h, W, b),
+                              retain_graph=True)
+    loss = (want * w1 + (want_ent * w2 if entropy_grad else 0)).sum()
+    for g, g_want in zip(got, torch.autograd.grad(loss, (h, W, b))):
+        assert torch.allclose(g, g_want, atol=1e-5), (g - g_want).abs().max()
+    if not entropy_grad:                                  # a one-token nucleus has no gradient
+        g_h = torch.autograd.grad(out[:, 0].sum(), h)[0]
+        assert (g_h[kept == 1] == 0).all() and (g_h[kept > 1].abs().sum(-1) > 0).all()
+
+
+def test_plain_head_at_top_p_over_many_blocks_is_the_nucleus_objective(monkeypatch):
+    # the fallback kernel (token_logprobs over [n, T, V] logits: heads the fused path refuses) at
+    # 3 rows a block over 2 x 11 positions, on a contiguous tensor and on a slice of one: values
+    # and gradients of each row under its own nucleus (not the first block's sizes), one-token
+    # nuclei at log-prob 0 with no gradient
+    V, t = 40, 0.7
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
+    h, W, b, ids, kept = _nucleus_case(22, V, 8, seed=4)
+    base = (h @ W.t() + b).view(2, 11, V)
+    for logits in (base.clone().requires_grad_(True),
+                   torch.cat([base, base[:, :1]], 1).requires_grad_(True)):
+        x = logits[:, :11]                                                   # [2, 11, V]
+        w = torch.randn(2, 11)
+        got = logprobs.token_logprobs(x * t, ids.view(2, 11), t, kept.view(2, 11))
+        want = _nucleus_naive((x * t).reshape(22, V) / t, ids, kept).view(2, 11)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        assert (got.view(-1)[kept == 1] == 0).all()
+        g, g_want = (torch.autograd.grad((y * w).sum(), logits)[0] for y in (got, want))
+        assert torch.allclose(g, g_want, atol=1e-5), (g - g_want).abs().max()
+        assert (g[:, :11].reshape(22, V)[kept == 1] == 0).all()
+
+
+def test_nucleus_sizes_over_many_chunks_hold_the_token_drawn_past_the_edge(monkeypatch):
+    # what the trainer finds for an engine's rollout (lm_head.nucleus_size, through sizes_head at
+    # 3 rows a chunk): the smallest count whose mass reaches top-p, row by row in every chunk; a
+    # token the engine drew just past that edge (its kernels round the edge otherwise) widens its
+    # row's nucleus to hold it, so that it is scored under a nucleus that has it
+    V, H, t, top_p = 40, 8, 0.7, 0.8
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
+    h, W, b, _, _ = _nucleus_case(22, V, H, seed=5)
+    z = (h @ W.t() + b) / t                                                  # [22, V]
+    logp = torch.log_softmax(z, -1)
+    cum = logp.exp().sort(-1, descending=True).values.cumsum(-1)             # [22, V]
+    edge = (cum < top_p).sum(-1) + 1                                         # [22] the nucleus
+    order = logp.argsort(-1, descending=True)                                # [22, V]
+    inside = order[torch.arange(22), (torch.arange(22) % 4).clamp_max(edge - 1)]  # within it
+    past = order[torch.arange(22), edge]                                     # the next token
+    drawn = torch.where(torch.arange(22) % 2 == 0, inside, past)             # [22]
+    want = torch.where(torch.arange(22) % 2 == 0, edge, edge + 1)
+    assert torch.equal(lm_head.nucleus_size(logp, drawn, top_p), want)
+    head = torch.nn.Linear(H, V)
+    head.weight.data, head.bias.data = W.clone(), b.clone()
+    model = types.SimpleNamespace(get_output_embeddings=lambda: head)
+    with lm_head.sizes_head(model, drawn.view(2, 11), t, top_p):
+        sizes = head(h.view(2, 11, H))                                       # [2, 11, 1]
+    assert torch.equal(sizes.view(-1), want)
+    rank = (logp > logp.gather(-1, drawn[:, None])).sum(-1)                  # [22] ahead of it
+    assert (rank < sizes.view(-1)).all()                           # every token in its nucleus
+
+
 class _Storages(TorchDispatchMode):
     """The bytes of every storage an aten op returns (the largest is what the test bounds)."""
 

@@ -17,7 +17,7 @@ import torch
 import update
 from harness import checkpoint, metrics, models
 from infra import errors
-from launch import CutWrites
+from launch import CutWrites, on_thread_ranks
 from logprobs import rollout_logprobs
 from sampler import sample_groups
 from test_grpo import (
@@ -866,6 +866,65 @@ def test_update_policy_backwards_world_times_the_loss_for_ddps_mean(tiny_model):
     assert moves[0].abs().max() > 1e-3
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)            # the logged loss: unscaled
     assert torch.allclose(moves[1], 2 * moves[0], atol=1e-6, rtol=1e-4)  # float32, weights ~1
+
+
+class _MeanGradSGD(torch.optim.SGD):
+    """SGD whose step first averages each gradient over the thread ranks, as DDP's all-reduce does
+    (so the ranks' weights stay equal through several updates)."""
+
+    def __init__(self, params, rank, lr):
+        super().__init__(params, lr=lr)
+        self.rank = rank
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        every = self.rank.group.exchange(self.rank.rank, grads)
+        for i, p in enumerate(params):
+            p.grad = sum(g[i] for g in every) / self.rank.world
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("reduction", ["token", "sequence"])
+def test_two_thread_ranks_update_as_one_process_on_all_rows(tiny_model, reduction):
+    # 3 groups of 4 on 2 ranks (rank 0: groups 0 and 2, rank 1: group 1, so their token and
+    # response counts differ), --mini-batches 2 (the second held by rank 0 alone: rank 1 runs a
+    # zero-weight pass), --mu 2, SGD with DDP's mean of the gradients: both ranks end on the weights
+    # of one process updating on all rows, and their summed metrics are its metrics. Each update's
+    # denominators must be the mini-batch's over both ranks (grpo.token_weights' num_tokens,
+    # num_seqs): a rank's own count scales its gradient otherwise.
+    import contextlib
+    import copy
+
+    from infra import parallel
+    roll = mixed_rollout(tiny_model, 1.0)
+    N, G = roll.response_ids.shape[0], roll.G
+    roll.index = torch.arange(N // G).repeat_interleave(G)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    args = _update_args(mu=2, reduction=reduction)
+
+    def run(r, ranks):
+        model = copy.deepcopy(tiny_model)
+        opt = (torch.optim.SGD(model.parameters(), lr=0.5) if isinstance(ranks, parallel.Dist)
+               else _MeanGradSGD(model.parameters(), ranks, lr=0.5))
+        learner = update.Learner(model, model, None, opt, contextlib.nullcontext)
+        a = adv[torch.cat([torch.arange(i * G, (i + 1) * G) for i in r.index[::G].tolist()])]
+        stats = update.update_policy(learner, r, a, r.mask, args, ranks)
+        return torch.cat([p.detach().view(-1) for p in model.parameters()]), stats
+
+    one, one_stats = run(roll, parallel.Dist("cpu"))
+    parts = [roll.select_groups(torch.tensor(k)) for k in ([True, False, True],
+                                                           [False, True, False])]
+    assert parts[0].mask.sum() != parts[1].mask.sum()
+    out = on_thread_ranks(2, lambda ranks: run(parts[ranks.rank], ranks))
+    (w0, s0), (w1, s1) = out
+    start = torch.cat([p.detach().view(-1) for p in tiny_model.parameters()])
+    assert (one - start).abs().max() > 1e-3
+    assert torch.equal(w0, w1)
+    assert torch.allclose(w0, one, atol=1e-5), (w0 - one).abs().max()
+    for key in ("loss", "tokens", "updates", "ratio/mean"):
+        assert s0.first[key] == pytest.approx(one_stats.first[key], rel=1e-5, abs=1e-6), key
+        assert s0.rest[key] == pytest.approx(one_stats.rest[key], rel=1e-5, abs=1e-6), key
 
 
 class _NoSyncRecorder(torch.nn.parallel.DistributedDataParallel):

@@ -11,7 +11,7 @@ import torch
 
 from infra import kv_cache
 from sampler import sample_groups
-from test_grpo import MIXED_PROMPTS, tiny, tiny_gpt2_sampler
+from test_grpo import MIXED_PROMPTS, PROMPTS, tiny, tiny_gpt2_sampler
 
 
 def test_the_kv_cache_allocated_is_the_formula_of_max_num_seqs_rows(monkeypatch):
@@ -120,3 +120,112 @@ def test_packed_weights_give_the_plain_rollout(monkeypatch):
     got, want = both(1.0)
     _same_rollout(got, want)
     assert len(made) == len(weights) + len(adapters)
+
+
+# ---------------------------------------------------------------------------------------------
+# --top-p: the draw, the nucleus sizes through select_groups/cat, peaked rows through the trainer
+# ---------------------------------------------------------------------------------------------
+
+def test_top_p_draws_scale_the_uniform_by_the_nucleus_mass():
+    # probabilities [0.5, 0.3, 0.2, 0], top-p 0.6: the nucleus {0, 1} (mass 0.8) renormalised to
+    # [0.625, 0.375]. u in [0.5, 0.625) is where scaling u by the nucleus' mass (0.8 u < 0.5:
+    # token 0) and by the whole mass (u >= 0.5: token 1) differ
+    import sampler
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    for u in (0.5, 0.55, 0.62):
+        tok, lp, k = sampler.sample_token(p.log()[None].clone(), torch.tensor([u]), 1.0, 0.6)
+        assert (tok.item(), k.item()) == (0, 2) and abs(lp.exp().item() - 0.625) < 1e-6, u
+    # the frequencies of 40,000 draws over 30 rows of 50 tokens at temperature 0.8, top-p 0.7
+    # are the nucleus' renormalised probabilities (the whole mass' scaling gives the last nucleus
+    # token the tail's mass, ~0.3 here), and each draw's log-prob is its token's in that nucleus
+    g = torch.Generator().manual_seed(0)
+    n, V, draws = 30, 50, 40_000
+    logits = 2 * torch.randn(n, V, generator=g)
+    rows = torch.arange(n).repeat(draws // n + 1)[:draws]                    # [draws]
+    u = torch.rand(draws, generator=g)
+    tok, lp, k = sampler.sample_token(logits[rows].clone(), u, 0.8, 0.7)
+    p = torch.softmax(logits.double() / 0.8, -1)                             # [n, V]
+    sorted_p, order = p.sort(-1, descending=True)
+    last = (sorted_p.cumsum(-1) < 0.7 * sorted_p.sum(-1, keepdim=True)).sum(-1)  # [n]
+    inside = torch.arange(V)[None] <= last[:, None]                          # [n, V] sorted
+    nuc = torch.zeros_like(p).scatter_(-1, order, sorted_p * inside)
+    nuc = nuc / nuc.sum(-1, keepdim=True)                                    # [n, V]
+    assert torch.equal(k, last[rows] + 1)
+    assert torch.allclose(lp.double().exp(), nuc[rows, tok], atol=1e-5)
+    freq = torch.zeros(n, V, dtype=torch.float64).index_put_((rows, tok),
+                                                             torch.ones(draws).double(), True)
+    freq = freq / freq.sum(-1, keepdim=True)
+    assert (freq - nuc).abs().max() < 0.06, (freq - nuc).abs().max()
+
+
+def test_select_groups_and_cat_carry_each_rows_nucleus_sizes():
+    # Rollout.kept is per token like logprobs: dynamic sampling (select_groups) and rounds drawn
+    # ahead (cat) keep each row's own sizes, never another row's; a rollout without sizes (top-p 1,
+    # an engine's) joins with zeros (the full distribution)
+    from sampler import Rollout
+    G, T = 2, 3
+    kept = torch.arange(1, 3 * G * T + 1).view(3 * G, T)                    # [6, 3] all distinct
+    roll = Rollout.from_lengths([[5], [6, 7], [8]], G, 0, torch.arange(18).view(6, 3),
+                                torch.zeros(6, T), torch.full((6,), T), torch.ones(6, dtype=bool),
+                                kept)
+    roll.index = torch.arange(3).repeat_interleave(G)
+    sel = roll.select_groups(torch.tensor([True, False, True]))
+    assert torch.equal(sel.kept, kept[[0, 1, 4, 5]]) and sel.kept.shape == sel.response_ids.shape
+    other = Rollout.from_lengths([[9]], G, 0, torch.zeros(2, 4, dtype=torch.long),
+                                 torch.zeros(2, 4), torch.full((2,), 4), torch.ones(2, dtype=bool))
+    other.index = torch.tensor([3, 3])
+    both = Rollout.cat([sel, roll.select_groups(torch.tensor([False, True, False])), other])
+    want = torch.nn.functional.pad(torch.cat([kept[[0, 1, 4, 5]], kept[[2, 3]]]), (0, 1))
+    assert torch.equal(both.kept, torch.cat([want, torch.zeros(2, 4, dtype=torch.long)]))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_peaked_rows_at_top_p_are_scored_as_drawn_over_many_chunks(fused, monkeypatch):
+    # a confident model (its final norm scaled x 10: ~40% of nuclei at top-p 0.9 are the top token
+    # alone, kept 1, log-prob 0) and 3 rows a chunk of the head: the trainer's log-probs (fused and
+    # plain head, shared-prefix and per-response forwards) are the sampler's, one-token nuclei
+    # included, where the full distribution's are below them
+    import dataclasses
+    import warnings
+
+    import logprobs
+    from infra import lm_head
+    model, t = tiny("qwen2", torch.float32), 1.0
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * model.config.vocab_size)
+    if not fused:
+        monkeypatch.setattr(lm_head, "fusable", lambda m: "a test's plain head")
+    roll = sample_groups(model, PROMPTS, 4, 10, 1, 0, temperature=t, top_p=0.9,
+                         generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    valid = roll.mask.bool()
+    ones = (roll.kept == 1) & valid
+    assert 0.3 < ones.sum() / valid.sum() < 1 and (roll.logprobs[ones] == 0).all()
+    every = slice(0, roll.response_ids.shape[0])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for f in (logprobs.rollout_logprobs, logprobs.per_response_logprobs):
+            lp = f(model, roll, every, t)[0] * roll.mask                    # [N, T]
+            assert torch.allclose(lp, roll.logprobs, atol=1e-5), (f.__name__,
+                                                                   (lp - roll.logprobs).abs().max())
+        full = logprobs.rollout_logprobs(model, dataclasses.replace(roll, kept=None), every, t)[0]
+    assert (roll.logprobs - full)[ones].max() > 1e-3
+
+
+def test_top_p_rows_in_length_buckets_are_scored_under_their_own_nuclei():
+    # 5 prompts x G = 3 at top-p 0.8 whose responses end at 1-12 tokens: the shared-prefix forward
+    # runs them in several length buckets, each row in its bucket scored under its own nucleus
+    # sizes (Rollout.kept of that row), not those of the slice's first rows
+    import warnings
+
+    import logprobs
+    from test_grpo import MIXED_PROMPTS
+    model = tiny("qwen2", torch.float32)
+    roll = sample_groups(model, MIXED_PROMPTS, 3, 12, [1, 2, 3, 4, 5, 6], 0, temperature=0.9,
+                         top_p=0.8, generator=[torch.Generator().manual_seed(20 + i)
+                                               for i in range(5)])
+    assert len(logprobs.length_buckets(roll.lengths)) > 2
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lp = logprobs.rollout_logprobs(model, roll, slice(0, 15), 0.9)[0] * roll.mask  # [N, T]
+    assert torch.allclose(lp, roll.logprobs, atol=1e-5), (lp - roll.logprobs).abs().max()

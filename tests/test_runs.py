@@ -1,7 +1,8 @@
 """End-to-end runs (@slow): train.py and evaluate.py through subprocess, torchrun (DDP, FSDP, LoRA
 on
 two ranks), resume and SIGKILL, --report-to, and the long in-process runs of the data, evaluate,
-train, checkpoint/parallel, metrics and lora sections of test_grpo.py (whose unit tests stay there).
+train, checkpoint/parallel, metrics and lora sections of test_grpo.py (whose unit tests stay there);
+and, fast, the launcher's clean-up after a timeout.
 
     python -m pytest -q tests/test_runs.py
 """
@@ -19,7 +20,15 @@ import pytest
 import torch
 
 from harness import builtin, checkpoint, data, flags, models
-from launch import KILL_DRIVER, ROOT, run_record, run_train, thread_counting_driver, torchrun
+from launch import (
+    KILL_DRIVER,
+    ROOT,
+    run_record,
+    run_train,
+    run_tree,
+    thread_counting_driver,
+    torchrun,
+)
 from test_data import SCHEMA_PROBLEMS, _chat_tokenizer, _chatml, _doc_commands, _schema_rows
 from test_grpo import one_step, tiny_flags, weights_of
 from verifier import verify
@@ -29,6 +38,51 @@ from verifier import verify
 # bad
 # input
 # ---------------------------------------------------------------------------------------------
+
+_SPAWNER = """
+import os, subprocess, sys, time
+with open(sys.argv[1], "a") as fh:
+    fh.write(f"{os.getpid()}\\n")
+depth, me = int(sys.argv[2]), [sys.executable, __file__, sys.argv[1]]
+if depth == 2:  # torchrun's shape: a child in its group, workers in sessions of their own
+    kids = [subprocess.Popen(me + ["0"]), subprocess.Popen(me + ["0"], start_new_session=True),
+            subprocess.Popen(me + ["1"], start_new_session=True)]
+elif depth == 1:  # a worker's own child
+    kids = [subprocess.Popen(me + ["0"], start_new_session=True)]
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """pid runs (a zombie not yet reaped by whoever inherited it counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_launch_that_times_out_leaves_no_process_behind(tmp_path):
+    # tests/launch.py's run_tree, as torchrun() and run_train() call it, on a script that starts
+    # a child in its process group, one in a session of its own (as torchrun starts its workers)
+    # and one in its own session with a child of its own, all sleeping: at the timeout, all five
+    # are gone (subprocess.run's timeout ended only the script: the workers kept running, holding
+    # their ports)
+    script, pids = tmp_path / "spawner.py", tmp_path / "pids"
+    script.write_text(_SPAWNER)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_tree([sys.executable, str(script), str(pids), "2"], 5)
+    started = [int(x) for x in pids.read_text().split()]
+    deadline = time.time() + 10
+    while any(map(_alive, started)) and time.time() < deadline:
+        time.sleep(0.05)
+    left = [p for p in started if _alive(p)]
+    for p in left:                                      # not left to the machine: ours to end
+        os.kill(p, 9)
+    assert len(started) == 5 and left == [], (started, left)
+    res = run_tree([sys.executable, "-c", "print('done')"], 60)          # a run that ends
+    assert res.returncode == 0 and res.stdout == "done\n"
+
 
 @pytest.mark.slow
 def test_several_rewards_train_and_log_each_component(tiny_run_inputs, tmp_path, capsys):

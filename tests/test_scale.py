@@ -50,6 +50,29 @@ def test_context_check_counts_the_longest_prompt_and_warns_where_rope_is_scaled(
         rollout.check_context(model, [[1] * 25], 40)
 
 
+def test_an_engines_rollout_is_refused_a_prompt_past_the_context():
+    # Step 1 through an engine (--rollout vllm: a stand-in for Engine.sample_groups here) checks the
+    # longest prompt + --max-new-tokens against the model's context as the built-in sampler does,
+    # before the engine is asked (it would cap the responses, silently "truncated")
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         max_position_embeddings=64))
+    asked = []
+    engine = lambda model, prompts, G, T, *a, **k: asked.append((prompts, T)) or "rollout"  # noqa
+    args = SimpleNamespace(max_new_tokens=40, max_num_seqs=None, kv_cache_gb=1.0, bf16=False,
+                           compile=False)
+    for sample in (engine, None):
+        with pytest.raises(InputError, match=r"\(30 tokens\) \+ --max-new-tokens 40 = 70"):
+            rollout.sample_rollout(model, [[3] * 5, [3] * 30], 2, 1.0, 1.0, None, [1], 0, args,
+                                   sample)
+    assert asked == []
+    assert rollout.sample_rollout(model, [[3] * 24], 2, 1.0, 1.0, None, [1], 0, args,
+                                  engine) == "rollout" and asked == [([[3] * 24], 40)]
+
+
 def test_the_vllm_engine_is_told_the_models_context(monkeypatch):
     # a stand-in for vllm.LLM records what the engine is built with: max_model_len is the model's
     # context (vLLM would otherwise cap the responses at its own limit, silently "truncated")
@@ -97,6 +120,26 @@ def test_duplicated_evaluation_rows_are_said_and_evaluated_once(tmp_path):
     other = [{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": "2"}]
     assert len(data.load_rows(rows_file("o.jsonl", other), "eval", say=said.append)) == 2
     assert said == []
+
+
+def test_eval_size_counts_distinct_rows_with_copies_interleaved(tmp_path):
+    # DAPO-Math-17k's shape: each problem's copies interleaved with new problems (p0 p1 p0 p2 p1 p0
+    # ...), not the distinct rows first. --eval-size 5 evaluates the first 5 distinct problems, in
+    # order, however many rows that reads (here 10), not the distinct ones among the first 5 read
+    import json
+
+    from harness import data
+    stream = [i - k for i in range(8) for k in range(min(i, 2) + 1)]      # 0 1 0 2 1 0 3 2 1 ...
+    assert sorted(set(stream[:5])) == [0, 1, 2]                           # 5 read: 3 distinct
+    path = tmp_path / "interleaved.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"problem {i}", "answer": str(i)}) + "\n"
+                            for i in stream))
+    said = []
+    rows = data.load_rows(str(path), "eval", limit=5, say=said.append)
+    assert [r["prompt"] for r in rows] == [f"problem {i}" for i in range(5)]
+    read = stream.index(4) + 1
+    assert said == [f"{path}: 5 of {read} rows read evaluated ({read - 5} repeat an earlier row's "
+                    f"prompt and answer and are evaluated once, the first 5 (--eval-size))"]
 
 
 def test_final_is_saved_in_the_dtype_the_model_came_in(tmp_path, tiny_run_inputs):

@@ -476,6 +476,53 @@ def test_an_engine_rollout_at_top_p_gets_its_nucleus_from_the_policy(fused, monk
     assert gap(got, want) <= 1e-6 and gap(full, want) > 1e-4, (gap(got, want), gap(full, want))
 
 
+def test_an_engine_rollout_at_top_p_keeps_old_and_reference_under_the_nucleus():
+    # --mu 2, --mini-batches 2, --beta 0.1 (four updates; old and reference log-probs from no-grad
+    # passes before the first): an engine's rollout (no Rollout.kept) updates the weights as the
+    # sampler's rollout (kept recorded) does, so old and reference log-probs are under the nucleus
+    # the policy finds, like the new ones; taken under the full distribution they are 0.1-0.3 nats
+    # lower and the first update's ratio is already off 1
+    import contextlib
+    import copy
+    import dataclasses
+    import warnings
+    from types import SimpleNamespace
+
+    import update
+    from infra import parallel
+    model, G, t = tiny("qwen2", torch.float32), 4, 0.9       # (the heads: the test above)
+    roll = sample_groups(model, [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4]], G, 8, 1, 0,
+                         temperature=t, top_p=0.8,
+                         generator=[torch.Generator().manual_seed(s) for s in (7, 8, 9)])
+    N = roll.response_ids.shape[0]
+    roll.index = torch.arange(N // G).repeat_interleave(G)
+    A = torch.randn(N, generator=torch.Generator().manual_seed(3))            # [N]
+
+    def updated(r, top_p):
+        args = SimpleNamespace(
+            micro_batch_size=3, micro_batch_tokens=10**6, mini_batches=2, mu=2, temperature=t,
+            top_p=top_p, reduction="token", loss="ppo", fsdp=False, gradient_checkpointing=False,
+            max_new_tokens=8, eps_low=0.2, eps_high=0.28, clip_c=0.0, tis_cap=0.0,
+            off_policy_mask=0.0, entropy_coef=0.0, beta=0.1, kl="k3", grad_clip=0.0)
+        mine, ref = copy.deepcopy(model).train(), copy.deepcopy(model).requires_grad_(False)
+        learner = update.Learner(mine, mine, ref, torch.optim.SGD(mine.parameters(), lr=0.5),
+                                 contextlib.nullcontext)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stats = update.update_policy(learner, r, A, r.mask, args, parallel.Dist("cpu"))
+        return {k: v.detach().clone() for k, v in mine.state_dict().items()}, stats
+
+    (want, s_want), (got, s_got) = updated(roll, 0.8), updated(dataclasses.replace(roll, kept=None),
+                                                               0.8)
+    gap = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    assert gap(got, want) <= 1e-6, gap(got, want)
+    # the first update is on-policy: ratio 1 on every token, a zero KL to the reference
+    for s in (s_want, s_got):
+        assert s.first["ratio/mean"] == pytest.approx(s.first["tokens"], rel=1e-6)
+        assert abs(s.first["kl"]) < 1e-6 * s.first["tokens"] and s.rest["updates"] == 3
+    assert gap(updated(dataclasses.replace(roll, kept=None), 1.0)[0], want) > 1e-4
+
+
 @pytest.mark.vllm
 def test_vllm_push_after_updates_gives_hf_greedy_on_the_trained_weights(vllm_engine, vllm_model):
     import copy
