@@ -139,6 +139,50 @@ VERIFIER_RULES = [
     R("Answer: x + 1", "x+1", 1.0, id="string-fallback"),
     R("\\boxed{\\sqrt2/2}", "\\frac{\\sqrt{2}}{2}", 1.0, id="string-slash-as-frac"),
     R("\\boxed{x^{2}+1}", "x^2+1", 1.0, id="string-braced-exponent"),
+    # forms models write that the verifier once missed (issue 56), and their false-credit twins
+    R("The solutions are $\\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}$.", "-2, 1", 1.0,
+      id="boxes-apart-by-quad-text-and"),
+    R("There is \\boxed{1} paper and there are \\boxed{2} bins.", "1, 2", 0.0,
+      id="boxes-apart-by-a-sentence-are-not-one-answer"),
+    R("So we need \\boxed{1} and \\boxed{2}.", "\\boxed{1} papers and \\boxed{2} bins", 1.0,
+      id="reference-boxes-with-unit-words"),
+    R("so \\boxed{5} is wrong; the count is \\boxed{6}", "6", 1.0, id="box-after-a-retraction"),
+    R("I first wrote \\boxed{12} but \\boxed{13} is right.", "13", 1.0, id="box-after-but"),
+    R("The total is $\\boxed{10,\\!000}$.", "10000", 1.0, id="thousands-comma-negative-space"),
+    R("\\boxed{11,\\! 111,\\! 111,\\! 100}", "11111111100", 1.0,
+      id="thousands-comma-negative-space-spaced"),
+    R("The point is $\\boxed{(1,100)}$.", "(1, 100)", 1.0, id="tuple-is-not-a-thousands-number"),
+    R("\\boxed{(1,234)}", "1234", 0.0, id="tuple-never-equals-the-joined-number"),
+    R("\\boxed{1,234}", "1234", 1.0, id="unbracketed-thousands-still-join"),
+    R("Thus $\\boxed{x \\ge 5}$.", "x \\geq 5", 1.0, id="ge-is-geq"),
+    R("\\boxed{5 \\geq x}", "x \\leq 5", 1.0, id="relation-flipped"),
+    R("\\boxed{x > 5}", "x \\geq 5", 0.0, id="strict-is-not-non-strict"),
+    R("\\boxed{-793 < a < 10}", "(-793, 10)", 1.0, id="double-inequality-is-an-interval"),
+    R("\\boxed{a < 10}", "(-793, 10)", 0.0, id="half-an-interval-is-not-it"),
+    R("\\boxed{x \\le 3}", "(-\\infty, 3]", 1.0, id="one-sided-inequality-is-a-ray"),
+    R("\\boxed{x = 5+5+1 = 11}", "11", 1.0, id="chained-equation-last-side"),
+    R("\\boxed{x = 5+5+1 = 12}", "11", 0.0, id="chained-equation-wrong-last-side"),
+    R("Final Answer: The largest $n$ is 34.", "34", 1.0, id="final-answer-sentence-with-math"),
+    R("Final Answer: The largest n is 34.", "34", 1.0, id="final-answer-sentence-plain"),
+    R("First count: \\boxed{255}. That double counts.\nRecounting, the final answer is 10,455.",
+      "10455", 1.0, id="later-final-answer-beats-an-earlier-box"),
+    R("First count: \\boxed{255}. That double counts.\nRecounting, the final answer is 10,455.",
+      "255", 0.0, id="earlier-box-loses-to-a-later-final-answer"),
+    R("The product of two odd numbers is odd.\nAnswer: odd", "odd", 1.0, id="one-word-answer"),
+    R("Answer: odd\nCheck: 3 * 5 = 15, the answer is correct.", "odd", 1.0,
+      id="one-word-verdict-is-not-an-answer"),
+    R("\\boxed{(0;0;0)}", "(0,0,0)", 1.0, id="semicolon-tuple"),
+    R("The answer is $(11,7)$ or $(7,11)$.", "(11,7), (7,11)", 1.0, id="answer-spans-joined-by-or"),
+    R("\\boxed{(11,7) \\text{ or } (7,11)}", "(7,11), (11,7)", 1.0, id="tuples-or-unordered"),
+    R("\\boxed{V_1:V_2=11:21}", "11:21", 1.0, id="ratio-with-subscripted-left-side"),
+    R("\\boxed{\\cfrac{3}{4}}", "3/4", 1.0, id="cfrac"),
+    R("\\boxed{1000,99}", "1000.99", 1.0, id="decimal-comma"),
+    R("\\boxed{1000,99}", "1000", 0.0, id="decimal-comma-is-not-the-integer"),
+    R("\\boxed{1,234}", "1.234", 0.0, id="three-digits-after-a-comma-are-thousands"),
+    R("\\boxed{5 \\text{ inches}}", "5\\text{ in}", 1.0, id="unit-abbreviation"),
+    R("\\boxed{5 \\text{ ft}}", "5\\text{ in}", 0.0, id="unit-abbreviations-differ"),
+    R("\\boxed{\\frac{9}{4}\\pi}", "\\frac{9\\pi}{4}", 1.0, id="coefficient-in-the-numerator"),
+    R("\\boxed{\\frac{12}{5}x}", "\\frac{2x}{5}", 0.0, id="coefficient-kept-whole"),
 ]
 
 
@@ -224,6 +268,33 @@ def test_verifier_time_is_bounded_on_megabyte_inputs():
             assert verify(response, answer) in (0.0, 1.0)
             slowest = max(slowest, time.perf_counter() - t0)
     assert slowest < 0.2, f"slowest call {slowest * 1000:.0f} ms"
+
+
+def test_verifier_new_rules_stay_linear_on_100k_inputs():
+    # adversarial 100k-character inputs aimed at the rules of issue 56 (box gaps, later "final
+    # answer" markers, relations, chains, verbs after a span, semicolons, thousands): a regex that
+    # backtracks takes minutes on them; the subprocess's limit is generous, not a measured figure
+    import subprocess
+    code = """
+import verifier
+n = 100_000
+attacks = ["\\\\boxed{1}" + " word" * (n // 5) + " and \\\\boxed{2}",
+           "\\\\boxed{1}" + " \\\\quad" * (n // 6) + "\\\\boxed{2}",
+           "\\\\boxed{1} " + "final answer " * (n // 13),
+           "\\\\boxed{1} Final Answer: " + "$a$ is " * (n // 7),
+           "Answer: " + "$a$ is " * (n // 7), "Answer: " + "$1$ or " * (n // 7),
+           "Answer: The" + " a" * (n // 2) + " is 5", "Answer: " + "1 < " * (n // 4) + "x",
+           "Answer: x = " + "1 = " * (n // 4), "Answer: (" + "0;" * (n // 2) + ")",
+           "Answer: " + "1," * (n // 2) + "5", "Answer: " + "(1,234)" * (n // 7),
+           "Answer: V_1" * (n // 11) + "=1", "Answer: 1" + ",\\\\! 000" * (n // 8)]
+for s in attacks:
+    for response, answer in ((s, "1"), ("Answer: 1", s), (s, s)):
+        assert verifier.verify(response, answer) in (0.0, 1.0)
+print("done")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                         timeout=120)
+    assert out.stdout.strip() == "done", out.stderr[-2000:]
 
 
 def test_verifier_agrees_with_hand_labels():
