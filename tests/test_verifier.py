@@ -6,6 +6,7 @@ scored 1, 1, 1, 0) is in test_grpo.py.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -320,3 +321,51 @@ def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
         "usage: python verifier.py")
     missing = subprocess.run(run, capture_output=True, text=True)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# --reward math-verify (infra/math_verify_reward.py): optional, bounded per response
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                    reason="math-verify not installed (requirements-optional.txt)")
+def test_math_verify_reward_scores_from_any_thread_and_is_bounded_per_response():
+    import threading
+
+    from infra import data, math_verify_reward
+    mv = data.load_reward("math-verify")
+    assert isinstance(mv, math_verify_reward.MathVerify) and "math_verify" not in sys.modules
+    try:
+        # algebra the rule-based verifier does not do; GSM8K's reference read through its ####
+        assert mv("So $\\boxed{(x+1)^2}$.", "x^2+2x+1") == 1.0
+        assert verify("So $\\boxed{(x+1)^2}$.", "x^2+2x+1") == 0.0
+        assert mv("#### 72", "Natalia sold 48/2 = 24 clips... #### 72") == 1.0
+        assert mv("\\boxed{73}", "72") == 0.0 and mv(None, "72") == 0.0
+        # from a thread (math-verify's own SIGALRM timeout raises ValueError off the main thread)
+        got = []
+        worker = threading.Thread(target=lambda: got.append(mv("\\boxed{\\frac12}", "0.5")))
+        worker.start()
+        worker.join()
+        assert got == [1.0] and mv.timeouts == 0
+        # a response past the bound scores 0 and its child is replaced: a stand-in that never
+        # answers, then the real worker again
+        mv.close()
+        mv.command, real = [sys.executable, "-c", "print('ready', flush=True)\nimport time\n"
+                            "input()\ntime.sleep(600)"], mv.command
+        mv.timeout_s = 1.0
+        assert mv("\\boxed{3}", "3") == 0.0 and mv.timeouts == 1 and mv.child is None
+        mv.command, mv.timeout_s = real, 5.0
+        assert mv("\\boxed{3}", "3") == 1.0
+    finally:
+        mv.close()
+
+
+def test_math_verify_reward_missing_package_fails_in_one_line(monkeypatch):
+    from infra import data
+    from infra.errors import InputError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(InputError, match="pip install math-verify") as err:
+        data.Reward.load(["math-verify"])
+    assert "\n" not in str(err.value)
