@@ -65,7 +65,7 @@ MAX_POWER_DIGITS = 1000  # a power with more digits than this is compared as a s
 
 # between boxes that form one answer: `,` `;` `and` `or` `$` `\quad` `\text{and}`; after a box, one
 # word when a separator follows it (`\boxed{1} papers and \boxed{2} bins`)
-_BOX_GAP = re.compile(r"(?:[ \t]*[A-Za-z]{2,15}(?=[ \t]*(?:[,;]|and\b)))?"
+_BOX_GAP = re.compile(r"(?:\$?[ \t]*[A-Za-z]{2,15}(?=[ \t]*(?:[,;]|and\b)))?"
                       r"(?:\s|\$|\\[()\[\],;! ]|\\q?quad|~|[,;]|and|or|"
                       r"\\text\{\s*(?:and|or)\s*\}){0,20}")
 _MARK = re.compile(r"(?:\*\*|__|\*)?[ \t]{0,3}(?::|=|is\b[ \t]*:?)[ \t*_:]*")

@@ -147,6 +147,8 @@ VERIFIER_RULES = [
       id="boxes-apart-by-a-sentence-are-not-one-answer"),
     R("So we need \\boxed{1} and \\boxed{2}.", "\\boxed{1} papers and \\boxed{2} bins", 1.0,
       id="reference-boxes-with-unit-words"),
+    R("We need $\\boxed{1}$ paper and $\\boxed{2}$ bins.", "1, 2", 1.0,
+      id="boxes-with-unit-words-in-dollars"),
     R("so \\boxed{5} is wrong; the count is \\boxed{6}", "6", 1.0, id="box-after-a-retraction"),
     R("I first wrote \\boxed{12} but \\boxed{13} is right.", "13", 1.0, id="box-after-but"),
     R("The total is $\\boxed{10,\\!000}$.", "10000", 1.0, id="thousands-comma-negative-space"),
@@ -303,10 +305,11 @@ def test_verifier_agrees_with_hand_labels():
     # by hand
     with open(os.path.join(HERE, "results", "verifier_cases.jsonl"), encoding="utf-8") as fh:
         cases = [json.loads(line) for line in fh]
+    # and the forms of issue 56 (source "issue-56", a "kind" each), right and wrong
     report = verifier.agreement(cases)
-    assert report["n"] >= 300
-    assert report["agree"] / report["n"] >= 0.95, report
-    assert len(report["false_positives"]) <= report["n"] / 300, report["false_positives"]
+    assert report["n"] >= 400 and sum(c["source"] == "issue-56" for c in cases) >= 60
+    assert report["agree"] / report["n"] >= 0.97, report
+    assert report["false_positives"] == [], [cases[i]["note"] for i in report["false_positives"]]
 
 
 def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
@@ -366,6 +369,9 @@ def test_math_verify_reward_missing_package_fails_in_one_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "math_verify" else real(name, *a))
+    # evaluate.py's flags (train.py shares them) name it; Reward.load is what both call
+    from infra import flags
+    specs = flags.parse_eval_args(["--reward", "math-verify"]).reward
     with pytest.raises(InputError, match="pip install math-verify") as err:
-        data.Reward.load(["math-verify"])
+        data.Reward.load(specs)
     assert "\n" not in str(err.value)
