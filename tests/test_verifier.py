@@ -312,6 +312,31 @@ def test_verifier_agrees_with_hand_labels():
     assert report["false_positives"] == [], [cases[i]["note"] for i in report["false_positives"]]
 
 
+def test_verifier_comparison_counts_by_hand_and_the_page_quotes_the_verifier_figures():
+    # bench/verifiers.py (python -m bench.verifiers): three rows, two scorers, counted by hand
+    from bench import verifiers
+    rows = [{"source": "gsm8k", "response": "a", "reference": "1", "correct": True},
+            {"source": "math", "response": "b", "reference": "1", "correct": False},
+            {"source": "math", "response": "c", "reference": "1", "correct": True, "kind": "k"}]
+    got = {"one": [True, True, False], "two": [True, False, True]}
+    s = verifiers.summary(rows, got)
+    assert s["one"] == {"n": 3, "agree": 1, "false_credit": 1, "missed": 1}
+    assert s["two"] == {"n": 3, "agree": 3, "false_credit": 0, "missed": 0}
+    assert verifiers.summary(rows, got, ("gsm8k",))["one"]["n"] == 1
+    assert verifiers.disagreements(rows, got) == [1, 2]
+    table = verifiers.markdown(rows, got)
+    assert "| 3 | math / k |  | right | 0 | 1 |" in table
+    assert "| all: 3 | 33.3% (1), 1, 1 |" in table
+    # docs/verifier.md quotes the verifier's column as the labelled file gives it today
+    with open(os.path.join(HERE, "results", "verifier_cases.jsonl"), encoding="utf-8") as fh:
+        cases = [json.loads(line) for line in fh]
+    ours = verifiers.score(cases, {"verifier": verify, "none": lambda r, a: 0.0})
+    with open(os.path.join(HERE, "docs", "verifier.md"), encoding="utf-8") as fh:
+        page = fh.read()
+    for line in verifiers.markdown(cases, ours).splitlines()[2:5]:
+        assert line.rsplit(" | ", 1)[0] + " | " in page, line
+
+
 def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
     # `python verifier.py CASES.jsonl` (docs/verifier.md); --help and a missing argument answer with
     # argparse's usage, not a traceback
