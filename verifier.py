@@ -44,8 +44,10 @@ unit on both sides, their units agree (`5 cm` is not `5 m`, `5 in` is `5 inches`
 - `\\{...\\}` sets, comma (or semicolon) lists, `2 and 3`, `x = 2 or x = -3` and `a \\pm b` are
   unordered sets; tuples and intervals (`(1,234)`, `(0;0;0)`, `[1, 2)`) are ordered, brackets kept;
 - multiple-choice letters `C`, `(C)`, `\\text{(C)}`, `\\textbf{(C) }12` are `c`;
+- `\\varnothing`, `\\{\\}` are `\\emptyset`; `\\mathbb{R}` is `(-\\infty,\\infty)`;
 - anything else is a string without spaces, in lower case, `a/b` as `\\frac{a}{b}`,
-  `\\frac{9}{4}\\pi` as `\\frac{9\\pi}{4}`, `x^{2}` as `x^2`. No symbolic algebra:
+  `\\frac{9}{4}\\pi` as `\\frac{9\\pi}{4}`, `x^{2}` as `x^2`, a sum's terms in one order
+  (`2x+3` is `3+2x`, `a-b` is not `b-a`). No symbolic algebra:
   `\\sqrt{12}` is not `2\\sqrt{3}`.
 """
 from __future__ import annotations
@@ -87,7 +89,8 @@ _NOISE = [(re.compile(p), r) for p, r in [
     (r"(?<=\d)(?:\{,\}|,\\!\s*)(?=\d)", ""), (r"\{,\}", ","),  # 1{,}234, 10,\!000: thousands
     (r"\\[dtc]frac", r"\\frac"), (r"\\geqslant|\\ge(?![a-z])|>=|≥", r"\\geq"),
     (r"\\leqslant|\\le(?![a-z])|<=|≤", r"\\leq"), (r"\\gt(?![a-z])", ">"), (r"\\lt(?![a-z])", "<"),
-    (r"(?<![\w}])\+\s*\\infty", r"\\infty"),
+    (r"(?<![\w}])\+\s*\\infty", r"\\infty"), (r"\\mathbb\s*\{?R\}?", r"(-\\infty,\\infty)"),
+    (r"\\varnothing|\\emptyset|\\\{\s*\\\}", r"\\emptyset"),
     (r"\^\s*\{?\\circ\}?|\\circ|\\degree|°|\bdegrees?\b", " "), (r"\\?%|\bpercent\b", " "),
     (r"(?<!\\)\\!", ""), (r"(?<!\\)\\[,;: ]|\\q?quad|~", " "),
     (r"\\(frac|sqrt)\s*([0-9a-zA-Z])", r"\\\1{\2}"),
@@ -378,8 +381,24 @@ def _plain(s: str) -> str:
         return f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     m = _COEFFICIENT.fullmatch(s)  # \frac{9}{4}\pi is \frac{9\pi}{4}, \frac{1}{2}x is \frac{x}{2}
     if not m:
-        return s
+        return _sorted_terms(s)
     return f"\\frac{{{'' if m.group(1) == '1' else m.group(1)}{m.group(3)}}}{{{m.group(2)}}}"
+
+
+def _sorted_terms(s: str) -> str:
+    """A sum in any order of its terms: `2x+3` and `3+2x` are one (the signs kept: `a-b` is not
+    `b-a`); a text with a relation, a comma or a sign after `^` `_` `\\` is left as it is."""
+    if not re.search(r"(?<=.)[+-]", s) or re.search(r"[=<>,]|[\^_\\][+-]", s):
+        return s
+    terms, depth, start = [], 0, 0
+    for j, ch in enumerate(s):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch in "+-" and depth == 0 and j > start:
+            terms.append(s[start:j])
+            start = j
+    terms.append(s[start:])
+    terms = sorted(t if t[0] in "+-" else "+" + t for t in terms)
+    return "".join(terms).removeprefix("+")
 
 
 def parse_number(answer: str) -> Fraction | None:
