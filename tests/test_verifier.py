@@ -188,7 +188,8 @@ VERIFIER_RULES = [
     R("\\boxed{\\frac{12}{5}x}", "\\frac{2x}{5}", 0.0, id="coefficient-kept-whole"),
     R("The polynomial is $\\boxed{2x+3}$.", "3+2x", 1.0, id="sum-in-any-order"),
     R("\\boxed{\\sqrt{2}-1}", "1-\\sqrt{2}", 0.0, id="sum-keeps-its-signs"),
-    R("No real number works, so the set is $\\boxed{\\varnothing}$.", "\\{\\}", 1.0, id="empty-set"),
+    R("No real number works, so the set is $\\boxed{\\varnothing}$.", "\\{\\}", 1.0,
+      id="empty-set"),
     R("Every real $x$ works: $\\boxed{\\mathbb{R}}$.", "(-\\infty, \\infty)", 1.0, id="all-reals"),
 ]
 
