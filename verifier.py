@@ -37,18 +37,21 @@ unit on both sides, their units agree (`5 cm` is not `5 m`, `5 in` is `5 inches`
   `1{,}234`, `10,\\!000`, `1\\,234`, `1 234`), decimals (a decimal comma `1000,99` where the
   reference is a fraction), `a/b`, `\\frac{a}{b}`, mixed numbers `3 1/2`, `0.\\overline{3}`, powers
   and `1.5e3` (exact up to MAX_POWER_DIGITS digits, compared as text beyond);
-- `x = 4` is `4` (a left side without digits but subscripts: `V_1:V_2=11:21` is `11:21`); the
-  last side of a chain `x = 5+5+1 = 11` when it is a number; `x \\in [1, 2)` is `[1, 2)`;
+- `x = 4` and `x \\approx 4` are `4` (a left side without digits but subscripts: `V_1:V_2=11:21`
+  is `11:21`); the last side of a chain `x = 5+5+1 = 11` when it is a number; `x \\in [1, 2)` is
+  `[1, 2)`;
 - an inequality in one variable is its interval: `x \\ge 5`, `5 \\leq x`, `[5, \\infty)` are one;
   `-793 < a < 10` is `(-793, 10)`;
 - `\\{...\\}` sets, comma (or semicolon) lists, `2 and 3`, `x = 2 or x = -3` and `a \\pm b` are
   unordered sets; tuples and intervals (`(1,234)`, `(0;0;0)`, `[1, 2)`) are ordered, brackets kept;
 - multiple-choice letters `C`, `(C)`, `\\text{(C)}`, `\\textbf{(C) }12` are `c`;
 - `\\varnothing`, `\\{\\}` are `\\emptyset`; `\\mathbb{R}` is `(-\\infty,\\infty)`;
+- a rational times the square root of an integer is canonical (integer arithmetic, no algebra):
+  `\\sqrt{12}` is `2\\sqrt{3}`, `\\frac{1}{\\sqrt{2}}` is `\\frac{\\sqrt{2}}{2}`, `\\sqrt{4}` is 2;
 - anything else is a string without spaces, in lower case, `a/b` as `\\frac{a}{b}`,
   `\\frac{9}{4}\\pi` as `\\frac{9\\pi}{4}`, `x^{2}` as `x^2`, a sum's terms in one order
-  (`2x+3` is `3+2x`, `a-b` is not `b-a`). No symbolic algebra:
-  `\\sqrt{12}` is not `2\\sqrt{3}`.
+  (`2x+3` is `3+2x`, `a-b` is not `b-a`). No symbolic algebra: `(x+1)^2` is not `x^2+2x+1`,
+  `\\sqrt{2}\\sqrt{3}` not `\\sqrt{6}`.
 """
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ _WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|
 _NOISE = [(re.compile(p), r) for p, r in [
     (r"\\\$|\$", " "), (r"\\(?:left|right|displaystyle|big|Big)(?![a-zA-Z])", ""),
     (r"(?<=\d)(?:\{,\}|,\\!\s*)(?=\d)", ""), (r"\{,\}", ","),  # 1{,}234, 10,\!000: thousands
-    (r"\\[dtc]frac", r"\\frac"), (r"\\geqslant|\\ge(?![a-z])|>=|≥", r"\\geq"),
+    (r"\\[dtc]frac", r"\\frac"), (r"\\approx|≈", "="), (r"\\geqslant|\\ge(?![a-z])|>=|≥", r"\\geq"),
     (r"\\leqslant|\\le(?![a-z])|<=|≤", r"\\leq"), (r"\\gt(?![a-z])", ">"), (r"\\lt(?![a-z])", "<"),
     (r"(?<![\w}])\+\s*\\infty", r"\\infty"), (r"\\mathbb\s*\{?R\}?", r"(-\\infty,\\infty)"),
     (r"\\varnothing|\\emptyset|\\\{\s*\\\}", r"\\emptyset"),
@@ -113,6 +116,9 @@ _UNIT_NAMES = dict(kv.split("=") for kv in (
     "g=gram kg=kilogram lb=pound lbs=pound oz=ounce s=second sec=second min=minute h=hour hr=hour "
     "hrs=hour l=liter ml=milliliter").split())
 _COEFFICIENT = re.compile(r"\\frac\{(\d+)\}\{(\d+)\}(\\?[a-z]+(?:\{[^{}]*\})?)")
+_SURD = re.compile(r"(?P<sign>-?)(?:(?P<a>\d{0,8})\\sqrt\{(?P<n>\d{1,8})\}"
+                   r"|\\frac\{(?P<sign2>-?)(?P<a2>\d{0,8})\\sqrt\{(?P<n2>\d{1,8})\}\}\{(?P<d>\d{1,8})\}"
+                   r"|\\frac\{(?P<a3>\d{1,8})\}\{(?P<b>\d{0,8})\\sqrt\{(?P<n3>\d{1,8})\}\})")
 _MIXED = re.compile(r"([+-]?)(\d+)(?:\s+(\d+)/(\d+)|\s*\\frac\{(\d+)\}\{(\d+)\})")
 _POWER = re.compile(r"(\d+(?:\.\d+)?)\^\{?([+-]?\d+)\}?")
 _DECIMAL = re.compile(r"(\d*)(?:\.(\d*))?(?:\\overline\{(\d+)\})?"
@@ -378,11 +384,37 @@ def _plain(s: str) -> str:
     s = re.sub(r"\^\{(\w)\}", r"^\1", s)
     m = re.fullmatch(r"([^/+\-=,]+)/([^/+\-=,]+)", s)
     if m:
-        return f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
+        s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     m = _COEFFICIENT.fullmatch(s)  # \frac{9}{4}\pi is \frac{9\pi}{4}, \frac{1}{2}x is \frac{x}{2}
+    if m:
+        s = f"\\frac{{{'' if m.group(1) == '1' else m.group(1)}{m.group(3)}}}{{{m.group(2)}}}"
+    return _surd(s) or _sorted_terms(s)
+
+
+def _surd(s: str) -> str | None:
+    """A rational times the square root of an integer, canonical: `\\sqrt{12}` is `2\\sqrt{3}`,
+    `\\frac{1}{\\sqrt{2}}` is `\\frac{\\sqrt{2}}{2}`, `\\sqrt{4}` is 2 (integer arithmetic: the
+    square factors of the radicand, at most 8 digits, come out); else None."""
+    m = _SURD.fullmatch(s)
     if not m:
-        return _sorted_terms(s)
-    return f"\\frac{{{'' if m.group(1) == '1' else m.group(1)}{m.group(3)}}}{{{m.group(2)}}}"
+        return None
+    g = m.groupdict()
+    a, a2, a3, b, d = (int(g[k]) if g[k] else 1 for k in ("a", "a2", "a3", "b", "d"))
+    if g["n"]:                                                      # a\sqrt{n}
+        q, n = Fraction(a), int(g["n"])
+    elif g["n2"] and d:                                             # \frac{a\sqrt{n}}{d}
+        q, n = Fraction(a2, d), int(g["n2"])
+    elif g["n3"] and b and int(g["n3"]):                            # \frac{a}{b\sqrt{n}}
+        q, n = Fraction(a3, b * int(g["n3"])), int(g["n3"])
+    else:
+        return None
+    q = -q if (g["sign"] or g["sign2"]) else q
+    k = 2
+    while k * k <= n:  # at most 10^4 steps
+        while n % (k * k) == 0:
+            n, q = n // (k * k), q * k
+        k += 1
+    return str(q * (n > 0)) if n <= 1 or q == 0 else f"{q}\\sqrt{{{n}}}"
 
 
 def _sorted_terms(s: str) -> str:
