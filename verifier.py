@@ -32,7 +32,7 @@ unit on both sides, their units agree (`5 cm` is not `5 m`, `5 in` is `5 inches`
 - dropped: `$`, `\\$`, `\\left`/`\\right`, spacing (`\\!` `\\,` `\\quad`), `\\text{}`-like wrappers,
   outer `{}`, degrees, percent (50% equals 50, 0.5 does not), a unit word after a number;
   `\\dfrac` `\\tfrac` `\\cfrac` read as `\\frac`, `\\frac34` as `\\frac{3}{4}`, `\\sqrt2` as
-  `\\sqrt{2}`;
+  `\\sqrt{2}`, `\\ln 2` and `\\ln(2)` as `\\ln{2}`;
 - numbers are exact rationals: integers (leading zeros; thousands `1,234` outside brackets only,
   `1{,}234`, `10,\\!000`, `1\\,234`, `1 234`), decimals (a decimal comma `1000,99` where the
   reference is a fraction), `a/b`, `\\frac{a}{b}`, mixed numbers `3 1/2`, `0.\\overline{3}`, powers
@@ -42,8 +42,9 @@ unit on both sides, their units agree (`5 cm` is not `5 m`, `5 in` is `5 inches`
   `[1, 2)`;
 - an inequality in one variable is its interval: `x \\ge 5`, `5 \\leq x`, `[5, \\infty)` are one;
   `-793 < a < 10` is `(-793, 10)`;
-- `\\{...\\}` sets, comma (or semicolon) lists, `2 and 3`, `x = 2 or x = -3` and `a \\pm b` are
-  unordered sets; tuples and intervals (`(1,234)`, `(0;0;0)`, `[1, 2)`) are ordered, brackets kept;
+- `\\{...\\}` sets, comma (or semicolon) lists, `2 and 3`, `x = 2 or x = -3`, `A \\cup B` and
+  `a \\pm b` are unordered sets; tuples and intervals (`(1,234)`, `(0;0;0)`, `[1, 2)`) are
+  ordered, brackets kept;
 - multiple-choice letters `C`, `(C)`, `\\text{(C)}`, `\\textbf{(C) }12` are `c`;
 - `\\varnothing`, `\\{\\}` are `\\emptyset`; `\\mathbb{R}` is `(-\\infty,\\infty)`;
 - a rational times the square root of an integer is canonical (integer arithmetic, no algebra):
@@ -90,7 +91,10 @@ _WRAPPER = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|
 _NOISE = [(re.compile(p), r) for p, r in [
     (r"\\\$|\$", " "), (r"\\(?:left|right|displaystyle|big|Big)(?![a-zA-Z])", ""),
     (r"(?<=\d)(?:\{,\}|,\\!\s*)(?=\d)", ""), (r"\{,\}", ","),  # 1{,}234, 10,\!000: thousands
-    (r"\\[dtc]frac", r"\\frac"), (r"\\approx|≈", "="), (r"\\geqslant|\\ge(?![a-z])|>=|≥", r"\\geq"),
+    (r"\\[dtc]frac", r"\\frac"), (r"\\approx|≈", "="),
+    (r"\\(ln|log|sin|cos|tan|cot|sec|csc)\s*(?:\(([^()]{1,20})\)|\{([^{}]{1,20})\}|([a-zA-Z0-9]))",
+     lambda m: f"\\{m.group(1)}{{{m.group(2) or m.group(3) or m.group(4)}}}"),  # \ln(2): \ln{2}
+    (r"\\geqslant|\\ge(?![a-z])|>=|≥", r"\\geq"),
     (r"\\leqslant|\\le(?![a-z])|<=|≤", r"\\leq"), (r"\\gt(?![a-z])", ">"), (r"\\lt(?![a-z])", "<"),
     (r"(?<![\w}])\+\s*\\infty", r"\\infty"), (r"\\mathbb\s*\{?R\}?", r"(-\\infty,\\infty)"),
     (r"\\varnothing|\\emptyset|\\\{\s*\\\}", r"\\emptyset"),
@@ -344,7 +348,7 @@ def _parse(answer: str) -> tuple[str, str | None] | None:
     if (s[:1] in "([" and s[-1:] in ")]" and _closes_at(s, 0) == len(s) - 1
             and len(_split_top(s[1:-1])) > 1):
         return s[0] + ",".join(_atom(p)[0] for p in _split_top(s[1:-1])) + s[-1], None
-    parts = _split_top(re.sub(r"\s+(?:and|or)\s+", ",", s))
+    parts = _split_top(re.sub(r"\s+(?:and|or)\s+|\s*\\cup\s*", ",", s))
     if len(parts) == 1 and s.count("\\pm") == 1:
         before, after = s.split("\\pm")
         parts = ([before + "+" + after, before + "-" + after] if before.strip()
