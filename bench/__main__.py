@@ -17,6 +17,8 @@ The sections (each prints both sides of its comparison from one run):
   padded to the longest;
 - bench/vs_trl.py, its own command (`python -m bench.vs_trl`): a GRPO step of train.py vs TRL's
   GRPOTrainer (TRL in its own venv).
+- bench/verifiers.py, its own command (`python -m bench.verifiers`): the rule-based verifier vs
+  math-verify on the hand-labelled cases (docs/verifier.md; needs math-verify).
 The shared timers and memory probes are in bench/common.py.
 
     python -m bench               # every section: ~10 min on 2 CPU cores, or CUDA

@@ -183,10 +183,15 @@ def _dataset(path: str, split: str):
 
 
 def load_reward(spec: str):
-    """verifier.verify, or the function named by 'module:function' (imported, never evaluated)."""
+    """verifier.verify; 'math-verify': the symbolic checker, bounded per response
+    (harness/math_verify_reward.py, imported only here); or the function named by 'module:function'
+    (imported, never evaluated)."""
     if spec == "verifier":
         import verifier
         return verifier.verify
+    if spec == "math-verify":
+        from harness import math_verify_reward
+        return math_verify_reward.MathVerify()
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)

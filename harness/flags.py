@@ -55,7 +55,8 @@ class EvalArgs:
                                      "turn of its own keeps that one)")
     chat_template: bool = flag(True, "apply the tokenizer's chat template when it has one "
                                "(--no-chat-template: raw text, an error for a list of messages)")
-    reward: list[str] | None = flag(None, "'verifier' (the default) or module:function, "
+    reward: list[str] | None = flag(None, "'verifier' (the default), 'math-verify' (symbolic, "
+                                    "optional: pip install math-verify) or module:function, "
                                     "f(response, answer) -> float or TRL's f(prompts, completions, "
                                     "**columns) -> list[float | None]; repeat to sum several")
     reward_weights: list[float] | None = flag(None, "one weight per --reward, the score being "

@@ -3,6 +3,7 @@ experiments, the habit models and the tables they write from metrics.jsonl."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -13,7 +14,7 @@ import torch
 
 from ablate import curves
 from harness import builtin, data, flags, models
-from test_grpo import tiny_flags
+from test_grpo import HERE, tiny_flags
 from verifier import verify
 
 # ---------------------------------------------------------------------------------------------
@@ -584,3 +585,28 @@ def test_vs_trl_table_runs_every_configuration_and_prints_its_ratio(capsys, monk
     rows = [x for x in out if x.startswith("| ") and "---" not in x]
     assert rows[1] == "| built-in base | 4 | 1 | 0.100 | 0.400 | 0.25 |"
     assert rows[-1] == "| random init | 64 | 2 | 0.600 | 0.400 | 1.50 |" and len(rows) == 7
+
+
+def test_verifier_comparison_counts_by_hand_and_the_page_quotes_the_verifier_figures():
+    # bench/verifiers.py (python -m bench.verifiers): three rows, two scorers, counted by hand
+    from bench import verifiers
+    rows = [{"source": "gsm8k", "response": "a", "reference": "1", "correct": True},
+            {"source": "math", "response": "b", "reference": "1", "correct": False},
+            {"source": "math", "response": "c", "reference": "1", "correct": True, "kind": "k"}]
+    got = {"one": [True, True, False], "two": [True, False, True]}
+    s = verifiers.summary(rows, got)
+    assert s["one"] == {"n": 3, "agree": 1, "false_credit": 1, "missed": 1}
+    assert s["two"] == {"n": 3, "agree": 3, "false_credit": 0, "missed": 0}
+    assert verifiers.summary(rows, got, ("gsm8k",))["one"]["n"] == 1
+    assert verifiers.disagreements(rows, got) == [1, 2]
+    table = verifiers.markdown(rows, got)
+    assert "| 3 | math / k |  | right | 0 | 1 |" in table
+    assert "| all: 3 | 33.3% (1), 1, 1 |" in table
+    # docs/verifier.md quotes the verifier's column as the labelled file gives it today
+    with open(os.path.join(HERE, "results", "verifier_cases.jsonl"), encoding="utf-8") as fh:
+        cases = [json.loads(line) for line in fh]
+    ours = verifiers.score(cases, {"verifier": verify, "none": lambda r, a: 0.0})
+    with open(os.path.join(HERE, "docs", "verifier.md"), encoding="utf-8") as fh:
+        page = fh.read()
+    for line in verifiers.markdown(cases, ours).splitlines()[2:5]:
+        assert line.rsplit(" | ", 1)[0] + " | " in page, line

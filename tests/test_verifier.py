@@ -6,6 +6,7 @@ scored 1, 1, 1, 0) is in test_grpo.py.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -139,6 +140,72 @@ VERIFIER_RULES = [
     R("Answer: x + 1", "x+1", 1.0, id="string-fallback"),
     R("\\boxed{\\sqrt2/2}", "\\frac{\\sqrt{2}}{2}", 1.0, id="string-slash-as-frac"),
     R("\\boxed{x^{2}+1}", "x^2+1", 1.0, id="string-braced-exponent"),
+    # forms models write that the verifier once missed (issue 56), and their false-credit twins
+    R("The solutions are $\\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}$.", "-2, 1", 1.0,
+      id="boxes-apart-by-quad-text-and"),
+    R("There is \\boxed{1} paper and there are \\boxed{2} bins.", "1, 2", 0.0,
+      id="boxes-apart-by-a-sentence-are-not-one-answer"),
+    R("So we need \\boxed{1} and \\boxed{2}.", "\\boxed{1} papers and \\boxed{2} bins", 1.0,
+      id="reference-boxes-with-unit-words"),
+    R("We need $\\boxed{1}$ paper and $\\boxed{2}$ bins.", "1, 2", 1.0,
+      id="boxes-with-unit-words-in-dollars"),
+    R("so \\boxed{5} is wrong; the count is \\boxed{6}", "6", 1.0, id="box-after-a-retraction"),
+    R("I first wrote \\boxed{12} but \\boxed{13} is right.", "13", 1.0, id="box-after-but"),
+    R("The total is $\\boxed{10,\\!000}$.", "10000", 1.0, id="thousands-comma-negative-space"),
+    R("\\boxed{11,\\! 111,\\! 111,\\! 100}", "11111111100", 1.0,
+      id="thousands-comma-negative-space-spaced"),
+    R("The point is $\\boxed{(1,100)}$.", "(1, 100)", 1.0, id="tuple-is-not-a-thousands-number"),
+    R("\\boxed{(1,234)}", "1234", 0.0, id="tuple-never-equals-the-joined-number"),
+    R("\\boxed{1,234}", "1234", 1.0, id="unbracketed-thousands-still-join"),
+    R("Thus $\\boxed{x \\ge 5}$.", "x \\geq 5", 1.0, id="ge-is-geq"),
+    R("\\boxed{5 \\geq x}", "x \\leq 5", 1.0, id="relation-flipped"),
+    R("\\boxed{x > 5}", "x \\geq 5", 0.0, id="strict-is-not-non-strict"),
+    R("\\boxed{-793 < a < 10}", "(-793, 10)", 1.0, id="double-inequality-is-an-interval"),
+    R("\\boxed{a < 10}", "(-793, 10)", 0.0, id="half-an-interval-is-not-it"),
+    R("\\boxed{x \\le 3}", "(-\\infty, 3]", 1.0, id="one-sided-inequality-is-a-ray"),
+    R("\\boxed{x = 5+5+1 = 11}", "11", 1.0, id="chained-equation-last-side"),
+    R("\\boxed{x = 5+5+1 = 12}", "11", 0.0, id="chained-equation-wrong-last-side"),
+    R("Final Answer: The largest $n$ is 34.", "34", 1.0, id="final-answer-sentence-with-math"),
+    R("Final Answer: The largest n is 34.", "34", 1.0, id="final-answer-sentence-plain"),
+    R("First count: \\boxed{255}. That double counts.\nRecounting, the final answer is 10,455.",
+      "10455", 1.0, id="later-final-answer-beats-an-earlier-box"),
+    R("First count: \\boxed{255}. That double counts.\nRecounting, the final answer is 10,455.",
+      "255", 0.0, id="earlier-box-loses-to-a-later-final-answer"),
+    R("The product of two odd numbers is odd.\nAnswer: odd", "odd", 1.0, id="one-word-answer"),
+    R("Answer: odd\nCheck: 3 * 5 = 15, the answer is correct.", "odd", 1.0,
+      id="one-word-verdict-is-not-an-answer"),
+    R("\\boxed{(0;0;0)}", "(0,0,0)", 1.0, id="semicolon-tuple"),
+    R("The answer is $(11,7)$ or $(7,11)$.", "(11,7), (7,11)", 1.0, id="answer-spans-joined-by-or"),
+    R("\\boxed{(11,7) \\text{ or } (7,11)}", "(7,11), (11,7)", 1.0, id="tuples-or-unordered"),
+    R("\\boxed{V_1:V_2=11:21}", "11:21", 1.0, id="ratio-with-subscripted-left-side"),
+    R("\\boxed{\\cfrac{3}{4}}", "3/4", 1.0, id="cfrac"),
+    R("\\boxed{1000,99}", "1000.99", 1.0, id="decimal-comma"),
+    R("\\boxed{1000,99}", "1000", 0.0, id="decimal-comma-is-not-the-integer"),
+    R("\\boxed{1,234}", "1.234", 0.0, id="three-digits-after-a-comma-are-thousands"),
+    R("\\boxed{5 \\text{ inches}}", "5\\text{ in}", 1.0, id="unit-abbreviation"),
+    R("\\boxed{5 \\text{ ft}}", "5\\text{ in}", 0.0, id="unit-abbreviations-differ"),
+    R("\\boxed{\\frac{9}{4}\\pi}", "\\frac{9\\pi}{4}", 1.0, id="coefficient-in-the-numerator"),
+    R("\\boxed{\\frac{12}{5}x}", "\\frac{2x}{5}", 0.0, id="coefficient-kept-whole"),
+    R("Simplifying the radical, the side is $\\boxed{\\sqrt{12}}$.", "2\\sqrt{3}", 1.0,
+      id="surd-square-factor-out"),
+    R("\\boxed{\\sqrt{12}}", "3\\sqrt{2}", 0.0, id="surd-other-value"),
+    R("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt2}{2}", 1.0, id="surd-rationalised"),
+    R("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\sqrt{2}", 0.0, id="surd-rationalised-not-the-root"),
+    R("\\boxed{\\sqrt{16}}", "4", 1.0, id="surd-of-a-square-is-a-number"),
+    R("\\boxed{0\\sqrt{2}}", "\\sqrt{2}", 0.0, id="surd-zero-coefficient"),
+    R("\\boxed{\\frac{-\\sqrt{2}}{2}}", "-\\frac{\\sqrt{2}}{2}", 1.0, id="surd-sign-in-numerator"),
+    R("\\boxed{\\pi \\approx 3.14}", "3.14", 1.0, id="approx-is-an-equation"),
+    R("So $\\boxed{x < -2 \\text{ or } x > 3}$.", "(-\\infty,-2)\\cup(3,\\infty)", 1.0,
+      id="union-of-rays"),
+    R("\\boxed{(-\\infty, -2) \\cup (3, \\infty)}", "(-\\infty,-2)\\cup[3,\\infty)", 0.0,
+      id="union-bracket-matters"),
+    R("The answer is $\\boxed{\\ln 2}$.", "\\ln(2)", 1.0, id="function-without-parentheses"),
+    R("\\boxed{\\ln 3}", "\\ln(2)", 0.0, id="function-other-argument"),
+    R("The polynomial is $\\boxed{2x+3}$.", "3+2x", 1.0, id="sum-in-any-order"),
+    R("\\boxed{\\sqrt{2}-1}", "1-\\sqrt{2}", 0.0, id="sum-keeps-its-signs"),
+    R("No real number works, so the set is $\\boxed{\\varnothing}$.", "\\{\\}", 1.0,
+      id="empty-set"),
+    R("Every real $x$ works: $\\boxed{\\mathbb{R}}$.", "(-\\infty, \\infty)", 1.0, id="all-reals"),
 ]
 
 
@@ -226,15 +293,43 @@ def test_verifier_time_is_bounded_on_megabyte_inputs():
     assert slowest < 0.2, f"slowest call {slowest * 1000:.0f} ms"
 
 
+def test_verifier_new_rules_stay_linear_on_100k_inputs():
+    # adversarial 100k-character inputs aimed at the rules of issue 56 (box gaps, later "final
+    # answer" markers, relations, chains, verbs after a span, semicolons, thousands): a regex that
+    # backtracks takes minutes on them; the subprocess's limit is generous, not a measured figure
+    import subprocess
+    code = """
+import verifier
+n = 100_000
+attacks = ["\\\\boxed{1}" + " word" * (n // 5) + " and \\\\boxed{2}",
+           "\\\\boxed{1}" + " \\\\quad" * (n // 6) + "\\\\boxed{2}",
+           "\\\\boxed{1} " + "final answer " * (n // 13),
+           "\\\\boxed{1} Final Answer: " + "$a$ is " * (n // 7),
+           "Answer: " + "$a$ is " * (n // 7), "Answer: " + "$1$ or " * (n // 7),
+           "Answer: The" + " a" * (n // 2) + " is 5", "Answer: " + "1 < " * (n // 4) + "x",
+           "Answer: x = " + "1 = " * (n // 4), "Answer: (" + "0;" * (n // 2) + ")",
+           "Answer: " + "1," * (n // 2) + "5", "Answer: " + "(1,234)" * (n // 7),
+           "Answer: V_1" * (n // 11) + "=1", "Answer: 1" + ",\\\\! 000" * (n // 8)]
+for s in attacks:
+    for response, answer in ((s, "1"), ("Answer: 1", s), (s, s)):
+        assert verifier.verify(response, answer) in (0.0, 1.0)
+print("done")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                         timeout=120)
+    assert out.stdout.strip() == "done", out.stderr[-2000:]
+
+
 def test_verifier_agrees_with_hand_labels():
     # results/verifier_cases.jsonl: realistic GSM8K / MATH / AIME / DAPO-Math-17k outputs labelled
     # by hand
     with open(os.path.join(HERE, "results", "verifier_cases.jsonl"), encoding="utf-8") as fh:
         cases = [json.loads(line) for line in fh]
+    # and the forms of issue 56 (source "issue-56", a "kind" each), right and wrong
     report = verifier.agreement(cases)
-    assert report["n"] >= 300
-    assert report["agree"] / report["n"] >= 0.95, report
-    assert len(report["false_positives"]) <= report["n"] / 300, report["false_positives"]
+    assert report["n"] >= 400 and sum(c["source"] == "issue-56" for c in cases) >= 60
+    assert report["agree"] / report["n"] >= 0.97, report
+    assert report["false_positives"] == [], [cases[i]["note"] for i in report["false_positives"]]
 
 
 def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
@@ -249,3 +344,54 @@ def test_verifier_command_line_reports_the_case_file_and_explains_its_usage():
         "usage: python verifier.py")
     missing = subprocess.run(run, capture_output=True, text=True)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# --reward math-verify (harness/math_verify_reward.py): optional, bounded per response
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                    reason="math-verify not installed (requirements-optional.txt)")
+def test_math_verify_reward_scores_from_any_thread_and_is_bounded_per_response():
+    import threading
+
+    from harness import data, math_verify_reward
+    mv = data.load_reward("math-verify")
+    assert isinstance(mv, math_verify_reward.MathVerify) and "math_verify" not in sys.modules
+    try:
+        # algebra the rule-based verifier does not do; GSM8K's reference read through its ####
+        assert mv("So $\\boxed{(x+1)^2}$.", "x^2+2x+1") == 1.0
+        assert verify("So $\\boxed{(x+1)^2}$.", "x^2+2x+1") == 0.0
+        assert mv("#### 72", "Natalia sold 48/2 = 24 clips... #### 72") == 1.0
+        assert mv("\\boxed{73}", "72") == 0.0 and mv(None, "72") == 0.0
+        # from a thread (math-verify's own SIGALRM timeout raises ValueError off the main thread)
+        got = []
+        worker = threading.Thread(target=lambda: got.append(mv("\\boxed{\\frac12}", "0.5")))
+        worker.start()
+        worker.join()
+        assert got == [1.0] and mv.timeouts == 0
+        # a response past the bound scores 0 and its child is replaced: a stand-in that never
+        # answers, then the real worker again
+        mv.close()
+        mv.command, real = [sys.executable, "-c", "print('ready', flush=True)\nimport time\n"
+                            "input()\ntime.sleep(600)"], mv.command
+        mv.timeout_s = 1.0
+        assert mv("\\boxed{3}", "3") == 0.0 and mv.timeouts == 1 and mv.child is None
+        mv.command, mv.timeout_s = real, 5.0
+        assert mv("\\boxed{3}", "3") == 1.0
+    finally:
+        mv.close()
+
+
+def test_math_verify_reward_missing_package_fails_in_one_line(monkeypatch):
+    from harness import data
+    from infra.errors import InputError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "math_verify" else real(name, *a))
+    # evaluate.py's flags (train.py shares them) name it; Reward.load is what both call
+    from harness import flags
+    specs = flags.parse_eval_args(["--reward", "math-verify"]).reward
+    with pytest.raises(InputError, match="pip install math-verify") as err:
+        data.Reward.load(specs)
+    assert "\n" not in str(err.value)
