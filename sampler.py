@@ -235,6 +235,7 @@ def check_sampling(prompts: list[list[int]], G: int, max_new_tokens: int,
 
 
 @torch.no_grad()
+@kv_cache.gqa_decode()              # decode steps of a GQA model attend without copying the cache
 def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,

@@ -58,8 +58,9 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
     check_context(model, prompts, T)
     if sample is not None:
         return sample(model, prompts, G, T, eos, pad, temperature, top_p, generator=generator)
-    S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16):
+        # sized in the dtype the cache is stored in (autocast's, infra/kv_cache.py)
+        S = args.max_num_seqs or num_seqs_within(model, prompts, G, T, args.kv_cache_gb)
         return sampler.sample_groups(model, prompts, G, T, eos, pad, temperature, top_p,
                                      generator=generator, max_num_seqs=S,
                                      static=static_decode if args.compile else None)
