@@ -324,7 +324,8 @@ def test_compiled_decode_gives_the_eager_rollout_and_follows_the_weights(capfd):
 
 
 class _Fresh(TorchDispatchMode):
-    """Every aten op's freshly allocated outputs (not views, not in-place): (op, numel, dtype)."""
+    """Every aten op's freshly allocated outputs (not views, not in-place): (op, numel, dtype,
+    shape)."""
 
     def __init__(self):
         super().__init__()
@@ -333,7 +334,7 @@ class _Fresh(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if all(r.alias_info is None for r in func._schema.returns):
-            self.made += [(str(func), t.numel(), t.dtype) for t in
+            self.made += [(str(func), t.numel(), t.dtype, tuple(t.shape)) for t in
                           (out if isinstance(out, (tuple, list)) else [out])
                           if isinstance(t, torch.Tensor)]
         return out
@@ -387,3 +388,38 @@ def test_decode_attention_without_repeat_is_hf_sdpa():
                                                             scale=0.5).transpose(1, 2)
     assert got.shape == want.shape == (n, 1, H, D)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_lora_rollout_under_bf16_casts_no_frozen_weight_per_decode_step(monkeypatch):
+    # autocast caches the casts of weights that require grad only: with --lora-r the frozen base
+    # weights were cast to bf16 again at every decode step (here 2 layers x 7 projections a step).
+    # rollout.frozen_in gives the rollout bf16 copies made once: no decode step casts a frozen
+    # weight; the tied head (Qwen2's, shared with the embedding) stays float32, as do the weights
+    # after the rollout.
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    from types import SimpleNamespace
+
+    from infra import lora
+    model = tiny("qwen2", torch.float32)
+    lora.add_adapters(model, 2, 4.0, lora.TARGETS, "tiny")
+    frozen = {tuple(m.weight.shape) for m in model.modules()
+              if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad}
+    assert len(frozen) >= 3                         # q/k/v/o/gate/up/down base weights' shapes
+    casts, advance = [], sampler.EagerSteps.advance
+
+    def recorded(self, tok, keep):
+        with _Fresh() as seen:
+            advance(self, tok, keep)
+        casts.append([m for m in seen.made if m[0] == "aten._to_copy.default"])
+
+    monkeypatch.setattr(sampler.EagerSteps, "advance", recorded)
+    args = SimpleNamespace(max_new_tokens=12, max_num_seqs=None, kv_cache_gb=1.0, bf16=True,
+                           compile=False)
+    rollout.sample_rollout(model, MIXED_PROMPTS, 2, 1.0, 1.0, torch.Generator().manual_seed(0),
+                           [1], 0, args)
+    assert len(casts) > 5
+    weight_casts = [c for step in casts for c in step if c[3] in frozen]
+    assert not weight_casts, f"{len(weight_casts)} casts of frozen weights in {len(casts)} steps"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight                 # still tied
+
