@@ -84,6 +84,62 @@ class _Storages(TorchDispatchMode):
         return out
 
 
+class _WeightSized(TorchDispatchMode):
+    """The fresh (not view, not in-place) outputs of aten ops shaped like a [V, H] weight:
+    (op, dtype) each."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.made = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):
+            self.made += [(str(func), t.dtype) for t in
+                          (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape]
+        return out
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fused_head_casts_its_weight_once_a_pass_and_makes_no_dw_temporaries(frozen, monkeypatch):
+    # 12 rows in 4 chunks of 3 under bf16 autocast. The backward cast W once or twice per chunk
+    # (autocast's linear, outside the forward's autocast region, and `weight.to` for dh) and
+    # accumulated dW through a [V, H] product and its float32 copy per chunk: 17 weight-sized
+    # tensors. Now: the one cast, and dW's float32 zeros, accumulated in place. A frozen head
+    # (--lora-r): the forward cast it once per chunk (autocast caches only weights that require
+    # grad), the backward made a dW it then dropped; now one cast per pass and no dW.
+    V, H = 300, 16
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
+    torch.manual_seed(0)
+    h = torch.randn(3, 4, H, requires_grad=True)
+    W = torch.randn(V, H, requires_grad=not frozen)
+    ids = torch.randint(0, V, (3, 4))
+    with _WeightSized(W.shape) as fwd, torch.autocast("cpu", torch.bfloat16):
+        out = lm_head._FusedHead.apply(h, W, None, ids, None, 1.0, True, True, False)
+    assert fwd.made == [("aten._to_copy.default", torch.bfloat16)]
+    with _WeightSized(W.shape) as bwd:
+        grads = torch.autograd.grad(out.sum(), (h,) if frozen else (h, W))
+    want = [("aten._to_copy.default", torch.bfloat16)] + (
+        [] if frozen else [("aten.zeros.default", torch.float32)])
+    assert sorted(bwd.made) == sorted(want)
+    # the values are still the autocast head's
+    with torch.autocast("cpu", torch.bfloat16):
+        z = torch.nn.functional.linear(h, W).float()                          # [3, 4, V]
+    logp = torch.log_softmax(z, -1)
+    ref = (logp.gather(-1, ids[..., None]).squeeze(-1) - (logp.exp() * logp).sum(-1)).sum()
+    for a, b in zip(grads, torch.autograd.grad(ref, (h,) if frozen else (h, W))):
+        assert torch.allclose(a, b, atol=3e-2 * b.abs().max())
+
+
+def test_head_chunks_hold_at_least_the_weights_size_on_an_accelerator():
+    # on a GPU a chunk holds at least H rows (its logits as large as W): at V = 151,936, H = 1,536
+    # the [V, H] traffic per chunk no longer outweighs the chunk; CPU keeps its cache-sized chunk
+    assert lm_head.head_chunk_rows(151_936, 1_536, "cuda") == 1_536
+    assert lm_head.head_chunk_rows(151_936, 256, "cuda") == 441
+    assert lm_head.head_chunk_rows(151_936, 1_536, "cpu") == 27
+
+
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_the_training_forward_builds_no_vocabulary_sized_logits(shared_prefix, monkeypatch):
     # Qwen's vocabulary, 8 responses of 64 tokens: one [8, 64, V] float32 logits tensor is 311 MB.
