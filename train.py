@@ -55,7 +55,7 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
         state["acc_before"] = state["acc_after"] = bookkeeping.held_out(s, args, ranks, 0)
     bar = bookkeeping.progress_bar(args, ranks, state["step"])
     for step in bar:
-        t0 = time.time()
+        t0 = parallel.clock()
         # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
         roll, sstats, rounds, unused = draw_step(s, args, ranks, state["data_pos"])
         state["data_pos"] += int(sstats["sampling/rounds"]) * args.prompts_per_step
@@ -138,11 +138,11 @@ def draw_round(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.D
                rounds: int = 1):
     """Steps 1 + 2 on this rank's share of the prompts first .. first + rounds x prompts_per_step
     - 1 of the stream: the rollout (Step 1) with its Step 2 fields filled in, and its timings."""
-    t0 = time.time()
+    t0 = parallel.clock()
     roll, rows = rollout(model, task, args, ranks, first, rounds)
-    t1 = time.time()
+    t1 = parallel.clock()
     roll = reward(roll, rows, task, args)
-    return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
+    return roll, {"time/sample_s": t1 - t0, "time/reward_s": parallel.clock() - t1}
 
 
 def rollout(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist, first: int,
@@ -157,6 +157,10 @@ def rollout(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist
     generators = [task.generator(args.seed, j) for j, _ in mine]             # one per prompt
     roll = task.draw(model, prompts, args.group_size, args.temperature, args.top_p, generators,
                      args)
+    # on the CPU once (one copy of each field): Step 2 reads it row by row, the update per slice
+    roll = dataclasses.replace(roll, **{f.name: getattr(roll, f.name).cpu()
+                                        for f in dataclasses.fields(roll)
+                                        if isinstance(getattr(roll, f.name), torch.Tensor)})
     return roll, mine
 
 
