@@ -19,7 +19,7 @@ world size 1 (infra/parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a
 the step's prompts; a prompt's G samples stay on one rank. With --save-every K a checkpoint (model,
 optimizer, scheduler, RNG, step, data position) is written atomically to OUT/checkpoint.pt (with
 --fsdp: sharded, to OUT/checkpoint/); --resume continues from it with the same result as an unbroken
-run.
+run (bitwise on the CPU; on CUDA as close as two unbroken runs: docs/distributed.md).
 """
 from __future__ import annotations
 
