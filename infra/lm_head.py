@@ -46,12 +46,14 @@ def chunk_rows(V: int, device: torch.device) -> int:
 
 
 def head_chunk_rows(V: int, H: int, device: torch.device) -> int:
-    """Rows per chunk of the fused head's passes: chunk_rows on CPU; on an accelerator at least H,
-    so a chunk's logits are at least as large as the [V, H] weight and the per-chunk [V, H] traffic
-    (the weight read twice, dW read and written) costs no more than the chunk's own elementwise
-    passes (441 rows at V = 151,936 moved 8 V H bytes of dW for every 0.27 GB of logits)."""
+    """Rows per chunk of the fused head's passes: chunk_rows on CPU; on an accelerator at least
+    H / 2, so a chunk's float32 logits are as large as the bf16 [V, H] weight: each chunk moves
+    12 V H bytes of [V, H] traffic (the bf16 weight read by two matmuls, float32 dW read and
+    written) for 6 c V H FLOPs, c / 2 FLOPs a byte, past an H100's ~300 from c = 600 rows (441 rows
+    at V = 151,936 were under it); the chunk's transients, ~4.5 float32 [c, V], stay ~9 V H
+    bytes."""
     rows = chunk_rows(V, device)
-    return rows if torch.device(device).type == "cpu" else max(rows, H)
+    return rows if torch.device(device).type == "cpu" else max(rows, H // 2)
 
 
 def output_layer(model):
