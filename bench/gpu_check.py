@@ -318,8 +318,9 @@ def memory_check(widths: str, layers: int, n: int, T: int, device: str) -> dict:
             rec[f"update{i}"] = {"allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                                  "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
     act = (memory.per_token_layer(shape, False), memory.per_token_layer(shape, True))
-    want = memory.per_gpu(shape, act, 1, False, False, n * (7 + T), 7 + T, False, 0.0)
-    rec["predicted_update_gib"] = want["update"]
+    want = memory.per_gpu(shape, act, 1, False, False, n * (7 + T), 7 + T, False, 0.0,
+                          padded=False)                          # rollout_of's prompts: 7 tokens
+    rec["predicted_update_gib"], rec["predicted_reserved_gib"] = want["update"], want["reserved"]
     return rec
 
 

@@ -283,25 +283,60 @@ def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(ti
 
 def test_the_memory_models_update_peak_is_its_backward_or_its_optimizer_step():
     # bench/memory.py's per_gpu by hand: the backward holds 18 B/param (float32 weights, gradients,
-    # AdamW; bf16 autocast copies), the activations, four head chunks and, tied, the embedding's
-    # second dense gradient; the step 16 B/param and AdamW's foreach temporaries (4 B/param); the
-    # update's peak is the larger. Checked against measured CPU peaks by `python -m bench --only
-    # memory` (part 4)
+    # AdamW; bf16 autocast copies), the activations, four head chunks and the backward's bf16 copy
+    # of the head (2 V H) and, tied, the embedding's second dense gradient; the step 16 B/param and
+    # AdamW's foreach temporaries (4 B/param); the update's peak is the larger. Checked against
+    # measured CPU peaks by `python -m bench --only memory` (part 4)
     from bench import memory
     shape = dict(layers=2, hidden=100, inter=400, heads=2, kv=1, params=10**7, tied=True)
     m = memory.per_gpu(shape, (1000.0, 10.0), 1, False, False, 512, 100, False, 0.0,
-                       chunk_bytes=2**20)
+                       chunk_bytes=2**20, padded=False)
     tied = memory.V_QWEN * 100 * 4
-    want = 18 * 10**7 + 512 * 2 * 1000 + 4 * 2**20 + tied
+    want = 18 * 10**7 + 512 * 2 * 1000 + 4 * 2**20 + 2 * memory.V_QWEN * 100 + tied
     assert m["backward"] * memory.GIB == pytest.approx(want)
     assert m["step"] * memory.GIB == pytest.approx(20 * 10**7)
     assert m["update"] == max(m["backward"], m["step"])
     untied = memory.per_gpu(dict(shape, tied=False), (1000.0, 10.0), 1, False, False, 512, 100,
-                            False, 0.0, chunk_bytes=2**20)
+                            False, 0.0, chunk_bytes=2**20, padded=False)
     assert (m["backward"] - untied["backward"]) * memory.GIB == pytest.approx(tied)
-    small = memory.per_gpu(shape, (0.0, 0.0), 1, False, False, 1, 1, False, 0.0, chunk_bytes=0,
-                           adam_temp=10**8)                       # a step larger than the backward
+    small = memory.per_gpu(dict(shape, hidden=0), (0.0, 0.0), 1, False, False, 1, 1, False, 0.0,
+                           chunk_bytes=0, adam_temp=10**8,
+                           padded=False)                         # a step larger than the backward
     assert small["update"] == small["step"] == pytest.approx(26 * 10**7 / memory.GIB)
+
+
+def test_the_memory_model_counts_ddp_nccl_the_rollouts_copies_and_the_padded_bias():
+    # what the model left out: DDP's float32 gradient buckets (4 B/param) and NCCL's buffers at
+    # world > 1, in both phases; the built-in sampler's bf16 weight copies (autocast's, 2 B/param)
+    # beside its --kv-cache-gb of bf16 KV; left-padded rows' [rows, 1, row, row] bias, MASK_BYTES
+    # per element per layer (one layer under checkpointing) + HF's 1-byte mask: the T^2 term
+    from bench import memory
+    G = memory.GIB
+    shape = dict(layers=4, hidden=100, inter=400, heads=2, kv=1, params=10**8, tied=False)
+    args = ((1000.0, 10.0), 1, False, False, 4096, 2048, False, 0.0)
+    one = memory.per_gpu(shape, *args, padded=False)
+    ddp = memory.per_gpu(shape, args[0], 8, *args[2:], padded=False)
+    fixed = 4 * 10**8 + memory.NCCL_GIB * G
+    for phase in ("update", "rollout"):
+        assert (ddp[phase] - one[phase]) * G == pytest.approx(fixed)
+    assert one["rollout"] * G == pytest.approx(12 * 10**8 + 2 * 10**8 + 8 * G)
+    padded = memory.per_gpu(shape, *args, padded=True)
+    rows = 4096 // 2048
+    assert (padded["acts"] - one["acts"]) * G == pytest.approx(rows * 2048**2 * (2 * 4 + 1))
+    ckpt = (memory.per_gpu(shape, args[0], 1, False, True, *args[4:], padded=True)["acts"]
+            - memory.per_gpu(shape, args[0], 1, False, True, *args[4:], padded=False)["acts"])
+    assert ckpt * G == pytest.approx(rows * 2048**2 * (2 + 1))
+    assert padded["reserved"] == pytest.approx(padded["update"] * memory.RESERVED)
+
+
+def test_a_left_padded_row_saves_a_bias_that_grows_with_t_squared():
+    # measured on the CPU (bench/memory.padded_bias_bytes): what one more layer saves for a row
+    # with one padding column, over an unpadded row, at 256 and 1,024 tokens, solved for a T + b
+    # T^2: b is SDPA's bf16 [1, 1, T, T] bias, 2 bytes an element (MASK_BYTES), so at 1,024
+    # tokens the bias is 16x its size at 256, where the per-token figures (32..96 tokens) see ~0
+    from bench import memory
+    a, b = memory.padded_bias_bytes(dict(hidden=64, inter=128, heads=4, kv=2))
+    assert b == pytest.approx(memory.MASK_BYTES, rel=0.02) and a >= 0
 
 
 def test_the_logits_kernel_takes_the_devices_chunk(monkeypatch):
