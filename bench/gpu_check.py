@@ -166,12 +166,17 @@ def _train(out: str, device: str, name: str, *extra: str, torchrun: bool = False
     if proc.returncode:
         raise RuntimeError(f"train.py {' '.join(extra)}: exit {proc.returncode}: "
                            f"{proc.stderr.strip().splitlines()[-3:]}")
+    from safetensors.torch import load_file
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl")) if '"loss"' in x]
     last = rows[-1]
+    start, end = (load_file(os.path.join(d, "model.safetensors"))
+                  for d in (os.path.join(ROOT, "base_model"), os.path.join(run, "final")))
     return {"steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
             "finite": all(math.isfinite(v) for r in rows for v in r.values()
                           if isinstance(v, float)),
-            "time_step_s": last.get("time/step_s"), "mfu": last.get("perf/mfu_step"),
+            "weights_moved": max(float((end[k].float() - v.float()).abs().max())
+                                 for k, v in start.items() if k in end),
+            "time_step_s": last.get("time/step_s"), "mfu": last.get("perf/mfu"),
             "last": {k: v for k, v in last.items() if k.startswith(("time/", "memory/", "perf/"))}}
 
 

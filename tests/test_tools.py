@@ -71,6 +71,12 @@ def test_gpu_check_stage_cores_at_toy_size_on_the_cpu(monkeypatch):
     # the determinism probe: the CPU repeats itself bitwise
     d = gpu_check.determinism_check("cpu", layers=1, T=16)
     assert d["grads_bitwise_equal"] and d["index_add_bitwise_equal"]
+    # the memory stage's two updates and the model's prediction, at toy widths with Qwen's V
+    from bench import memory
+    monkeypatch.setitem(memory.SHAPES, "toy", dict(layers=1, hidden=32, inter=64, heads=2, kv=1,
+                                                   params=0, tied=True))
+    m = gpu_check.memory_check("toy", 1, 4, 16, "cpu")
+    assert m["params"] > memory.V_QWEN * 32 and m["predicted_update_gib"] > 0
     # CUDA's peak probe, with torch.cuda stubbed: the allocated peak above the start
     mem = iter([100, 350])
     for name, fn in (("synchronize", lambda: None), ("reset_peak_memory_stats", lambda: None),
