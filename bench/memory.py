@@ -17,8 +17,8 @@ Three parts, each from one run (`python -m bench --only memory`):
    the README and docs/real-models.md.
 4. The model checked: the measured peaks of a fresh process's two updates (its optimizer step,
    its backward) at Qwen2.5-0.5B's widths with 4 layers and Qwen's vocabulary on the CPU, against
-   part 3's figures for that configuration. On a GPU, tests/test_gpu.py's memory check compares a
-   bf16 step at 7B widths (few layers) with it.
+   part 3's figures for that configuration. On a GPU, bench/gpu_check.py's memory stage compares
+   an update at Qwen2.5-1.5B's widths (allocated and reserved) with it.
 """
 from __future__ import annotations
 
