@@ -423,3 +423,19 @@ def test_lora_rollout_under_bf16_casts_no_frozen_weight_per_decode_step(monkeypa
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert model.lm_head.weight is model.model.embed_tokens.weight                 # still tied
 
+
+
+def test_bf16_rollout_sizes_its_slots_for_a_bf16_cache(monkeypatch):
+    # --kv-cache-gb's rows were counted outside autocast, at 4 bytes a value, while the cache is
+    # stored in bf16 (2): half the rows the budget holds. Qwen2 tiny: 2 layers x 2 KV heads x
+    # head_dim 8 x 2 (K, V) x (6 + 20) positions = 1,664 values a row
+    from types import SimpleNamespace
+    model, seen = tiny("qwen2", torch.float32), []
+    monkeypatch.setattr(sampler, "sample_groups",
+                        lambda *a, **k: seen.append(k["max_num_seqs"]))
+    per_row = 2 * 2 * 8 * 2 * 26
+    for bf16, want in ((False, 12), (True, 24)):
+        args = SimpleNamespace(max_new_tokens=20, max_num_seqs=None, bf16=bf16, compile=False,
+                               kv_cache_gb=12.5 * per_row * 4 / 2**30)      # 12.5 float32 rows
+        rollout.sample_rollout(model, MIXED_PROMPTS, 3, 1.0, 1.0, None, [1], 0, args)
+        assert seen[-1] == want                      # a multiple of G = 3: 12 float32, 24 bf16
