@@ -94,6 +94,12 @@ class Rollout:
         """Row i's response as text: its tokens up to its length, special tokens (EOS) dropped."""
         return tokenizer.decode(self.response_ids[i, : self.lengths[i]], skip_special_tokens=True)
 
+    def cpu(self) -> Rollout:
+        """Every tensor field on the CPU, one copy each (a rollout sampled on a GPU is read row by
+        row after: one host sync, not one per row)."""
+        return replace(self, **{k: v.cpu() for k, v in vars(self).items()
+                                if isinstance(v, torch.Tensor)})
+
     @property
     def num_groups(self) -> int:
         return len(self.prompts)
@@ -228,6 +234,7 @@ def check_sampling(prompts: list[list[int]], G: int, max_new_tokens: int,
 
 
 @torch.no_grad()
+@kv_cache.gqa_decode()              # decode steps of a GQA model attend without copying the cache
 def sample_groups(model, prompts: list[list[int]], G: int, max_new_tokens: int,
                   eos_token_id: int | list[int],
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, generator=None,

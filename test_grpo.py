@@ -11,7 +11,7 @@ verifier's rules (test_verifier.py), evaluate.py (test_evaluate.py), how Step 1 
 the built-in task (test_data.py), ranks and checkpoints (test_ranks_checkpoints.py), metrics, MFU
 and LoRA (test_metrics.py), the layout (test_layout.py); and by kind: the end-to-end runs through
 subprocess and torchrun (test_runs.py, launched by launch.py), bench and ablate (test_tools.py),
---rollout vllm (test_vllm.py), GPUs (test_gpu.py), the real model (test_real_model.py), the docs
+--rollout vllm (test_vllm.py), the real model (test_real_model.py), the docs
 (test_docs.py); tests/conftest.py hands them this file's fixtures. All of them:
 
     python -m pytest -q test_grpo.py tests

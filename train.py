@@ -19,7 +19,7 @@ world size 1 (infra/parallel.py: DDP, or FSDP2 with --fsdp). Each rank samples a
 the step's prompts; a prompt's G samples stay on one rank. With --save-every K a checkpoint (model,
 optimizer, scheduler, RNG, step, data position) is written atomically to OUT/checkpoint.pt (with
 --fsdp: sharded, to OUT/checkpoint/); --resume continues from it with the same result as an unbroken
-run.
+run (bitwise on the CPU; on CUDA as close as two unbroken runs: docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def run(args: flags.TrainArgs, ranks: parallel.Dist) -> dict:
         state.acc_before = state.acc_after = bookkeeping.held_out(s, args, ranks, 0)
     bar = bookkeeping.progress_bar(args, ranks, state.step)
     for step in bar:
-        t0 = time.time()
+        t0 = parallel.clock()
         # ---- Step 1 + 2: rollouts, rewards (DAPO: dynamic sampling, overlong punishment) ----
         drawn = draw_step(s, args, ranks, state.data_pos)
         state.data_pos += int(drawn.stats["sampling/rounds"]) * args.prompts_per_step
@@ -124,11 +124,11 @@ def draw_round(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.D
                rounds: int = 1):
     """Steps 1 + 2 on this rank's share of the prompts first .. first + rounds x prompts_per_step
     - 1 of the stream: the rollout (Step 1) with its Step 2 fields filled in, and its timings."""
-    t0 = time.time()
+    t0 = parallel.clock()
     roll, rows = rollout(model, task, args, ranks, first, rounds)
-    t1 = time.time()
+    t1 = parallel.clock()
     roll = reward(roll, rows, task, args)
-    return roll, {"time/sample_s": t1 - t0, "time/reward_s": time.time() - t1}
+    return roll, {"time/sample_s": t1 - t0, "time/reward_s": parallel.clock() - t1}
 
 
 def rollout(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist, first: int,
@@ -152,7 +152,7 @@ def rollout(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist
             roll = sampler.sample_groups(model, prompts, G, T, task.eos, task.pad,
                                          args.temperature, args.top_p, generator=generators,
                                          max_num_seqs=slots)
-    return roll, mine
+    return roll.cpu(), mine   # one copy: Step 2 reads it row by row, the update slice by slice
 
 
 def reward(roll, mine: list[tuple[int, dict]], task: setup.Task, args: flags.TrainArgs):

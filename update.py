@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,11 +100,12 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     """
     minibatches = plan_minibatches(roll, mask, args, ranks)
     several = args.mu * len(minibatches) > 1       # more than one update: old != current policy
-    t0 = time.time()
+    t0 = parallel.clock()
     roll = keep_sampling_mask(learner, roll, minibatches, args, ranks)
     old_logp, ref_logp = fixed_logprobs(learner, roll, minibatches, args, ranks, several)
     batch = StepBatch(roll, advantages, mask, old_logp, ref_logp)
-    t_logprob, t0 = time.time() - t0, time.time()
+    t1 = parallel.clock()
+    t_logprob, t0 = t1 - t0, t1
     first = dict.fromkeys(UPDATE_SUMS, 0.0)                           # the first update
     rest = dict.fromkeys(UPDATE_SUMS, 0.0)                            # the others
     abs_max, loss_fns = 0.0, objective(args)
@@ -133,7 +133,7 @@ def update_policy(learner: Learner, roll: Rollout, advantages, mask, args,
     abs_max = torch.tensor([abs_max], dtype=torch.float64)
     abs_max = torch.cat(ranks.gather(abs_max)).max()                   # over all ranks
     return UpdateStats(ranks.sum_named(first), ranks.sum_named(rest), float(abs_max), t_logprob,
-                       time.time() - t0, [s for mb in minibatches for s in mb.micro
+                       parallel.clock() - t0, [s for mb in minibatches for s in mb.micro
                                           if s.start < s.stop])
 
 

@@ -8,7 +8,8 @@ Three parts, each from one run (`python -m bench --only memory`):
 2. Measured: activation bytes saved for backward per token per decoder layer at the real widths
    of Qwen2.5-0.5B / 1.5B / 7B (two layers, a small vocabulary: the figure does not depend on it),
    under bf16 autocast, without and with gradient checkpointing (saved tensors counted exactly by
-   torch.autograd.graph.saved_tensors_hooks, not read off a noisy RSS).
+   torch.autograd.graph.saved_tensors_hooks, not read off a noisy RSS); and what a left-padded
+   row saves more, whose attention bias grows with T^2 (padded_bias_bytes).
 3. The model: per GPU, the training state (float32 weights, gradients and AdamW moments; under
    --fsdp divided by the ranks, plus the root's gathered embeddings and head and two layers in
    flight), the activations of one micro-batch (--micro-batch-tokens positions x layers x part 2's
@@ -16,8 +17,8 @@ Three parts, each from one run (`python -m bench --only memory`):
    the README and docs/real-models.md.
 4. The model checked: the measured peaks of a fresh process's two updates (its optimizer step,
    its backward) at Qwen2.5-0.5B's widths with 4 layers and Qwen's vocabulary on the CPU, against
-   part 3's figures for that configuration. On a GPU, tests/test_gpu.py's memory check compares a
-   bf16 step at 7B widths (few layers) with it.
+   part 3's figures for that configuration. On a GPU, bench/gpu_check.py's memory stage compares
+   an update at Qwen2.5-1.5B's widths (allocated and reserved) with it.
 """
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ RECIPES = [
      None, 4),
 ]
 PLAIN_HEAD = 1.95  # part 1: the plain head's extra peak, in float32 [n, T, V] tensors (measured)
+# bytes per element of the attention bias SDPA saves per layer for left-padded rows: [n, 1, T, T]
+# in bf16 (measured on CPU by padded_bias_bytes: 2.0); HF's bool mask adds 1 byte, once a forward
+MASK_BYTES = 2
+# DDP's gradient buckets, float32 bytes per param: with gradient_as_bucket_view=True
+# (infra/parallel.py) they are the gradients during the update (counted there once) and stay
+# allocated between updates, through the rollout (vllm_rollout.trainer_resident_bytes counts them)
+DDP_BUCKET_BYTES = 4
+# not measured here (no GPU): NCCL's buffers per process at world > 1 (NCCL_BUFFSIZE 4 MiB x
+# channels x peers, plus the communicator), and the caching allocator's reserved over allocated;
+# bench/gpu_check.py's memory stage measures the second
+NCCL_GIB = 0.5
+RESERVED = 1.10
 
 
 def tiny_qwen(V: int, softcap: float | None = None):
@@ -165,6 +178,44 @@ def saved_bytes(shape: dict, layers: int, T: int, checkpointing: bool) -> int:
     return sum(b for ptr, b in seen.items() if ptr not in params)
 
 
+def _layer_saved(shape: dict, T: int, padded: bool) -> int:
+    """Bytes one more decoder layer saves for backward (2 layers minus 1) over one row of T tokens
+    under bf16 autocast, the row left-padded by one column or not."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    out = []
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=1000, hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+            num_hidden_layers=layers, num_attention_heads=shape["heads"],
+            num_key_value_heads=shape["kv"], max_position_embeddings=max(4096, T),
+            attn_implementation="sdpa")).train()
+        mask = torch.ones(1, T, dtype=torch.long)
+        mask[0, 0] = 0 if padded else 1
+        seen = {}
+
+        def pack(t, seen=seen):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              torch.autocast("cpu", torch.bfloat16)):
+            model(input_ids=torch.randint(0, 1000, (1, T)), attention_mask=mask, use_cache=False,
+                  logits_to_keep=1).logits.sum()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        out.append(sum(b for ptr, b in seen.items() if ptr not in params))
+    return out[1] - out[0]
+
+
+def padded_bias_bytes(shape: dict, T1: int = 256, T2: int = 1024) -> tuple[float, float]:
+    """(bytes per token, bytes per [T, T] element) that one layer saves more for a left-padded row
+    (one padding column) than for an unpadded one, at T1 and T2 tokens: SDPA with a mask saves
+    the bias [n, 1, T, T], which a per-token figure measured at 32..96 tokens cannot see (at 21k
+    tokens, 0.9 GB a layer). extra(T) = a T + b T^2, solved from the two lengths."""
+    e1, e2 = (_layer_saved(shape, T, True) - _layer_saved(shape, T, False) for T in (T1, T2))
+    b = (e2 / T2 - e1 / T1) / (T2 - T1)
+    return e1 / T1 - b * T1, b
+
+
 def per_token_layer(shape: dict, checkpointing: bool, T1: int = 32, T2: int = 96) -> float:
     """Bytes per token per decoder layer: what one more layer saves, at T2 tokens less at T1, over
     T2 - T1 (the differences cancel what does not grow with tokens: autocast's bf16 copies of the
@@ -191,18 +242,33 @@ def measured_activations() -> dict:
 
 def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, checkpointing: bool,
             tokens: int, row: int, beta: bool, engine: float, gpu_gb: float = 80.0,
-            chunk_bytes: int = 4 * 2**26, before: int = 0, adam_temp: float | None = None) -> dict:
+            chunk_bytes: int | None = None, before: int = 0, adam_temp: float | None = None,
+            padded: bool = True, kv_gb: float = 8.0) -> dict:
     """GiB per GPU by part, and the peaks of the update and the rollout phases. The update's peak
-    is the larger of its backward (the state, one micro-batch's activations and head chunks, and
-    with tied embeddings the embedding's dense gradient beside the head's before autograd sums
-    them) and its optimizer step (the float32 state and AdamW's temporaries: `adam_temp` bytes,
-    by default the CUDA foreach kernel's one list of sqrt(v), 4 B per parameter of the shard).
+    is the larger of its backward (the state, one micro-batch's activations, the head's four
+    float32 chunks (`chunk_bytes` one; default: lm_head.head_chunk_rows on a GPU x V x 4) and its
+    backward's bf16 copy of W, and with tied embeddings the embedding's dense gradient beside the
+    head's before autograd sums them) and its optimizer step (the float32 state and AdamW's
+    temporaries: `adam_temp` bytes, by default the CUDA foreach kernel's one list of sqrt(v), 4 B
+    per parameter of the shard). padded: the micro-batch's rows are left-padded (prompts of
+    different lengths), so SDPA saves a MASK_BYTES [rows, 1, row, row] bias per layer (one layer
+    under checkpointing) beside HF's 1-byte mask. Under DDP (world > 1, no FSDP) its gradient
+    buckets (the gradients, with gradient_as_bucket_view) stay allocated through the rollout, and
+    at world > 1 NCCL's buffers live through both phases. The rollout phase with
+    the built-in sampler (engine 0) holds `kv_gb` of bf16 KV (--max-num-seqs rows) and, without FSDP,
+    autocast's bf16 copies of the weights (2 B/param; FSDP gathers bf16 weights instead).
+    `reserved`: the update's peak as the caching allocator reserves it (x RESERVED).
     before=m: as the update ran before the fused head and the token budget, m responses per
     micro-batch padded to the longest row (`row`, its response all but 512 prompt positions) with
     the plain head's PLAIN_HEAD float32 [m, T, V] logits."""
+    from infra.lm_head import head_chunk_rows
     P, L, H = shape["params"], shape["layers"], shape["hidden"]
     head = V_QWEN * H * (1 if shape["tied"] else 2)           # embedding (+ untied head) params
     share = world if fsdp else 1
+    if chunk_bytes is None:
+        chunk_bytes = head_chunk_rows(V_QWEN, H, "cuda") * V_QWEN * 4
+    buckets = DDP_BUCKET_BYTES * P if world > 1 and not fsdp else 0   # the gradients' own memory
+    fixed = NCCL_GIB * GIB if world > 1 else 0                          # NCCL's buffers
     states = P * (4 + 4 + 8) / share + (P * 4 / share if beta else 0)  # weights, grads, AdamW, ref
     states += 0 if fsdp else P * 2                   # --bf16 autocast's bf16 copies of the weights
     gathered = (head * 4 * 2 + 2 * (P - head) / L * 4) if fsdp else 0  # root + grads, 2 layers
@@ -211,21 +277,25 @@ def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, check
     if before:
         positions = before * row
     acts = positions * (L * ckpt + plain) if checkpointing else positions * L * plain
-    head_bytes = PLAIN_HEAD * before * (row - 512) * V_QWEN * 4 if before else 4 * chunk_bytes
+    if padded:                       # the [rows, 1, row, row] bias per layer, and HF's bool mask
+        rows = max(1, positions // max(row, 1))
+        acts += rows * row * row * (MASK_BYTES * (1 if checkpointing else L) + 1)
+    head_bytes = (PLAIN_HEAD * before * (row - 512) * V_QWEN * 4 if before
+                  else 4 * chunk_bytes + 2 * V_QWEN * H)        # chunks, backward's bf16 W
     tied = V_QWEN * H * 4 if shape["tied"] else 0
-    backward = states + gathered + acts + head_bytes + tied
+    backward = states + gathered + acts + head_bytes + tied + fixed
     step = P * 16 / share + (P * 4 / share if beta else 0) + (
-        P * 4 / share if adam_temp is None else adam_temp)
+        P * 4 / share if adam_temp is None else adam_temp) + fixed
     update_peak = max(backward, step)
-    resident = P * (4 + 8) / share + (P * 4 / share if beta else 0)  # vllm_rollout's count
+    resident = P * (4 + 8) / share + (P * 4 / share if beta else 0) + buckets  # vllm_rollout's
     if engine is None:                      # what --vllm-gpu-memory-utilization defaults to
         engine = 1 - resident / (gpu_gb * GIB) - MARGIN
-    rollout_peak = resident + engine * gpu_gb * GIB
-    if not engine:                                   # the built-in sampler on gathered weights
-        rollout_peak += (P * 2 if fsdp else 0) + 8 * GIB      # bf16 gather, 8 GiB of KV cache
+    rollout_peak = resident + engine * gpu_gb * GIB + fixed
+    if not engine:       # the built-in sampler: FSDP's bf16 gather or autocast's copies, its KV
+        rollout_peak += P * 2 + kv_gb * GIB
     return dict(states=states / GIB, gathered=gathered / GIB, acts=acts / GIB, engine=engine,
                 backward=backward / GIB, step=step / GIB, update=update_peak / GIB,
-                rollout=rollout_peak / GIB)
+                reserved=update_peak * RESERVED / GIB, rollout=rollout_peak / GIB)
 
 
 def recipe_table(acts: dict) -> None:
@@ -303,7 +373,7 @@ def checked_model(acts: dict) -> None:
     del model
     positions = c["n"] * (7 + c["T"])
     m = per_gpu(shape, acts[c["widths"]], 1, False, False, positions, 7 + c["T"], False, 0.0,
-                chunk_bytes=4 * CHUNK_ELEMENTS["cpu"], adam_temp=2 * largest)
+                chunk_bytes=4 * CHUNK_ELEMENTS["cpu"], adam_temp=2 * largest, padded=False)
     first, second = (b / GIB for b in in_fresh_process(
         "from bench import memory as b; b.check_child()", count=2))
     print(f"\n## 4. The model against measured peaks: {c['widths']} widths, {c['layers']} layers, "
@@ -315,8 +385,19 @@ def checked_model(acts: dict) -> None:
         print(f"{name:44s}{want:>9.2f} G{got:>9.2f} G{got / want:>8.3f}")
 
 
+def measured_padded_bias() -> None:
+    print("\n## 2b. What a left-padded row saves more per layer, a T + b T^2 (256 and 1,024 "
+          "tokens, bf16 autocast)")
+    for name in ("Qwen2.5-0.5B",):
+        a, b = padded_bias_bytes(SHAPES[name])
+        print(f"{name:16s} a = {a:.0f} B/token, b = {b:.2f} B per [T, T] element "
+              f"(21k tokens: {b * 21_000**2 / GIB:.2f} GiB a layer; the model: MASK_BYTES = "
+              f"{MASK_BYTES})")
+
+
 def bench_memory(device: str, repeats: int) -> None:
     measured_update()
     acts = measured_activations()
+    measured_padded_bias()
     recipe_table(acts)
     checked_model(acts)

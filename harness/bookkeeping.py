@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 
 from tqdm import tqdm
 
@@ -43,7 +42,7 @@ def step_row(s: Setup, args: flags.TrainArgs, ranks: parallel.Dist, step: int, d
            "time/sample_s": sum(t["time/sample_s"] for _, t in rounds),
            "time/reward_s": sum(t["time/reward_s"] for _, t in rounds),
            "time/logprob_s": stats.logprob_s, "time/update_s": stats.update_s,
-           "time/step_s": time.time() - t0}
+           "time/step_s": parallel.clock() - t0}
     own_ref = None if s.ref is s.model else s.ref  # the bytes rank 0 holds (--fsdp: its shards)
     row["memory/state_bytes"] = parallel.state_bytes(s.model, s.learner.opt, own_ref)
     row.update(s.perf.metrics(d, row))           # MFU and tokens/s: d's FLOPs over the times

@@ -8,6 +8,7 @@ this is how the cache is held, not what is sampled).
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
@@ -33,11 +34,16 @@ class BufferedLayer(DynamicLayer):
         return self.seen
 
     def alloc(self, like: torch.Tensor, n: int) -> None:
-        self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
+        # under autocast (--bf16) the compute dtype, not K's: K leaves RoPE in float32 (float32
+        # master weights' cos/sin), V in bf16; a float32 cache is twice the memory, and attention
+        # would cast the whole cache to bf16 at every layer of every decode step
+        dev = like.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else like.dtype
+        self.is_initialized, self.dtype, self.device = True, dtype, like.device
         # zeros, not empty: a column a row never wrote is masked, and 0 x NaN garbage would still be
         # NaN
         self.kbuf, self.vbuf = (like.new_zeros(self.rows or n, like.shape[1], self.capacity,
-                                               like.shape[-1]) for _ in "kv")
+                                               like.shape[-1], dtype=dtype) for _ in "kv")
         self.row_ids = torch.arange(self.kbuf.shape[0], device=like.device)   # a decode's rows
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -51,7 +57,7 @@ class BufferedLayer(DynamicLayer):
             self.kbuf[:n, :, :t], self.vbuf[:n, :, :t] = key_states, value_states
         else:                                                 # a decode step: row i at column at[i]
             rows = self.row_ids[:n]
-            # autocast: prefill's dtype
+            # the buffers' dtype (autocast's)
             k, v = (x[:, :, 0].to(self.kbuf.dtype) for x in (key_states, value_states))
             self.kbuf[rows, :, self.at], self.vbuf[rows, :, self.at] = k, v
         self.seen += t
@@ -95,6 +101,46 @@ def make_cache(model, capacity: int, rows: int | None = None) -> tuple[DynamicCa
                   if isinstance(la, DynamicSlidingWindowLayer)), default=None)
     cache.layers = [BufferedLayer(capacity, rows) for _ in cache.layers]
     return cache, window
+
+
+def _decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                 **kwargs):
+    """SDPA for a decode step (one query column) of a GQA model without repeating the cache: the
+    g query heads sharing a KV head become g query rows of that head, q [n, H, 1, D] ->
+    [n, Hkv, g, D], and the mask [n, 1, 1, L] broadcasts over them. HF's SDPA path before
+    transformers 5.23 repeats K and V per query head ([n, H, L, D] copies, per layer per step)
+    whenever a mask is passed, as left-padded rows always do. Anything else: HF's own."""
+    g = getattr(module, "num_key_value_groups", 1)
+    n, H, q, D = query.shape
+    if q != 1 or g == 1 or kwargs.get("position_bias") is not None or (
+            attention_mask is not None and attention_mask.shape[1] != 1):
+        return _HF_SDPA(module, query, key, value, attention_mask, dropout=dropout,
+                        scaling=scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(n, H // g, g, D), key, value, attn_mask=attention_mask,
+        scale=scaling)                                                      # [n, Hkv, g, D]
+    return out.reshape(n, 1, H, value.shape[-1]), None                       # [n, 1, H, D]
+
+
+_HF_SDPA = None
+
+
+@contextmanager
+def gqa_decode():
+    """Within it, the models' "sdpa" attention is _decode_sdpa (decode steps without a per-step
+    copy of the cache); the HF function again after."""
+    global _HF_SDPA
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    table = ALL_ATTENTION_FUNCTIONS._global_mapping
+    if _HF_SDPA is not None or "sdpa" not in table:                  # nested, or no SDPA to wrap
+        yield
+        return
+    _HF_SDPA = table["sdpa"]
+    table["sdpa"] = _decode_sdpa
+    try:
+        yield
+    finally:
+        table["sdpa"], _HF_SDPA = _HF_SDPA, None
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int, device=None):

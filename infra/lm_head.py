@@ -6,10 +6,11 @@ token; logprobs.py is the forward that asks for them, this is how they are compu
 
 The model runs as usual, but for the call its output layer (`get_output_embeddings()`, an nn.Linear)
 returns [n, T, 2] (the token's log-prob and the distribution's entropy) instead of its [n, T, V]
-logits. Inside, `_FusedHead` walks the rows in chunks of `chunk_rows(V, device)`: logits of the
-chunk (x W^T + b, under the caller's autocast), log-softmax in float32, the token's entry and the
-entropy; backward recomputes each chunk's logits (the fused linear + log-softmax that Liger and verl
-use) and accumulates the gradients of the hidden states, W and b. What stays alive between forward
+logits. Inside, `_FusedHead` walks the rows in chunks of `head_chunk_rows(V, H, device)`: logits of
+the chunk (x W^T + b in the caller's autocast dtype, W cast once per pass), log-softmax in float32,
+the token's entry and the entropy; backward recomputes each chunk's logits (the fused linear +
+log-softmax that Liger and verl use) and accumulates the gradients of the hidden states, W and b
+(in place, float32; none for a frozen W or b). What stays alive between forward
 and backward is the hidden states (already held by the model's graph) and two floats per token. The
 entropy gets a gradient only where the caller asks (the --entropy-coef bonus); else its backward
 term is skipped.
@@ -48,6 +49,17 @@ def chunk_rows(V: int, device: torch.device) -> int:
     """Rows per chunk: the device's element budget over the vocabulary, at least one."""
     budget = CHUNK_ELEMENTS.get(torch.device(device).type, CHUNK_ELEMENTS_ACCEL)
     return max(1, budget // max(V, 1))
+
+
+def head_chunk_rows(V: int, H: int, device: torch.device) -> int:
+    """Rows per chunk of the fused head's passes: chunk_rows on CPU; on an accelerator at least
+    H / 2, so a chunk's float32 logits are as large as the bf16 [V, H] weight: each chunk moves
+    12 V H bytes of [V, H] traffic (the bf16 weight read by two matmuls, float32 dW read and
+    written) for 6 c V H FLOPs, c / 2 FLOPs a byte, past an H100's ~300 from c = 600 rows (441 rows
+    at V = 151,936 were under it); the chunk's transients, ~4.5 float32 [c, V], stay ~9 V H
+    bytes."""
+    rows = chunk_rows(V, device)
+    return rows if torch.device(device).type == "cpu" else max(rows, H // 2)
 
 
 def output_layer(model):
@@ -152,8 +164,9 @@ def sizes_head(model, ids: torch.Tensor, temperature: float, top_p: float):
         h = (hidden.float() if fp32 else hidden).reshape(-1, hidden.shape[-1])  # [N, H]
         flat_ids, out = ids.to(hidden.device).reshape(-1), []                  # [N]
         rows = chunk_rows(head.weight.shape[0], hidden.device)
+        w, b = _compute_weights(head.weight, head.bias, h, amp)       # cast once, not per chunk
         for a in range(0, h.shape[0], rows):
-            z = _chunk_logits(h[a:a + rows], head.weight, head.bias, 1.0 / temperature, amp)
+            z = _chunk_logits(h[a:a + rows], w, b, 1.0 / temperature)
             out.append(nucleus_size(torch.log_softmax(z, -1), flat_ids[a:a + rows], top_p))
         return torch.cat(out).view(*ids.shape, 1)
     head.forward = forward
@@ -163,11 +176,33 @@ def sizes_head(model, ids: torch.Tensor, temperature: float, top_p: float):
         del head.forward
 
 
-def _chunk_logits(h, weight, bias, s: float, amp) -> torch.Tensor:
-    """float32 logits * s of rows h [c, H], under the autocast state `amp` (device, dtype, on)."""
-    with torch.autocast(amp[0], amp[1], enabled=amp[2]):
-        z = torch.nn.functional.linear(h, weight, bias)                       # [c, V]
+def _compute_weights(weight, bias, h, amp):
+    """(weight, bias) in the dtype the head's matmuls run in under the autocast state `amp`
+    (device, dtype, on), else h's: cast once per pass (autocast casts a frozen weight again at
+    every use, and in backward, outside the forward's autocast region, any weight at every
+    chunk); no copy where the dtype is already that one."""
+    cdt = amp[1] if amp[2] else h.dtype
+    return weight.to(cdt), None if bias is None else bias.to(cdt)
+
+
+def _chunk_logits(h, weight, bias, s: float) -> torch.Tensor:
+    """float32 logits * s of rows h [c, H], in the dtype of weight (_compute_weights), whatever
+    autocast the caller is in."""
+    with torch.autocast(h.device.type, enabled=False):
+        z = torch.nn.functional.linear(h.to(weight.dtype), weight, bias)      # [c, V]
     return z.float().mul_(s) if s != 1.0 else z.float()
+
+
+def _accumulate(dW: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """dW [V, H] float32 += a @ b in place, no [V, H] temporary: bf16/fp16 operands on CUDA
+    accumulate into float32 (out_dtype), elsewhere they are widened to float32 (the same values:
+    a bf16 GEMM accumulates in float32 too)."""
+    if a.dtype == dW.dtype:
+        dW.addmm_(a, b)
+    elif dW.device.type == "cuda":
+        torch.addmm(dW, a, b, out_dtype=dW.dtype, out=dW)
+    else:
+        dW.addmm_(a.to(dW.dtype), b.to(dW.dtype))
 
 
 class _FusedHead(torch.autograd.Function):
@@ -184,9 +219,10 @@ class _FusedHead(torch.autograd.Function):
         h, flat_ids = hidden.reshape(-1, H), ids.reshape(-1, 1)              # [N, H], [N, 1]
         kept = None if kept is None else kept.reshape(-1)                    # [N], 0: all of V
         out = hidden.new_zeros(h.shape[0], 2, dtype=torch.float32)           # [N, 2]
-        rows = chunk_rows(V, hidden.device)
+        rows = head_chunk_rows(V, H, hidden.device)
+        w, b = _compute_weights(weight, bias, h, amp)                 # cast once, not per chunk
         for a in range(0, h.shape[0], rows):
-            logp = torch.log_softmax(_chunk_logits(h[a:a + rows], weight, bias, s, amp), -1)
+            logp = torch.log_softmax(_chunk_logits(h[a:a + rows], w, b, s), -1)
             out[a:a + rows, 0] = logp.gather(-1, flat_ids[a:a + rows]).squeeze(-1)
             cut = truncated_rows(None if kept is None else kept[a:a + rows], V)  # [r] top-p rows
             if cut is not None:                                # under the nucleus drawn from
@@ -207,13 +243,18 @@ class _FusedHead(torch.autograd.Function):
         H, V = hidden.shape[-1], weight.shape[0]
         h, flat_ids, g = hidden.reshape(-1, H), ids.reshape(-1, 1), g.reshape(-1, 2).float()
         dh = torch.empty_like(h)                                             # [N, H]
-        dW = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
-        db = torch.zeros(V, dtype=torch.float32, device=weight.device) if ctx.has_bias else None
-        cdt = ctx.amp[1] if ctx.amp[2] else weight.dtype                     # the matmuls' dtype
-        rows = chunk_rows(V, hidden.device)
+        # no dW, db for a frozen head (--lora-r): 4 V H bytes and a matmul per chunk saved
+        want_w = ctx.needs_input_grad[1]
+        want_b = ctx.has_bias and ctx.needs_input_grad[2]
+        dW = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
+              if want_w else None)
+        db = torch.zeros(V, dtype=torch.float32, device=weight.device) if want_b else None
+        w, b = _compute_weights(weight, bias, h, ctx.amp)             # cast once per backward
+        cdt = w.dtype                                                        # the matmuls' dtype
+        rows = head_chunk_rows(V, H, hidden.device)
         for a in range(0, h.shape[0], rows):
             hc, gl = h[a:a + rows], g[a:a + rows, :1]                        # [c, H], [c, 1]
-            logp = torch.log_softmax(_chunk_logits(hc, weight, bias, ctx.s, ctx.amp), -1)
+            logp = torch.log_softmax(_chunk_logits(hc, w, b, ctx.s), -1)
             p = logp.exp()                                                   # [c, V]
             dz = p.mul(-gl)                                                  # logp's term
             cut = truncated_rows(None if kept is None else kept[a:a + rows], V)
@@ -224,11 +265,13 @@ class _FusedHead(torch.autograd.Function):
                 ge, Hc = g[a:a + rows, 1:], out[a:a + rows, 1:]              # [c, 1] each
                 dz -= p * (logp.clamp_min(_FLOOR) + Hc) * ge
             dz = dz.mul_(ctx.s).to(cdt)                                      # [c, V] d/d(logits)
-            dh[a:a + rows] = (dz @ weight.to(cdt)).to(dh.dtype)
-            dW += (dz.t() @ hc.to(cdt)).float()                              # [V, H]
+            dh[a:a + rows] = (dz @ w).to(dh.dtype)
+            if dW is not None:
+                _accumulate(dW, dz.t(), hc.to(cdt))                          # [V, H]
             if db is not None:
                 db += dz.float().sum(0)
-        return (dh.view(hidden.shape).to(ctx.in_dtype), dW.to(weight.dtype),
+        return (dh.view(hidden.shape).to(ctx.in_dtype),
+                None if dW is None else dW.to(weight.dtype),
                 None if db is None else db.to(bias.dtype), None, None, None, None, None, None)
 
 

@@ -31,6 +31,8 @@ memory), for `save_pretrained`.
 - `checkpoint_activations` (`--gradient-checkpointing`): transformers' non-reentrant activation
   checkpointing, each decoder layer's activations recomputed in backward instead
   of kept from the forward.
+- `clock`: the time at a phase boundary (time/*_s, perf/mfu_*), read after `sync`: CUDA runs
+  kernels asynchronously, so a clock read without it charges a phase's queued work to the next.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import datetime
 import gc
 import inspect
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -58,6 +61,18 @@ try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # an older torch still runs DDP; `shard` says why --fsdp cannot
     FSDPModule = MixedPrecisionPolicy = fully_shard = None
+
+
+def sync() -> None:
+    """Wait for the queued CUDA work, where CUDA is in use (a no-op on CPU): once per phase."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def clock() -> float:
+    """time.perf_counter() at a phase boundary, after `sync`."""
+    sync()
+    return time.perf_counter()
 
 
 class Dist:

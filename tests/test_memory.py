@@ -196,6 +196,63 @@ class _Storages(TorchDispatchMode):
         return out
 
 
+class _WeightSized(TorchDispatchMode):
+    """The fresh (not view, not in-place) outputs of aten ops shaped like a [V, H] weight:
+    (op, dtype) each."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.made = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):
+            self.made += [(str(func), t.dtype) for t in
+                          (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape]
+        return out
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fused_head_casts_its_weight_once_a_pass_and_makes_no_dw_temporaries(frozen, monkeypatch):
+    # 12 rows in 4 chunks of 3 under bf16 autocast. The backward cast W once or twice per chunk
+    # (autocast's linear, outside the forward's autocast region, and `weight.to` for dh) and
+    # accumulated dW through a [V, H] product and its float32 copy per chunk: 17 weight-sized
+    # tensors. Now: the one cast, and dW's float32 zeros, accumulated in place. A frozen head
+    # (--lora-r): the forward cast it once per chunk (autocast caches only weights that require
+    # grad), the backward made a dW it then dropped; now one cast per pass and no dW.
+    V, H = 300, 16
+    monkeypatch.setitem(lm_head.CHUNK_ELEMENTS, "cpu", 3 * V)
+    torch.manual_seed(0)
+    h = torch.randn(3, 4, H, requires_grad=True)
+    W = torch.randn(V, H, requires_grad=not frozen)
+    ids = torch.randint(0, V, (3, 4))
+    with _WeightSized(W.shape) as fwd, torch.autocast("cpu", torch.bfloat16):
+        out = lm_head._FusedHead.apply(h, W, None, ids, None, 1.0, True, True, False)
+    assert fwd.made == [("aten._to_copy.default", torch.bfloat16)]
+    with _WeightSized(W.shape) as bwd:
+        grads = torch.autograd.grad(out.sum(), (h,) if frozen else (h, W))
+    want = [("aten._to_copy.default", torch.bfloat16)] + (
+        [] if frozen else [("aten.zeros.default", torch.float32)])
+    assert sorted(bwd.made) == sorted(want)
+    # the values are still the autocast head's
+    with torch.autocast("cpu", torch.bfloat16):
+        z = torch.nn.functional.linear(h, W).float()                          # [3, 4, V]
+    logp = torch.log_softmax(z, -1)
+    ref = (logp.gather(-1, ids[..., None]).squeeze(-1) - (logp.exp() * logp).sum(-1)).sum()
+    for a, b in zip(grads, torch.autograd.grad(ref, (h,) if frozen else (h, W))):
+        assert torch.allclose(a, b, atol=3e-2 * b.abs().max())
+
+
+def test_head_chunks_hold_at_least_the_weights_size_on_an_accelerator():
+    # on a GPU a chunk holds at least H / 2 rows (its float32 logits as large as the bf16 W): at
+    # V = 151,936 the [V, H] traffic per chunk no longer outweighs the chunk's matmuls (7B's H:
+    # 1,792 rows); CPU keeps its cache-sized chunk
+    assert lm_head.head_chunk_rows(151_936, 3_584, "cuda") == 1_792
+    assert lm_head.head_chunk_rows(151_936, 256, "cuda") == 441
+    assert lm_head.head_chunk_rows(151_936, 1_536, "cpu") == 27
+
+
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_the_training_forward_builds_no_vocabulary_sized_logits(shared_prefix, monkeypatch):
     # Qwen's vocabulary, 8 responses of 64 tokens: one [8, 64, V] float32 logits tensor is 311 MB.
@@ -338,25 +395,60 @@ def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(ti
 
 def test_the_memory_models_update_peak_is_its_backward_or_its_optimizer_step():
     # bench/memory.py's per_gpu by hand: the backward holds 18 B/param (float32 weights, gradients,
-    # AdamW; bf16 autocast copies), the activations, four head chunks and, tied, the embedding's
-    # second dense gradient; the step 16 B/param and AdamW's foreach temporaries (4 B/param); the
-    # update's peak is the larger. Checked against measured CPU peaks by `python -m bench --only
-    # memory` (part 4)
+    # AdamW; bf16 autocast copies), the activations, four head chunks and the backward's bf16 copy
+    # of the head (2 V H) and, tied, the embedding's second dense gradient; the step 16 B/param and
+    # AdamW's foreach temporaries (4 B/param); the update's peak is the larger. Checked against
+    # measured CPU peaks by `python -m bench --only memory` (part 4)
     from bench import memory
     shape = dict(layers=2, hidden=100, inter=400, heads=2, kv=1, params=10**7, tied=True)
     m = memory.per_gpu(shape, (1000.0, 10.0), 1, False, False, 512, 100, False, 0.0,
-                       chunk_bytes=2**20)
+                       chunk_bytes=2**20, padded=False)
     tied = memory.V_QWEN * 100 * 4
-    want = 18 * 10**7 + 512 * 2 * 1000 + 4 * 2**20 + tied
+    want = 18 * 10**7 + 512 * 2 * 1000 + 4 * 2**20 + 2 * memory.V_QWEN * 100 + tied
     assert m["backward"] * memory.GIB == pytest.approx(want)
     assert m["step"] * memory.GIB == pytest.approx(20 * 10**7)
     assert m["update"] == max(m["backward"], m["step"])
     untied = memory.per_gpu(dict(shape, tied=False), (1000.0, 10.0), 1, False, False, 512, 100,
-                            False, 0.0, chunk_bytes=2**20)
+                            False, 0.0, chunk_bytes=2**20, padded=False)
     assert (m["backward"] - untied["backward"]) * memory.GIB == pytest.approx(tied)
-    small = memory.per_gpu(shape, (0.0, 0.0), 1, False, False, 1, 1, False, 0.0, chunk_bytes=0,
-                           adam_temp=10**8)                       # a step larger than the backward
+    small = memory.per_gpu(dict(shape, hidden=0), (0.0, 0.0), 1, False, False, 1, 1, False, 0.0,
+                           chunk_bytes=0, adam_temp=10**8,
+                           padded=False)                         # a step larger than the backward
     assert small["update"] == small["step"] == pytest.approx(26 * 10**7 / memory.GIB)
+
+
+def test_the_memory_model_counts_ddp_nccl_the_rollouts_copies_and_the_padded_bias():
+    # what the model left out: DDP's float32 gradient buckets (4 B/param) and NCCL's buffers at
+    # world > 1, in both phases; the built-in sampler's bf16 weight copies (autocast's, 2 B/param)
+    # beside its kv_gb of bf16 KV (--max-num-seqs rows); left-padded rows' [rows, 1, row, row] bias, MASK_BYTES
+    # per element per layer (one layer under checkpointing) + HF's 1-byte mask: the T^2 term
+    from bench import memory
+    G = memory.GIB
+    shape = dict(layers=4, hidden=100, inter=400, heads=2, kv=1, params=10**8, tied=False)
+    args = ((1000.0, 10.0), 1, False, False, 4096, 2048, False, 0.0)
+    one = memory.per_gpu(shape, *args, padded=False)
+    ddp = memory.per_gpu(shape, args[0], 8, *args[2:], padded=False)
+    fixed = 4 * 10**8 + memory.NCCL_GIB * G
+    for phase in ("update", "rollout"):
+        assert (ddp[phase] - one[phase]) * G == pytest.approx(fixed)
+    assert one["rollout"] * G == pytest.approx(12 * 10**8 + 2 * 10**8 + 8 * G)
+    padded = memory.per_gpu(shape, *args, padded=True)
+    rows = 4096 // 2048
+    assert (padded["acts"] - one["acts"]) * G == pytest.approx(rows * 2048**2 * (2 * 4 + 1))
+    ckpt = (memory.per_gpu(shape, args[0], 1, False, True, *args[4:], padded=True)["acts"]
+            - memory.per_gpu(shape, args[0], 1, False, True, *args[4:], padded=False)["acts"])
+    assert ckpt * G == pytest.approx(rows * 2048**2 * (2 + 1))
+    assert padded["reserved"] == pytest.approx(padded["update"] * memory.RESERVED)
+
+
+def test_a_left_padded_row_saves_a_bias_that_grows_with_t_squared():
+    # measured on the CPU (bench/memory.padded_bias_bytes): what one more layer saves for a row
+    # with one padding column, over an unpadded row, at 256 and 1,024 tokens, solved for a T + b
+    # T^2: b is SDPA's bf16 [1, 1, T, T] bias, 2 bytes an element (MASK_BYTES), so at 1,024
+    # tokens the bias is 16x its size at 256, where the per-token figures (32..96 tokens) see ~0
+    from bench import memory
+    a, b = memory.padded_bias_bytes(dict(hidden=64, inter=128, heads=4, kv=2))
+    assert b == pytest.approx(memory.MASK_BYTES, rel=0.02) and a >= 0
 
 
 def test_the_logits_kernel_takes_the_devices_chunk(monkeypatch):

@@ -6,6 +6,7 @@ model FLOPs and MFU, the no-signal warning, --report-to, LoRA.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -608,3 +609,60 @@ def test_rounds_drawn_ahead_train_what_round_by_round_drawing_trains(tiny_run_in
     assert [r["sampling/rounds_unused"] for r in rows["alone"]] == [0.0] * 3
     wa, wb = weights_of(tmp_path / "ahead" / "final"), weights_of(tmp_path / "alone" / "final")
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+# infra/parallel.py's clock: the phase timings (time/*_s, and so perf/mfu_*) read after a sync
+
+def test_sync_waits_for_cuda_only_where_cuda_is_in_use(monkeypatch):
+    from infra import parallel
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)     # CUDA there, unused
+    parallel.sync()
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    t = parallel.clock()
+    assert calls == [()] and t <= time.perf_counter()
+
+
+class _HostReads(torch.Tensor):
+    """A stand-in for a CUDA tensor on the CPU: counts the reads that would wait for the device
+    (item, tolist, int/float/bool/index of one element); .cpu() gives a plain tensor."""
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+            _HostReads.reads += 1
+        if name == "cpu":
+            return args[0].as_subclass(torch.Tensor).clone()
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_step_syncs_once_per_phase_and_reads_the_rollout_on_the_cpu(tiny_run_inputs, tmp_path,
+                                                                      monkeypatch):
+    # Phase timings read without a CUDA synchronize charge one phase's queued kernels to the next
+    # (time/sample_s, time/logprob_s, time/update_s, time/step_s and perf/mfu_*). Each boundary
+    # now reads parallel.clock, which syncs once: the step's start and end, Step 1's start and
+    # end, Step 2's end, the log-prob passes' start and end, the update's end -> 8 syncs in a step.
+    # Step 2 read the rollout on its device, row by row (a host sync per response, x3: decode,
+    # the ids, lengths); the rollout now comes to the CPU once after sampling: a rollout of
+    # stand-in device tensors sees no host read after the sampler returns.
+    from harness import setup
+    from infra import parallel
+    syncs = []
+    monkeypatch.setattr(parallel, "sync", lambda: syncs.append(1))
+    draw = setup.Task.draw
+
+    def on_device(self, *a, **k):
+        roll = draw(self, *a, **k)
+        return dataclasses.replace(roll, **{
+            f.name: getattr(roll, f.name).as_subclass(_HostReads)
+            for f in dataclasses.fields(roll) if isinstance(getattr(roll, f.name), torch.Tensor)})
+    monkeypatch.setattr(setup.Task, "draw", on_device)
+    _HostReads.reads = 0
+    row = one_step(tiny_run_inputs, tmp_path / "run")
+    assert len(syncs) == 8 and row["time/sample_s"] > 0 and row["time/update_s"] > 0
+    assert _HostReads.reads == 0

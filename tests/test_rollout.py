@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import sampler
+from harness import rollout
 from infra import kv_cache
 from sampler import sample_groups
 from test_grpo import MIXED_PROMPTS, PROMPTS, tiny, tiny_gpt2_sampler
@@ -229,3 +232,106 @@ def test_top_p_rows_in_length_buckets_are_scored_under_their_own_nuclei():
         warnings.simplefilter("ignore")
         lp = logprobs.rollout_logprobs(model, roll, slice(0, 15), 0.9)[0] * roll.mask  # [N, T]
     assert torch.allclose(lp, roll.logprobs, atol=1e-5), (lp - roll.logprobs).abs().max()
+
+
+
+class _Fresh(TorchDispatchMode):
+    """Every aten op's freshly allocated outputs (not views, not in-place): (op, numel, dtype,
+    shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):
+            self.made += [(str(func), t.numel(), t.dtype, tuple(t.shape)) for t in
+                          (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_bf16_kv_cache_is_stored_in_bf16_and_no_decode_step_copies_it(monkeypatch):
+    # --bf16 on float32 master weights: K leaves RoPE in float32 (the rotary cos/sin follow the
+    # float32 hidden states), V leaves v_proj in bf16. A cache sized from K was float32 (twice the
+    # memory), and attention then cast each layer's whole cache to bf16 at every decode step; a
+    # GQA model (Qwen2 here: 4 query heads on 2 KV heads) also had HF's SDPA repeat K and V per
+    # query head whenever a mask is passed (transformers < 5.23). A decode step over n rows and L
+    # columns must make no tensor as large as one layer's K view, n x KV heads x L x head_dim.
+    model, steps = tiny("qwen2", torch.float32), []
+    advance = sampler.Slots.advance
+
+    def recorded(self, tok, keep):
+        with _Fresh() as seen:
+            advance(self, tok, keep)
+        layer = self.cache.layers[0]
+        if self.rows.numel():
+            steps.append((layer.keys.numel(), seen.made, layer.kbuf.dtype, layer.vbuf.dtype))
+
+    monkeypatch.setattr(sampler.Slots, "advance", recorded)
+    with torch.autocast("cpu", torch.bfloat16):
+        roll = sample_groups(model, MIXED_PROMPTS, 3, 20, 1, 0,
+                             generator=torch.Generator().manual_seed(0))
+    assert roll.lengths.max() > 8 and len(steps) > 8
+    for view, made, kdt, vdt in steps:
+        assert (kdt, vdt) == (torch.bfloat16, torch.bfloat16)
+        big = [m for m in made if m[1] >= view]
+        assert not big, big[:4]
+
+
+def test_decode_attention_without_repeat_is_hf_sdpa():
+    # kv_cache._decode_sdpa (a decode step's q [n, H, 1, D] as [n, Hkv, g, D]) against HF's
+    # SDPA with K and V repeated per query head, under a left-padding mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    torch.manual_seed(0)
+    n, H, Hkv, L, D = 3, 6, 2, 7, 4
+    q, k, v = torch.randn(n, H, 1, D), torch.randn(n, Hkv, L, D), torch.randn(n, Hkv, L, D)
+    mask = torch.ones(n, 1, 1, L, dtype=torch.bool)
+    mask[0, ..., :3] = False                                             # row 0 left-padded
+    module = type("Attn", (), {"num_key_value_groups": H // Hkv, "is_causal": True})()
+    kv_cache._HF_SDPA = sdpa_attention_forward
+    try:
+        got, _ = kv_cache._decode_sdpa(module, q, k, v, mask, scaling=0.5)
+    finally:
+        kv_cache._HF_SDPA = None
+    rep = lambda x: x.repeat_interleave(H // Hkv, 1)  # noqa: E731
+    want = torch.nn.functional.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask,
+                                                            scale=0.5).transpose(1, 2)
+    assert got.shape == want.shape == (n, 1, H, D)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_lora_rollout_under_bf16_casts_no_frozen_weight_per_decode_step(monkeypatch):
+    # autocast caches the casts of weights that require grad only: with --lora-r the frozen base
+    # weights were cast to bf16 again at every decode step (here 2 layers x 7 projections a step).
+    # rollout.frozen_in gives the rollout bf16 copies made once: no decode step casts a frozen
+    # weight; the tied head (Qwen2's, shared with the embedding) stays float32, as do the weights
+    # after the rollout.
+    pytest.importorskip("peft", reason="--lora-r needs peft")
+    from types import SimpleNamespace
+
+    from harness import lora
+    model = tiny("qwen2", torch.float32)
+    lora.add_adapters(model, 2, 4.0, lora.TARGETS, "tiny")
+    frozen = {tuple(m.weight.shape) for m in model.modules()
+              if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad}
+    assert len(frozen) >= 3                         # q/k/v/o/gate/up/down base weights' shapes
+    casts, advance = [], sampler.Slots.advance
+
+    def recorded(self, tok, keep):
+        with _Fresh() as seen:
+            advance(self, tok, keep)
+        casts.append([m for m in seen.made if m[0] == "aten._to_copy.default"])
+
+    monkeypatch.setattr(sampler.Slots, "advance", recorded)
+    args = SimpleNamespace(max_new_tokens=12, max_num_seqs=None, bf16=True)
+    rollout.sample_rollout(model, MIXED_PROMPTS, 2, 1.0, 1.0, torch.Generator().manual_seed(0),
+                           [1], 0, args)
+    assert len(casts) > 5
+    weight_casts = [c for step in casts for c in step if c[3] in frozen]
+    assert not weight_casts, f"{len(weight_casts)} casts of frozen weights in {len(casts)} steps"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight                 # still tied
+
+

@@ -62,8 +62,7 @@ def test_an_engines_rollout_is_refused_a_prompt_past_the_context():
                                          max_position_embeddings=64))
     asked = []
     engine = lambda model, prompts, G, T, *a, **k: asked.append((prompts, T)) or "rollout"  # noqa
-    args = SimpleNamespace(max_new_tokens=40, max_num_seqs=None, kv_cache_gb=1.0, bf16=False,
-                           compile=False)
+    args = SimpleNamespace(max_new_tokens=40, max_num_seqs=None, bf16=False)
     for sample in (engine, None):
         with pytest.raises(InputError, match=r"\(30 tokens\) \+ --max-new-tokens 40 = 70"):
             rollout.sample_rollout(model, [[3] * 5, [3] * 30], 2, 1.0, 1.0, None, [1], 0, args,

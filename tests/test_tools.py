@@ -21,6 +21,72 @@ from verifier import verify
 # bench/ (python -m bench)
 # ---------------------------------------------------------------------------------------------
 
+# bench/gpu_check.py: the prepared GPU check's runner and its stages' cores, on the CPU
+
+def test_gpu_check_parses_its_stages_and_refuses_an_unknown_one(capsys):
+    from bench import gpu_check
+    a = gpu_check.parse(["out"])
+    assert (a.out, a.stage, a.device, a.child) == ("out", None, "cuda", False)
+    assert gpu_check.parse(["o", "--stage", "head", "--stage", "env"]).stage == ["head", "env"]
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse(["o", "--stage", "nope"])
+    assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+    # every stage has a function and a box, and the boxes sum to the 9 minutes promised
+    assert set(gpu_check.STAGES) == set(gpu_check.STAGE_FN) and sum(
+        gpu_check.STAGES.values()) <= 9 * 60
+
+
+def test_gpu_check_boxes_each_stage_and_writes_its_json(tmp_path, monkeypatch):
+    # a stage past its box: killed, its JSON says so; one that dies without writing: its exit and
+    # last line; a real child (env on the CPU): its own JSON, and summary.json lists it
+    import json
+    import sys
+
+    from bench import gpu_check
+    slow = gpu_check.run_stage(str(tmp_path), "train", 1,
+                               [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert slow["timed_out"] and not slow["ok"] and slow["wall_s"] < 30
+    dead = gpu_check.run_stage(str(tmp_path), "head", 30,
+                               [sys.executable, "-c", "import sys; sys.exit('no GPU here')"])
+    assert dead == {"stage": "head", "ok": False, "error": "exit 1: ['no GPU here']",
+                    "wall_s": dead["wall_s"]}
+    assert json.loads((tmp_path / "head.json").read_text()) == dead
+    monkeypatch.setitem(gpu_check.STAGES, "env", 600)            # shared CPUs: imports are slow
+    summary = gpu_check.main([str(tmp_path), "--stage", "env", "--device", "cpu"])
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert summary["env"]["ok"] and env["ok"] and env["result"]["torch"] == torch.__version__
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def test_gpu_check_stage_cores_at_toy_size_on_the_cpu(monkeypatch):
+    from bench import gpu_check
+    from test_grpo import tiny
+    # the fused head against the plain one: the same values, gradients to bf16 rounding
+    h = gpu_check.head_compare(300, 16, 24, "cpu")
+    assert h["logp_max_diff"] < 1e-4 and h["grad_h_rel"] < 2e-2 and h["grad_W_rel"] < 2e-2
+    # the sampler under bf16 autocast: a bf16 cache, a mismatch the trainer's forward measures
+    s = gpu_check.sampler_check(tiny("qwen2", torch.float32), [[5, 6, 7], [8, 9, 10, 11]], 2, 8,
+                                "cpu")
+    assert s["kv_dtype"] == "torch.bfloat16" and s["decode_steps"] >= 1
+    assert 0 <= s["mismatch_abs_mean"] <= s["mismatch_abs_max"] < 0.1
+    # the determinism probe: the CPU repeats itself bitwise
+    d = gpu_check.determinism_check("cpu", layers=1, T=16)
+    assert d["grads_bitwise_equal"] and d["index_add_bitwise_equal"]
+    # the memory stage's two updates and the model's prediction, at toy widths with Qwen's V
+    from bench import memory
+    monkeypatch.setitem(memory.SHAPES, "toy", dict(layers=1, hidden=32, inter=64, heads=2, kv=1,
+                                                   params=0, tied=True))
+    m = gpu_check.memory_check("toy", 1, 4, 16, "cpu")
+    assert m["params"] > memory.V_QWEN * 32 and m["predicted_update_gib"] > 0
+    # CUDA's peak probe, with torch.cuda stubbed: the allocated peak above the start
+    mem = iter([100, 350])
+    for name, fn in (("synchronize", lambda: None), ("reset_peak_memory_stats", lambda: None),
+                     ("memory_allocated", lambda: next(mem)),
+                     ("max_memory_allocated", lambda: next(mem))):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    assert gpu_check._peak("cuda", lambda: "done")[:2] == ("done", 250)
+
+
 @pytest.mark.slow
 def test_bench_slots_section_measures_both_sides(capsys, monkeypatch):
     """python -m bench --only slots, shrunk: memory in fresh processes at N and all rows, continuous
