@@ -254,8 +254,8 @@ def per_gpu(shape: dict, act: tuple[float, float], world: int, fsdp: bool, check
     different lengths), so SDPA saves a MASK_BYTES [rows, 1, row, row] bias per layer (one layer
     under checkpointing) beside HF's 1-byte mask. Under DDP (world > 1, no FSDP) its gradient
     buckets (the gradients, with gradient_as_bucket_view) stay allocated through the rollout, and
-    at world > 1 NCCL's buffers live through both phases. The rollout phase with
-    the built-in sampler (engine 0) holds `kv_gb` of bf16 KV (--max-num-seqs rows) and, without FSDP,
+    at world > 1 NCCL's buffers live through both phases. The rollout phase with the built-in
+    sampler (engine 0) holds `kv_gb` of bf16 KV (--max-num-seqs rows) and, without FSDP,
     autocast's bf16 copies of the weights (2 B/param; FSDP gathers bf16 weights instead).
     `reserved`: the update's peak as the caching allocator reserves it (x RESERVED).
     before=m: as the update ran before the fused head and the token budget, m responses per
