@@ -418,8 +418,9 @@ def test_the_memory_models_update_peak_is_its_backward_or_its_optimizer_step():
 
 
 def test_the_memory_model_counts_ddp_nccl_the_rollouts_copies_and_the_padded_bias():
-    # what the model left out: DDP's float32 gradient buckets (4 B/param) and NCCL's buffers at
-    # world > 1, in both phases; the built-in sampler's bf16 weight copies (autocast's, 2 B/param)
+    # what the model left out: DDP's float32 gradient buckets (4 B/param; with
+    # gradient_as_bucket_view they are the gradients in the update, and stay through the rollout)
+    # and NCCL's buffers at world > 1, in both phases; the built-in sampler's bf16 weight copies (autocast's, 2 B/param)
     # beside its kv_gb of bf16 KV (--max-num-seqs rows); left-padded rows' [rows, 1, row, row]
     # bias, MASK_BYTES per element per layer (one layer under checkpointing) + HF's 1-byte mask:
     # the T^2 term
@@ -429,9 +430,9 @@ def test_the_memory_model_counts_ddp_nccl_the_rollouts_copies_and_the_padded_bia
     args = ((1000.0, 10.0), 1, False, False, 4096, 2048, False, 0.0)
     one = memory.per_gpu(shape, *args, padded=False)
     ddp = memory.per_gpu(shape, args[0], 8, *args[2:], padded=False)
-    fixed = 4 * 10**8 + memory.NCCL_GIB * G
-    for phase in ("update", "rollout"):
-        assert (ddp[phase] - one[phase]) * G == pytest.approx(fixed)
+    buckets, nccl = 4 * 10**8, memory.NCCL_GIB * G
+    assert (ddp["update"] - one["update"]) * G == pytest.approx(nccl)
+    assert (ddp["rollout"] - one["rollout"]) * G == pytest.approx(buckets + nccl)
     assert one["rollout"] * G == pytest.approx(12 * 10**8 + 2 * 10**8 + 8 * G)
     padded = memory.per_gpu(shape, *args, padded=True)
     rows = 4096 // 2048

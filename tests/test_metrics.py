@@ -650,18 +650,19 @@ def test_a_step_syncs_once_per_phase_and_reads_the_rollout_on_the_cpu(tiny_run_i
     # Step 2 read the rollout on its device, row by row (a host sync per response, x3: decode,
     # the ids, lengths); the rollout now comes to the CPU once after sampling: a rollout of
     # stand-in device tensors sees no host read after the sampler returns.
-    from harness import setup
     from infra import parallel
     syncs = []
     monkeypatch.setattr(parallel, "sync", lambda: syncs.append(1))
-    draw = setup.Task.draw
+    draw = sampler.sample_groups
 
-    def on_device(self, *a, **k):
-        roll = draw(self, *a, **k)
+    def on_device(*a, **k):
+        roll = draw(*a, **k)
+        if a[2] == 1:                                          # G = 1: evaluation, not Step 1
+            return roll
         return dataclasses.replace(roll, **{
             f.name: getattr(roll, f.name).as_subclass(_HostReads)
             for f in dataclasses.fields(roll) if isinstance(getattr(roll, f.name), torch.Tensor)})
-    monkeypatch.setattr(setup.Task, "draw", on_device)
+    monkeypatch.setattr(sampler, "sample_groups", on_device)
     _HostReads.reads = 0
     row = one_step(tiny_run_inputs, tmp_path / "run")
     assert len(syncs) == 8 and row["time/sample_s"] > 0 and row["time/update_s"] > 0

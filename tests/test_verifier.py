@@ -356,8 +356,10 @@ def test_math_verify_reward_scores_from_any_thread_and_is_bounded_per_response()
     import threading
 
     from harness import data, math_verify_reward
+    had = "math_verify" in sys.modules       # another test may have imported it in this process
     mv = data.load_reward("math-verify")
-    assert isinstance(mv, math_verify_reward.MathVerify) and "math_verify" not in sys.modules
+    assert isinstance(mv, math_verify_reward.MathVerify)
+    assert had or "math_verify" not in sys.modules   # the reward's process never imports it
     try:
         # algebra the rule-based verifier does not do; GSM8K's reference read through its ####
         assert mv("So $\\boxed{(x+1)^2}$.", "x^2+2x+1") == 1.0
