@@ -420,10 +420,10 @@ def test_the_memory_models_update_peak_is_its_backward_or_its_optimizer_step():
 def test_the_memory_model_counts_ddp_nccl_the_rollouts_copies_and_the_padded_bias():
     # what the model left out: DDP's float32 gradient buckets (4 B/param; with
     # gradient_as_bucket_view they are the gradients in the update, and stay through the rollout)
-    # and NCCL's buffers at world > 1, in both phases; the built-in sampler's bf16 weight copies (autocast's, 2 B/param)
-    # beside its kv_gb of bf16 KV (--max-num-seqs rows); left-padded rows' [rows, 1, row, row]
-    # bias, MASK_BYTES per element per layer (one layer under checkpointing) + HF's 1-byte mask:
-    # the T^2 term
+    # and NCCL's buffers at world > 1, in both phases; the built-in sampler's bf16 weight copies
+    # (autocast's, 2 B/param) beside its kv_gb of bf16 KV (--max-num-seqs rows); left-padded rows'
+    # [rows, 1, row, row] bias, MASK_BYTES per element per layer (one layer under checkpointing) +
+    # HF's 1-byte mask: the T^2 term
     from bench import memory
     G = memory.GIB
     shape = dict(layers=4, hidden=100, inter=400, heads=2, kv=1, params=10**8, tied=False)
