@@ -1,2 +1,2 @@
-"""Fixtures the tests in tests/ share with test_grpo.py (which defines them)."""
-from test_grpo import tiny_model, tiny_run_inputs  # noqa: F401
+"""The fixtures every test shares (tests/helpers.py defines them; test_grpo.py imports them too)."""
+from helpers import tiny_model, tiny_run_inputs  # noqa: F401

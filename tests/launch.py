@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from test_grpo import tiny_flags
+from helpers import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 

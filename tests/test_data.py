@@ -17,15 +17,9 @@ import torch
 
 import dapo
 from harness import builtin, data, flags, models
+from helpers import one_step, read_file, spy_on, tiny_flags
 from infra import errors
-from test_grpo import (
-    has_x,
-    one_step,
-    read_file,
-    spy_on,
-    tiny_flags,
-    trl_length,
-)
+from test_grpo import has_x, trl_length
 from verifier import (
     verify,
 )

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from helpers import read_file
 from launch import ROOT
-from test_grpo import read_file
 
 # ---------------------------------------------------------------------------------------------
 # docs: every `module.name`, --flag, test name and relative link in README.md and docs/ exists

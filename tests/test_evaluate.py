@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from harness import builtin, data, flags, models, setup
+from helpers import tiny
 from sampler import sample_groups
-from test_grpo import tiny
 from verifier import (
     canonical,
     canonical_answer,

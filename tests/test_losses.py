@@ -16,10 +16,7 @@ import grpo
 import update
 import variants
 from harness import flags
-from test_grpo import (
-    read_file,
-    reduce_by_hand,
-)
+from helpers import read_file, reduce_by_hand
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
@@ -436,7 +433,7 @@ def test_the_correction_flags_reach_the_loss(tiny_run_inputs, tmp_path):
     # through train.py: the shares are logged, and each switch changes the update it is given
     # (a flag parsed but never applied would leave the weights of the run without it). --mu 2: the
     # second pass's policy has moved from the sampler's, so the off-policy mask has work
-    from test_grpo import one_step, weights_of
+    from helpers import one_step, weights_of
     base = ["--mu", "2", "--lr", "0.1", "--no-overlong-filter"]
     runs = {}
     # bf16 autocast: the sampler's and the trainer's log-probs differ by ~1e-4 nats a response,
@@ -535,7 +532,7 @@ def test_dppo_caps_the_weight_of_a_token_whose_probability_rose_past_the_cap():
 
 @pytest.mark.parametrize("loss", ["dppo", "sapo"])
 def test_dppo_and_sapo_run_through_train(tiny_run_inputs, tmp_path, loss):
-    from test_grpo import one_step
+    from helpers import one_step
     row = one_step(tiny_run_inputs, tmp_path / loss, "--loss", loss, "--mu", "2")
     assert row["loss"] == row["loss"] and row["grad_norm"] > 0     # finite, and it trained
 

