@@ -450,29 +450,26 @@ def test_article_example_prints_the_articles_numbers(capsys):
 
 def test_the_articles_modules_lift_into_an_empty_folder_with_torch_alone(tmp_path):
     # a reader copies grpo.py, dapo.py and verifier.py (and the worked example) into a folder of
-    # their own: they import with torch alone (transformers and infra/ made unimportable, and
-    # nothing of the project's beyond the copies loaded) and `python grpo.py` prints there what it
-    # prints here
+    # their own: they import with torch alone (transformers, infra/ and sampler.py made
+    # unimportable, and nothing of the project's beyond the copies loaded), and `python grpo.py`
+    # prints there, under the same blocks, what it prints here (worked_example.article_example)
     import shutil
     import subprocess
     import sys
-    files = ("grpo.py", "dapo.py", "verifier.py", "worked_example.py")
-    for f in files:
+    for f in ("grpo.py", "dapo.py", "verifier.py", "worked_example.py"):
         shutil.copy(os.path.join(HERE, f), tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    check = ("import sys; sys.modules.update(transformers=None, infra=None, sampler=None); "
+    check = ("import runpy, sys; sys.modules.update(transformers=None, infra=None, sampler=None); "
              "import grpo, dapo, verifier, worked_example; "
              "mine = {m for m, mod in sys.modules.items() if (getattr(mod, '__file__', '') or '')"
-             ".startswith(sys.argv[1])}; print(sorted(mine))")
+             ".startswith(sys.argv[1])}; print(sorted(mine)); "
+             "runpy.run_path('grpo.py', run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", check, str(tmp_path)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["['dapo',", "'grpo',", "'verifier',", "'worked_example']"]
-    run = lambda cwd: subprocess.run([sys.executable, "grpo.py"], cwd=cwd, env=env,  # noqa: E731
-                                     capture_output=True, text=True, timeout=120)
-    copied, here = run(tmp_path), run(HERE)
-    assert copied.returncode == 0, copied.stderr
-    assert copied.stdout == here.stdout and len(copied.stdout.splitlines()) > 40
+    first, printed = out.stdout.split("\n", 1)
+    assert first == "['dapo', 'grpo', 'verifier', 'worked_example']", first
+    assert printed == "\n".join(worked_example.article_example()) + "\n"
     assert len(open(os.path.join(HERE, "grpo.py"), encoding="utf-8").read().splitlines()) <= 300
 
 

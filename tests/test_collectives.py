@@ -11,6 +11,7 @@ import socket
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -94,6 +95,7 @@ def _update_with_an_empty_rank(rank: int, world: int, port: int) -> None:
         ranks.close()
 
 
+@pytest.mark.slow
 def test_a_rank_without_a_group_joins_the_others_collectives_under_fsdp_top_p():
     # update.keep_sampling_mask decided from this rank's Rollout.kept: sampler.py's rollouts have
     # it, Rollout.empty has not, so rank 1 alone all-gathered the sharded model (parallel.unsharded)

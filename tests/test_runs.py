@@ -71,7 +71,7 @@ def test_a_launch_that_times_out_leaves_no_process_behind(tmp_path):
     script, pids = tmp_path / "spawner.py", tmp_path / "pids"
     script.write_text(_SPAWNER)
     with pytest.raises(subprocess.TimeoutExpired):
-        run_tree([sys.executable, str(script), str(pids), "2"], 5)
+        run_tree([sys.executable, str(script), str(pids), "2"], 3)
     started = [int(x) for x in pids.read_text().split()]
     deadline = time.time() + 10
     while any(map(_alive, started)) and time.time() < deadline:

@@ -36,6 +36,7 @@ def test_gpu_check_parses_its_stages_and_refuses_an_unknown_one(capsys):
         gpu_check.STAGES.values()) <= 9 * 60
 
 
+@pytest.mark.slow
 def test_gpu_check_boxes_each_stage_and_writes_its_json(tmp_path, monkeypatch):
     # a stage past its box: killed, its JSON says so; one that dies without writing: its exit and
     # last line; a real child (env on the CPU): its own JSON, and summary.json lists it
@@ -619,6 +620,7 @@ def test_real_model_table_adds_the_metrics_asked_for(capsys):
         table.main([path, "--also", "no/such"])
 
 
+@pytest.mark.slow
 def test_bench_parses_its_flags_and_times_the_warm_start_both_ways(capsys):
     """python -m bench is not run by CI otherwise: its flags (and python -m bench.vs_trl's) must
     parse, and the warm-start section must run."""
