@@ -2,17 +2,18 @@
 equivalences).
 
 The first section follows the article step by step (GRPO's Steps 1-4 on its G = 4 example, then
-DAPO's Eq. 10-13), each case worked by hand; then the shared fixtures and helpers (tiny_model,
-tiny_run_inputs, PROMPTS, tiny, tiny_flags, one_step, and the rewards `--reward test_grpo:NAME`
-names: has_x, flip_x, trl_length, ...), then one section per article module: grpo, dapo, update,
-logprobs, sampler, train. Nothing here is @slow. The other tests are in tests/, by room: the
-verifier's rules (test_verifier.py), evaluate.py (test_evaluate.py), how Step 1 runs
-(test_rollout.py), the flags (test_flags.py), the loss family (test_losses.py), data and
-the built-in task (test_data.py), ranks and checkpoints (test_ranks_checkpoints.py), metrics, MFU
-and LoRA (test_metrics.py), the layout (test_layout.py); and by kind: the end-to-end runs through
+DAPO's Eq. 10-13), each case worked by hand; then the rewards runs name as `--reward
+test_grpo:NAME` (has_x, flip_x, trl_length, ...), then one section per article module: grpo, dapo,
+update, logprobs, train. Nothing here is @slow. The shared fixtures and helpers (tiny_model,
+tiny_run_inputs, PROMPTS, tiny, tiny_flags, one_step, ...) are in tests/helpers.py. The other tests
+are in tests/, by room: the sampler (test_sampler.py), the verifier's rules (test_verifier.py),
+evaluation (test_evaluate.py), how Step 1 runs (test_rollout.py), the flags (test_flags.py), the
+loss family (test_losses.py), data and the built-in task (test_data.py), ranks and checkpoints
+(test_ranks_checkpoints.py), collectives every rank enters (test_collectives.py), metrics, MFU and
+LoRA (test_metrics.py), the layout (test_layout.py); and by kind: the end-to-end runs through
 subprocess and torchrun (test_runs.py, launched by launch.py), bench and ablate (test_tools.py),
---rollout vllm (test_vllm.py), the real model (test_real_model.py), the docs
-(test_docs.py); tests/conftest.py hands them this file's fixtures. All of them:
+--rollout vllm (test_vllm.py), the real model (test_real_model.py), the docs (test_docs.py). All
+of them:
 
     python -m pytest -q test_grpo.py tests
 """
