@@ -95,10 +95,11 @@ class Rollout:
         return tokenizer.decode(self.response_ids[i, : self.lengths[i]], skip_special_tokens=True)
 
     def cpu(self) -> Rollout:
-        """Every tensor field on the CPU, one copy each (a rollout sampled on a GPU is read row by
-        row after: one host sync, not one per row)."""
+        """Every tensor field (and reward part) on the CPU, one copy each (a rollout sampled on a
+        GPU is read row by row after: one host sync, not one per row)."""
         return replace(self, **{k: v.cpu() for k, v in vars(self).items()
-                                if isinstance(v, torch.Tensor)})
+                                if isinstance(v, torch.Tensor)},
+                       reward_parts={k: v.cpu() for k, v in self.reward_parts.items()})
 
     @property
     def num_groups(self) -> int:

@@ -99,7 +99,8 @@ def draw_step(s: setup.Setup, args: flags.TrainArgs, ranks: parallel.Dist,
                        data_pos, args.prompts_per_step, args.max_rounds,
                        s.rounds_ahead if args.dynamic_sampling else 1)
     if not args.dynamic_sampling:
-        return StepDraw(draw(0)[0], {"sampling/rounds": 1.0}, [draw(0)])
+        only = draw(0)                                       # (rollout, timings)
+        return StepDraw(only[0], {"sampling/rounds": 1.0}, [only])
     kept, stats, rounds = dapo.dynamic_sampling(draw, args.prompts_per_step, args.max_rounds,
                                                 ranks.gather, ranks.rank)
     first = rounds[0][0]
@@ -144,8 +145,8 @@ def rollout(model, task: setup.Task, args: flags.TrainArgs, ranks: parallel.Dist
     G, T = args.group_size, args.max_new_tokens
     engine = task.sample is not None      # --fsdp: the policy gathered once for the whole rollout
     with parallel.unsharded(None if engine else model), \
-            rollout_context(model, prompts, G, args, engine) as slots:
-        if task.sample:                       # --rollout vllm: the engine's own sample_groups
+            rollout_context(model, prompts, args, engine) as slots:
+        if engine:                            # --rollout vllm: the engine's own sample_groups
             roll = task.sample(model, prompts, G, T, task.eos, task.pad, args.temperature,
                                args.top_p, generator=generators)
         else:                                 # G answers per prompt, the HF forward + a KV cache

@@ -50,22 +50,20 @@ def check_context(model, prompts: list[list[int]], max_new_tokens: int) -> None:
 
 
 @contextlib.contextmanager
-def sampling(model, prompts: list[list[int]], G: int, args, engine: bool = False):
-    """What Step 1 runs in (train.rollout, evaluate.py): the prompts checked against the model's
-    context; for sampler.sample_groups --bf16 autocast, and it yields the slots, at most
-    --max-num-seqs rows at once (default: all); for a vLLM engine
-    (engine=True), which holds its own weights and concurrency and runs without autocast, nothing
-    more (it yields None). `args` carries flags.EvalArgs' fields (max_new_tokens, max_num_seqs,
-    bf16)."""
-    T = args.max_new_tokens
-    check_context(model, prompts, T)
+def sampling(model, prompts: list[list[int]], args, engine: bool = False):
+    """What Step 1 runs in (train.rollout, evaluation): the prompts checked against the model's
+    context; for sampler.sample_groups --bf16 autocast with the frozen weights cast once
+    (`frozen_in`), and it yields the slots, at most --max-num-seqs rows at once (None: every row);
+    for a vLLM engine (engine=True), which holds its own weights and concurrency and runs without
+    autocast, nothing more (it yields None). `args` carries flags.EvalArgs' fields
+    (max_new_tokens, max_num_seqs, bf16)."""
+    check_context(model, prompts, args.max_new_tokens)
     if engine:
         yield None
         return
-    S = args.max_num_seqs                               # None: every row at once
     with (torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=args.bf16),
           frozen_in(model, torch.bfloat16 if args.bf16 else None)):
-        yield S
+        yield args.max_num_seqs
 
 
 @contextlib.contextmanager
@@ -99,7 +97,7 @@ def sample_rollout(model, prompts: list[list[int]], G: int, temperature: float, 
                    generator, eos: list[int], pad: int, args, sample=None) -> Rollout:
     """Step 1 as evaluation runs it: sampler.sample_groups in `sampling`, or `sample`, a vLLM
     engine's sample_groups."""
-    with sampling(model, prompts, G, args, engine=sample is not None) as S:
+    with sampling(model, prompts, args, engine=sample is not None) as S:
         if sample is not None:
             return sample(model, prompts, G, args.max_new_tokens, eos, pad, temperature, top_p,
                           generator=generator)

@@ -121,9 +121,8 @@ def set_up(args: flags.TrainArgs, ranks: parallel.Dist) -> tuple[Setup, RunState
     engine = start_engine(args, path, model, ranks)
     if engine:
         task.sample = engine.sample_groups  # Step 1 on the engine instead of sampler.py
-    state = RunState()
-    if args.resume:
-        state = resume_state(args, ckpt_path, model, learner, sched, ranks)
+    state = (resume_state(args, ckpt_path, model, learner, sched, ranks) if args.resume
+             else RunState())
     if engine:
         engine.push(model)  # the weights the run starts from (a resumed checkpoint's)
     out = open_run_log(args, ranks, path, state) if ranks.master else None  # rank 0 writes OUT/
