@@ -119,15 +119,16 @@ def reduce_by_hand(per_token, mask, reduction="sequence", num_tokens=None, max_l
     return (per_token * mask).sum() / (n * (mask.shape[1] if max_len is None else max_len))
 
 
-def tiny_gpt2():
+def tiny_gpt2(vocab: int = 40, seed: int = 0, positions: int = 256, pad_token_id=0,
+              bos_token_id=None):
     """A tiny GPT-2: absolute position embeddings, so position ids that ignore the left padding
-    change its
-    log-probs (RoPE models, the others here, see only the distance between positions)."""
+    change its log-probs (RoPE models, the others here, see only the distance between
+    positions)."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4,
-                                      n_positions=256, pad_token_id=0,
-                                      eos_token_id=1, bos_token_id=None)).eval()
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=positions, pad_token_id=pad_token_id,
+                                      eos_token_id=1, bos_token_id=bos_token_id)).eval()
 
 
 def mixed_rollout(model, temperature, G=4, T=20, prompts=PROMPTS):
@@ -178,14 +179,9 @@ def sgd_update(model, roll: Rollout, advantages: torch.Tensor, **flags):
 
 
 def tiny_gpt2_sampler():
-    """Absolute learned positions: a position counted from the wrong origin changes the logits (RoPE
-    hides a
-    constant offset within a row)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(2)
-    cfg = GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
-                     eos_token_id=1)
-    return GPT2LMHeadModel(cfg).eval()
+    """tiny_gpt2 as the sampler's tests build it (48 ids, 128 positions): a position counted from
+    the wrong origin changes the logits (RoPE hides a constant offset within a row)."""
+    return tiny_gpt2(48, seed=2, positions=128, pad_token_id=None, bos_token_id=0)
 
 
 MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 3], [4], [13, 14, 15, 16, 17], [18, 19]]
